@@ -1,0 +1,147 @@
+"""
+Node commands (protocol 4): maintenance, drain/resume, profile, inventory refresh, diagnostics,
+and the refusals (C{host_op}, system updates).
+
+Maintenance and draining are persisted in the state file, survive restarts and show in the
+heartbeat status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from twisted.logger import Logger
+
+from llmport_agent.commands.base import (
+    INVALID_COMMAND,
+    POLICY_VIOLATION,
+    CommandContext,
+    CommandFailed,
+    HandlerSpec,
+)
+from llmport_agent.state import StateStore
+
+log = Logger()
+
+
+class PersistentModes:
+    """Maintenance/draining flags and the node profile, kept in the state file."""
+
+    def __init__(self, state: StateStore, on_change: Callable[[], None] | None = None) -> None:
+        self.state = state
+        self.on_change = on_change
+
+    @property
+    def maintenance(self) -> bool:
+        return bool(self.state.get("maintenance", False))
+
+    @property
+    def draining(self) -> bool:
+        return bool(self.state.get("draining", False))
+
+    @property
+    def profile(self) -> dict[str, Any] | None:
+        p = self.state.get("profile")
+        return p if isinstance(p, dict) else None
+
+    def status(self, degraded: bool = False) -> str:
+        """The heartbeat status: maintenance, draining, degraded or healthy."""
+        if self.maintenance:
+            return "maintenance"
+        if self.draining:
+            return "draining"
+        return "degraded" if degraded else "healthy"
+
+    async def set(self, **flags: Any) -> None:
+        await self.state.update(**flags)
+        if self.on_change is not None:
+            self.on_change()
+
+
+def parse_enabled(value: Any) -> bool:
+    """C{enabled} of set_maintenance_mode: true/false, or the strings true/false/1/0."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "false", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise CommandFailed(
+        INVALID_COMMAND,
+        f"field 'payload.enabled' must be true or false (or \"true\"/\"false\"/\"1\"/\"0\"); got {str(value)[:40]!r}",
+    )
+
+
+def node_handler_specs(
+    modes: PersistentModes,
+    refresh_inventory: Callable[[], Awaitable[bool]],
+    diagnostics: Callable[[], Awaitable[dict[str, Any]]],
+) -> dict[str, HandlerSpec]:
+    async def set_maintenance_mode(ctx: CommandContext) -> dict[str, Any]:
+        if "enabled" not in ctx.command.payload:
+            raise CommandFailed(INVALID_COMMAND, "field 'payload.enabled' is missing")
+        enabled = parse_enabled(ctx.command.payload["enabled"])
+        await modes.set(maintenance=enabled)
+        log.info("Maintenance mode {state}", state="on" if enabled else "off")
+        return {"maintenance_mode": enabled}
+
+    async def drain_node(ctx: CommandContext) -> dict[str, Any]:
+        await modes.set(draining=True)
+        log.info("Node draining: new deploys are refused")
+        return {"draining": True}
+
+    async def resume_node(ctx: CommandContext) -> dict[str, Any]:
+        await modes.set(draining=False)
+        log.info("Node resumed")
+        return {"draining": False}
+
+    async def sync_node_profile(ctx: CommandContext) -> dict[str, Any]:
+        payload = ctx.command.payload
+        profile = payload.get("profile", payload) if isinstance(payload.get("profile"), dict) else payload
+        if not isinstance(profile, dict) or not profile:
+            raise CommandFailed(INVALID_COMMAND, "the payload holds no profile object")
+        for key in ("id", "name"):
+            if key in profile and profile[key] is not None and not isinstance(profile[key], str):
+                raise CommandFailed(INVALID_COMMAND, f"field 'profile.{key}' must be a string")
+        await modes.set(profile=profile)
+        return {"profile_id": str(profile.get("id") or ""), "profile_name": str(profile.get("name") or "")}
+
+    async def refresh(ctx: CommandContext) -> dict[str, Any]:
+        sent = await refresh_inventory()
+        if not sent:
+            raise CommandFailed(
+                "inventory_unavailable",
+                "The inventory could not be collected or sent; see the agent's log on the node.",
+            )
+        return {"inventory_sent": True}
+
+    async def collect(ctx: CommandContext) -> dict[str, Any]:
+        return await diagnostics()
+
+    async def host_op(ctx: CommandContext) -> dict[str, Any]:
+        raise CommandFailed(
+            POLICY_VIOLATION,
+            "host_op is refused: this agent defines no host operations, so none can be run remotely.",
+        )
+
+    async def system_updates(ctx: CommandContext) -> dict[str, Any]:
+        raise CommandFailed(
+            "unsupported",
+            f"{ctx.command.command_type} is not supported by llmport-agent: the node's operator "
+            "manages OS and firmware updates.",
+        )
+
+    node = dict(lane="node", idempotent=True)
+    return {
+        "set_maintenance_mode": HandlerSpec(set_maintenance_mode, deadline=30, **node),  # type: ignore[arg-type]
+        "drain_node": HandlerSpec(drain_node, deadline=30, **node),  # type: ignore[arg-type]
+        "resume_node": HandlerSpec(resume_node, deadline=30, **node),  # type: ignore[arg-type]
+        "sync_node_profile": HandlerSpec(sync_node_profile, deadline=30, **node),  # type: ignore[arg-type]
+        "refresh_inventory": HandlerSpec(refresh, lane="read", idempotent=True, deadline=60),
+        "collect_diagnostics": HandlerSpec(collect, lane="read", idempotent=True, deadline=60,
+                                           keep_result=False),
+        "host_op": HandlerSpec(host_op, lane="read", idempotent=True, deadline=10),
+        "check_system_updates": HandlerSpec(system_updates, lane="read", idempotent=True, deadline=10),
+        "apply_system_updates": HandlerSpec(system_updates, lane="read", idempotent=True, deadline=10),
+    }

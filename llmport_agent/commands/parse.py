@@ -1,0 +1,107 @@
+"""
+Turning inbound command objects into L{Command}s, defensively, and verifying signatures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from datetime import UTC
+from typing import Any
+
+from attrs import frozen
+
+from llmport_agent.commands.base import Command, is_uuid
+
+
+@frozen
+class Malformed:
+    """A command object that cannot run. C{command_id} is set when there is an id to answer to."""
+
+    command_id: str | None
+    message: str
+    correlation_id: str | None = None
+
+
+def parse_command(obj: Any) -> Command | Malformed:
+    """Validate the shape of one command object (protocol 3.1)."""
+    if not isinstance(obj, dict):
+        return Malformed(None, f"command is not a JSON object (got {type(obj).__name__})")
+    cid = obj.get("id")
+    if cid is None:
+        return Malformed(None, "command has no 'id'")
+    if not is_uuid(cid):
+        return Malformed(None, f"command 'id' is not a UUID string: {str(cid)[:64]!r}")
+    corr = obj.get("correlation_id")
+    corr = corr if isinstance(corr, str) and corr else None
+
+    def bad(message: str) -> Malformed:
+        return Malformed(cid, message, corr)
+
+    ctype = obj.get("command_type")
+    if ctype is None:
+        return bad("field 'command_type' is missing")
+    if not isinstance(ctype, str) or not ctype.strip():
+        return bad(f"field 'command_type' must be a non-empty string (got {type(ctype).__name__})")
+    if len(ctype) > 128:
+        return bad("field 'command_type' is longer than 128 characters")
+    payload = obj.get("payload", {})
+    if payload is None:
+        payload = {}
+    if not isinstance(payload, dict):
+        return bad(f"field 'payload' must be an object (got {type(payload).__name__})")
+    timeout = obj.get("timeout_sec")
+    if timeout is not None and (not isinstance(timeout, int) or isinstance(timeout, bool)):
+        return bad(f"field 'timeout_sec' must be an integer or null (got {type(timeout).__name__})")
+    idem = obj.get("idempotency_key")
+    if idem is not None and not isinstance(idem, str):
+        return bad("field 'idempotency_key' must be a string")
+    issued = obj.get("issued_at")
+    if issued is not None and not isinstance(issued, str):
+        return bad("field 'issued_at' must be an ISO 8601 string")
+    rid = payload.get("runtime_id")
+    if rid is not None and not isinstance(rid, str):
+        return bad("field 'payload.runtime_id' must be a string")
+    return Command(
+        id=cid,
+        command_type=ctype,
+        payload=payload,
+        correlation_id=corr,
+        idempotency_key=idem,
+        timeout_sec=timeout,
+        issued_at=issued,
+        raw=obj,
+    )
+
+
+def signing_key(credential: str) -> bytes:
+    return hmac.new(credential.encode("utf-8"), b"command-signing", hashlib.sha256).digest()
+
+
+def signature_for(command: dict[str, Any], credential: str) -> str:
+    """The signature protocol 3.1 describes, over the command without its C{signature}."""
+    body = {k: v for k, v in command.items() if k != "signature"}
+    data = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return hmac.new(signing_key(credential), data, hashlib.sha256).hexdigest()
+
+
+def signature_ok(command: dict[str, Any], credential: str) -> bool:
+    sig = command.get("signature")
+    if not isinstance(sig, str):
+        return False
+    return hmac.compare_digest(sig.lower(), signature_for(command, credential))
+
+
+def parse_iso8601(value: str) -> float | None:
+    from datetime import datetime
+
+    try:
+        text = value.replace("Z", "+00:00")
+        dt = datetime.fromisoformat(text)
+    except (ValueError, AttributeError):
+        return None
+    if dt.tzinfo is None:
+
+        dt = dt.replace(tzinfo=UTC)
+    return dt.timestamp()

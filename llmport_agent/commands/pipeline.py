@@ -1,0 +1,549 @@
+"""
+The command pipeline: receipt, journal, de-duplication, ack, lanes, deadlines, results, delivery.
+
+Rules (the README repeats them for operators):
+
+ 1. A command is written to the journal (durably) before it is acked; de-duplication is by id
+    over everything in the journal, running or finished.
+ 2. Ack at once; progress while running; exactly one result. No ack or progress for a command
+    once its result exists.
+ 3. A result is written to the journal before it is sent, and stays "undelivered" until a
+    WebSocket ping sent after it is answered. Undelivered results are sent again right after
+    the next connect, before anything else about that command.
+ 4. At start, commands without a result are resolved: re-run when their type is idempotent,
+    otherwise failed with C{agent_restarted}.
+ 5. Lanes: C{runtime} commands for the same runtime id run one at a time in arrival order;
+    C{node} commands run one at a time in arrival order; C{read} commands never wait behind them.
+    At most C{max_concurrent} runtime/node commands run at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.defer import (
+    CancelledError,
+    Deferred,
+    DeferredLock,
+    DeferredSemaphore,
+    TimeoutError,
+    succeed,
+)
+from twisted.logger import Logger
+
+from llmport_agent.commands.base import (
+    AGENT_RESTARTED,
+    COMMAND_EXPIRED,
+    INTERNAL_ERROR,
+    INVALID_COMMAND,
+    POLICY_VIOLATION,
+    SIGNATURE_INVALID,
+    TIMED_OUT,
+    Command,
+    CommandFailed,
+    HandlerSpec,
+)
+from llmport_agent.commands.journal import (
+    DELIVERED,
+    FINISHED,
+    RECEIVED,
+    RUNNING,
+    CommandJournal,
+    JournalRecord,
+)
+from llmport_agent.commands.parse import Malformed, parse_command, parse_iso8601, signature_ok
+from llmport_agent.session.protocol import ConnectionGone
+
+READ_CONCURRENCY = 16
+
+
+class NodeModes:
+    """What the pipeline needs to know about node modes (maintenance, draining)."""
+
+    maintenance: bool
+    draining: bool
+
+
+class _Context:
+    """The L{CommandContext} given to handlers."""
+
+    def __init__(self, pipeline: CommandPipeline, command: Command, rec: JournalRecord) -> None:
+        self.command = command
+        self.reactor = pipeline.reactor
+        self._pipeline = pipeline
+        self._rec = rec
+
+    def progress(self, phase: str, message: str, **extra: Any) -> None:
+        self._pipeline.send_progress(self._rec, phase, message, extra)
+
+    def emit_event(
+        self,
+        event_type: str,
+        payload: Mapping[str, Any],
+        severity: str = "info",
+        correlation_id: str | None = None,
+    ) -> None:
+        self._pipeline.outbox.emit(
+            event_type, payload, severity, correlation_id or self.command.reply_correlation_id
+        )
+
+
+class CommandPipeline(Service):
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        session: Any,
+        journal: CommandJournal,
+        registry: Mapping[str, HandlerSpec],
+        modes: NodeModes,
+        outbox: Any,
+        *,
+        credential: Callable[[], str],
+        max_concurrent: int = 8,
+        max_age: float = 0.0,
+        deadlines: Mapping[str, float] | None = None,
+        wallclock: Callable[[], float] = time.time,
+    ) -> None:
+        self.setName("commands")
+        self.reactor = reactor
+        self.session = session
+        self.journal = journal
+        self.registry = dict(registry)
+        self.modes = modes
+        self.outbox = outbox
+        self._credential = credential
+        self.max_age = max_age
+        self.deadlines = dict(deadlines or {})
+        self._wallclock = wallclock
+        self._global = DeferredSemaphore(max_concurrent)
+        self._reads = DeferredSemaphore(READ_CONCURRENCY)
+        self._locks: dict[str, DeferredLock] = {}
+        self._running: dict[str, Deferred[Any]] = {}
+        self._tasks: set[Deferred[Any]] = set()
+        self._delivering: set[str] = set()
+        self._receiving: set[str] = set()
+        self._stopping = False
+        self._unknown_frame_types: set[str] = set()
+        self.stats = {"received": 0, "duplicates": 0, "malformed": 0, "succeeded": 0, "failed": 0,
+                      "timed_out": 0, "results_resent": 0}
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        self._stopping = False
+        self.recover()
+
+    def recover(self) -> None:
+        """Resolve commands left without a result by the previous run of the agent."""
+        for rec in self.journal.unfinished():
+            raw = rec.command
+            parsed = parse_command(raw) if raw is not None else None
+            spec = self.registry.get(rec.command_type)
+            if isinstance(parsed, Command) and spec is not None and spec.idempotent:
+                self.log.info(
+                    "Re-running command {id} ({type}) interrupted by the last agent stop",
+                    id=rec.id,
+                    type=rec.command_type,
+                )
+                self._track(Deferred.fromCoroutine(self._run(rec, parsed, resumed=True)))
+            else:
+                self.log.warn(
+                    "Command {id} ({type}) was interrupted by the last agent stop and is not safe "
+                    "to repeat; reporting it as failed",
+                    id=rec.id,
+                    type=rec.command_type,
+                )
+                self._track(
+                    Deferred.fromCoroutine(
+                        self._finish(
+                            rec,
+                            False,
+                            {},
+                            AGENT_RESTARTED,
+                            f"The agent restarted (stop, crash or power loss) while this "
+                            f"{rec.command_type or 'command'} was in progress. It was not re-run "
+                            "because it is not safe to repeat: check the runtime's state and "
+                            "issue the command again if needed.",
+                        )
+                    )
+                )
+
+    def stopService(self) -> Deferred[None]:
+        """Cancel running handlers; their commands stay unfinished and are resolved next start."""
+        super().stopService()
+        self._stopping = True
+        for d in list(self._running.values()):
+            d.cancel()
+        pending = list(self._tasks)
+        if not pending:
+            return succeed(None)
+        from twisted.internet.defer import DeferredList
+
+        done: Deferred[Any] = DeferredList(pending, consumeErrors=True)
+        done.addTimeout(5, self.reactor)
+        return done.addBoth(lambda _: None)
+
+    def _track(self, d: Deferred[Any]) -> None:
+        self._tasks.add(d)
+
+        def done(result: Any) -> None:
+            self._tasks.discard(d)
+            if hasattr(result, "trap"):
+                self.log.failure("Command task failed", failure=result)
+
+        d.addBoth(done)
+
+    # -- session listener ------------------------------------------------------------------
+
+    def session_opened(self) -> None:
+        # Results in doubt first, then acks the backend may not have seen.
+        for rec in self.journal.undelivered():
+            self.stats["results_resent"] += 1
+            self._send_result(rec)
+        for rec in self.journal.unfinished():
+            if not rec.acked and rec.id not in self._receiving:
+                self._send_ack(rec)
+
+    def session_closed(self) -> None:
+        self._delivering.clear()
+
+    def frame_received(self, frame: dict[str, Any]) -> None:
+        kind = frame.get("type")
+        if kind == "hello_ack":
+            items = frame.get("commands", [])
+        elif kind == "commands":
+            items = frame.get("items", [])
+        elif kind == "command":
+            items = [frame.get("command")]
+        else:
+            key = str(kind)[:64]
+            if key not in self._unknown_frame_types:
+                self._unknown_frame_types.add(key)
+                self.log.warn("Ignored a frame of unknown type {type!r} from the backend", type=key)
+            return
+        if items is None:
+            return
+        if not isinstance(items, list):
+            self.log.warn(
+                "Ignored a {type} frame whose command list is not a list ({kind})",
+                type=kind,
+                kind=type(items).__name__,
+            )
+            return
+        for obj in items:
+            try:
+                self.receive(obj)
+            except Exception:
+                self.log.failure("Could not receive a command")
+
+    # -- receipt ---------------------------------------------------------------------------
+
+    def receive(self, obj: Any) -> None:
+        parsed = parse_command(obj)
+        cid = parsed.command_id if isinstance(parsed, Malformed) else parsed.id
+        if cid is None:
+            assert isinstance(parsed, Malformed)
+            self.stats["malformed"] += 1
+            self.log.warn("Ignored a command with no usable id: {problem}", problem=parsed.message)
+            return
+        if cid in self._receiving:
+            self.stats["duplicates"] += 1
+            return
+        known = self.journal.get(cid)
+        if known is not None:
+            self.stats["duplicates"] += 1
+            # Still listed by the backend: it has not seen our ack (or result) yet.
+            if known.state == FINISHED:
+                self._send_result(known)
+            elif not known.finished and not known.acked:
+                self._send_ack(known)
+            return
+        self.stats["received"] += 1
+        if isinstance(parsed, Malformed):
+            self.stats["malformed"] += 1
+            ctype = obj.get("command_type") if isinstance(obj, dict) else None
+            rec = JournalRecord(
+                id=cid,
+                command_type=ctype if isinstance(ctype, str) else "",
+                correlation_id=parsed.correlation_id,
+                received_at=self._wallclock(),
+            )
+            self.log.warn("Rejected command {id}: {problem}", id=cid, problem=parsed.message)
+            self._track(Deferred.fromCoroutine(self._reject(rec, INVALID_COMMAND, parsed.message)))
+            return
+        rec = JournalRecord(
+            id=cid,
+            command_type=parsed.command_type,
+            runtime_id=parsed.runtime_id,
+            correlation_id=parsed.correlation_id,
+            received_at=self._wallclock(),
+            command=parsed.raw,
+        )
+        self._track(Deferred.fromCoroutine(self._accept(rec, parsed)))
+
+    async def _reject(self, rec: JournalRecord, code: str, message: str) -> None:
+        self._receiving.add(rec.id)
+        try:
+            await self.journal.add(rec)
+        finally:
+            self._receiving.discard(rec.id)
+        self._send_ack(rec)
+        await self._finish(rec, False, {}, code, message)
+
+    async def _accept(self, rec: JournalRecord, command: Command) -> None:
+        self._receiving.add(rec.id)
+        try:
+            await self.journal.add(rec)
+        finally:
+            self._receiving.discard(rec.id)
+        self._send_ack(rec)
+        await self._run(rec, command)
+
+    # -- execution -------------------------------------------------------------------------
+
+    def _refusal(self, command: Command, spec: HandlerSpec | None) -> tuple[str, str] | None:
+        if "signature" in command.raw and not signature_ok(command.raw, self._credential()):
+            return SIGNATURE_INVALID, "The command's signature does not match; it was not run."
+        if spec is None:
+            return INVALID_COMMAND, f"unsupported command type: {command.command_type}"
+        if self.max_age > 0 and command.issued_at:
+            issued = parse_iso8601(command.issued_at)
+            if issued is not None and self._wallclock() - issued > self.max_age:
+                return COMMAND_EXPIRED, (
+                    f"The command was issued {int(self._wallclock() - issued)} s ago, longer than "
+                    f"this node's LLM_PORT_NODE_AGENT_COMMAND_MAX_AGE_SEC ({self.max_age:g} s); "
+                    "issue it again."
+                )
+        if spec.blocked_by_maintenance and self.modes.maintenance:
+            return POLICY_VIOLATION, (
+                f"This node is in maintenance mode: {command.command_type} is not allowed. "
+                "Turn maintenance mode off (set_maintenance_mode enabled=false) first."
+            )
+        if spec.blocked_by_draining and self.modes.draining:
+            return POLICY_VIOLATION, (
+                f"This node is draining: {command.command_type} is not allowed. "
+                "Resume the node (resume_node) first."
+            )
+        return None
+
+    def _lane_key(self, command: Command, spec: HandlerSpec) -> str | None:
+        if spec.lane == "read":
+            return None
+        if spec.lane == "node":
+            return "node"
+        return "runtime:" + (command.runtime_id or command.id)
+
+    async def _run(self, rec: JournalRecord, command: Command, resumed: bool = False) -> None:
+        spec = self.registry.get(command.command_type)
+        refusal = self._refusal(command, spec)
+        if refusal is not None:
+            await self._finish(rec, False, {}, refusal[0], refusal[1])
+            return
+        assert spec is not None
+        key = self._lane_key(command, spec)
+        lock = self._locks.setdefault(key, DeferredLock()) if key is not None else None
+        semaphore = self._reads if key is None else self._global
+        if lock is not None:
+            await lock.acquire()
+        try:
+            await semaphore.acquire()
+            try:
+                if self._stopping:
+                    return
+                await self._execute(rec, command, spec, resumed)
+            finally:
+                semaphore.release()
+        finally:
+            if lock is not None:
+                lock.release()
+                if key is not None and not lock.locked and not lock.waiting:
+                    self._locks.pop(key, None)
+
+    async def _execute(
+        self, rec: JournalRecord, command: Command, spec: HandlerSpec, resumed: bool
+    ) -> None:
+        rec.state = RUNNING
+        self.journal.update(rec.id, state=RUNNING)
+        ctx = _Context(self, command, rec)
+        if resumed:
+            ctx.progress("resumed", "Re-running after an agent restart interrupted this command")
+        deadline = self.deadlines.get(command.command_type, spec.deadline)
+        started = self.reactor.seconds()
+        d: Deferred[dict[str, Any]] = Deferred.fromCoroutine(_call(spec, ctx))
+        timed_out = []
+
+        def on_timeout(result: Any, timeout: float) -> Any:
+            timed_out.append(True)
+            return result
+
+        d.addTimeout(deadline, self.reactor, onTimeoutCancel=on_timeout)
+        self._running[rec.id] = d
+        try:
+            result = await d
+        except (TimeoutError, CancelledError):
+            if self._stopping and not timed_out:
+                # Left unfinished on purpose: resolved at the next start.
+                return
+            self.stats["timed_out"] += 1
+            await self._finish(
+                rec,
+                False,
+                {},
+                TIMED_OUT,
+                f"{command.command_type} did not finish within its deadline of {deadline:g} s and "
+                "was cancelled. Check the node (image size, engine health) and try again; the "
+                "deadline is set with LLM_PORT_NODE_AGENT_COMMAND_DEADLINES.",
+                started,
+            )
+            return
+        except CommandFailed as e:
+            await self._finish(rec, False, e.result, e.error_code, e.error_message, started)
+            return
+        except Exception as e:
+            self.log.failure("Command {id} ({type}) failed unexpectedly", id=rec.id,
+                             type=command.command_type)
+            await self._finish(
+                rec,
+                False,
+                {},
+                INTERNAL_ERROR,
+                f"The agent hit an internal error running {command.command_type}: "
+                f"{type(e).__name__}. See the agent's log on the node.",
+                started,
+            )
+            return
+        finally:
+            self._running.pop(rec.id, None)
+        if not isinstance(result, dict):
+            result = {"value": result}
+        await self._finish(rec, True, result, None, None, started)
+
+    # -- frames ----------------------------------------------------------------------------
+
+    def _send_ack(self, rec: JournalRecord) -> None:
+        if rec.finished:
+            return
+        frame = {
+            "type": "command_ack",
+            "command_id": rec.id,
+            "correlation_id": rec.correlation_id or rec.id,
+            "message": "received",
+        }
+        if not self.session.send(frame):
+            return
+        confirm = self.session.confirm()
+        if confirm is None:
+            return
+
+        def acked(_: object) -> None:
+            if not rec.acked:
+                rec.acked = True
+                self.journal.update(rec.id, acked=True)
+
+        confirm.addCallbacks(acked, lambda f: f.trap(ConnectionGone))
+
+    def send_progress(self, rec: JournalRecord, phase: str, message: str, extra: Mapping[str, Any]) -> None:
+        if rec.finished:
+            return
+        frame: dict[str, Any] = {
+            "type": "command_progress",
+            "command_id": rec.id,
+            "correlation_id": rec.correlation_id or rec.id,
+            "phase": str(phase),
+            "message": str(message),
+        }
+        for key, value in extra.items():
+            if key not in frame and key not in ("type", "seq"):
+                frame[key] = value
+        self.session.send(frame)
+
+    async def _finish(
+        self,
+        rec: JournalRecord,
+        success: bool,
+        result: Mapping[str, Any],
+        error_code: str | None,
+        error_message: str | None,
+        started: float | None = None,
+    ) -> None:
+        if rec.finished:
+            return
+        frame = {
+            "type": "command_result",
+            "command_id": rec.id,
+            "correlation_id": rec.correlation_id or rec.id,
+            "success": bool(success),
+            "result": dict(result),
+            "error_code": error_code,
+            "error_message": error_message,
+        }
+        rec.state = FINISHED
+        rec.result_frame = frame
+        rec.finished_at = self._wallclock()
+        rec.command = None
+        self.stats["succeeded" if success else "failed"] += 1
+        await self.journal.update(
+            rec.id, state=FINISHED, result_frame=frame, finished_at=rec.finished_at, command=None
+        )
+        duration = 0.0 if started is None else self.reactor.seconds() - started
+        payload: dict[str, Any] = {
+            "command_id": rec.id,
+            "command_type": rec.command_type,
+            "success": bool(success),
+            "duration_sec": round(duration, 3),
+        }
+        if rec.runtime_id:
+            payload["runtime_id"] = rec.runtime_id
+        if error_code:
+            payload["error_code"] = error_code
+        self.outbox.emit(
+            "command.finished", payload, "info" if success else "warning", rec.correlation_id or rec.id
+        )
+        self._send_result(rec)
+
+    def _send_result(self, rec: JournalRecord) -> None:
+        if rec.state != FINISHED or rec.result_frame is None or rec.id in self._delivering:
+            return
+        frame = dict(rec.result_frame)
+        if not self.session.send(frame):
+            return
+        confirm = self.session.confirm()
+        if confirm is None:
+            return
+        self._delivering.add(rec.id)
+
+        def delivered(_: object) -> None:
+            self._delivering.discard(rec.id)
+            if rec.state == FINISHED:
+                rec.state = DELIVERED
+                self.journal.mark_delivered(rec.id)
+
+        def lost(f: Any) -> None:
+            self._delivering.discard(rec.id)
+            f.trap(ConnectionGone)
+
+        confirm.addCallbacks(delivered, lost)
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "running": sorted(self._running),
+            "running_count": len(self._running),
+            "journal": self.journal.depth(),
+            "stats": dict(self.stats),
+            "lanes_busy": sorted(k for k in self._locks),
+        }
+
+
+async def _call(spec: HandlerSpec, ctx: _Context) -> dict[str, Any]:
+    return await spec.handler(ctx)
+
+
+__all__ = ["CommandPipeline", "NodeModes", "RECEIVED"]

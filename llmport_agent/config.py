@@ -1,0 +1,320 @@
+"""
+The agent's configuration: C{LLM_PORT_NODE_AGENT_*} variables, overridden by command-line options.
+
+One table (L{SETTINGS}) drives parsing, validation, the CLI options, C{config show} and the README.
+Bad values raise L{ConfigError} with one line naming the variable, what is wrong and the expected form.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from attrs import field, fields, frozen
+
+PREFIX = "LLM_PORT_NODE_AGENT_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. C{str()} is the one line to show the operator."""
+
+
+@frozen
+class Setting:
+    """One configuration variable."""
+
+    name: str  # without PREFIX
+    attr: str
+    default: Callable[[dict[str, Any]], Any] | Any
+    parse: Callable[[str, str], Any]
+    help: str
+    secret: bool = False
+
+    @property
+    def env(self) -> str:
+        return PREFIX + self.name
+
+    @property
+    def option(self) -> str:
+        return self.attr.replace("_", "-")
+
+
+def _str(var: str, raw: str) -> str:
+    return raw.strip()
+
+
+def _optional_str(var: str, raw: str) -> str | None:
+    raw = raw.strip()
+    return raw or None
+
+
+def _number(minimum: float, integer: bool = False) -> Callable[[str, str], float]:
+    def parse(var: str, raw: str) -> float:
+        kind = "an integer" if integer else "a number"
+        try:
+            value = int(raw.strip()) if integer else float(raw.strip())
+        except ValueError:
+            raise ConfigError(
+                f"{var}={raw!r} is not {kind}; expected {kind} >= {minimum:g}"
+            ) from None
+        if value != value or value < minimum:  # NaN or too small
+            raise ConfigError(f"{var}={raw!r} is below its minimum; expected {kind} >= {minimum:g}")
+        return value
+
+    return parse
+
+
+def _bool(var: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in {"1", "true", "yes", "y", "on"}:
+        return True
+    if value in {"0", "false", "no", "n", "off"}:
+        return False
+    raise ConfigError(f"{var}={raw!r} is not a boolean; expected true or false")
+
+
+def _http_url(var: str, raw: str) -> str:
+    value = raw.strip().rstrip("/")
+    parts = urlsplit(value)
+    if parts.scheme not in {"http", "https"} or not parts.hostname:
+        raise ConfigError(
+            f"{var}={raw!r} is not an http(s) URL; expected http://host[:port][/base] or https://..."
+        )
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{var}={raw!r} has a query or fragment; expected http(s)://host[:port][/base]")
+    try:
+        parts.port  # noqa: B018 - validates the port
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} has an invalid port; expected 1-65535") from None
+    return value
+
+
+def _optional_http_url(var: str, raw: str) -> str | None:
+    return _http_url(var, raw) if raw.strip() else None
+
+
+def _scheme(var: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in {"http", "https"}:
+        raise ConfigError(f"{var}={raw!r} is not allowed; expected http or https")
+    return value
+
+
+def _log_level(var: str, raw: str) -> str:
+    value = raw.strip().upper()
+    if value == "WARNING":
+        value = "WARN"
+    if value not in {"DEBUG", "INFO", "WARN", "ERROR", "CRITICAL"}:
+        raise ConfigError(f"{var}={raw!r} is not a log level; expected DEBUG, INFO, WARNING or ERROR")
+    return value
+
+
+def _ca_file(var: str, raw: str) -> str | None:
+    value = raw.strip()
+    if not value:
+        return None
+    if not os.path.isfile(value):
+        raise ConfigError(f"{var}={raw!r}: no such file; expected the path of a PEM file of CA certificates")
+    try:
+        with open(value, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ConfigError(f"{var}={raw!r} cannot be read ({e.strerror}); expected a readable PEM file") from None
+    if b"-----BEGIN CERTIFICATE-----" not in data:
+        raise ConfigError(f"{var}={raw!r} holds no PEM certificate; expected a PEM file of CA certificates")
+    return value
+
+
+def _csv(var: str, raw: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+def _agent_id(var: str, raw: str) -> str:
+    value = raw.strip()
+    if not value or len(value) > 128:
+        raise ConfigError(f"{var}={raw!r} is empty or too long; expected 1-128 characters")
+    return value
+
+
+def _hostname(_: dict[str, Any]) -> str:
+    return socket.gethostname()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("BACKEND_URL", "backend_url", "http://127.0.0.1:8000", _http_url,
+            "Base URL of the llm-port backend (may carry a base path)."),
+    Setting("AGENT_ID", "agent_id", _hostname, _agent_id,
+            "Stable node identity (<= 128 characters)."),
+    Setting("HOST", "host", _hostname, _str,
+            "This node's host name or address, sent at enrollment."),
+    Setting("ADVERTISE_HOST", "advertise_host", lambda v: v["host"], _str,
+            "Host put in heartbeats and workload endpoint URLs."),
+    Setting("ADVERTISE_SCHEME", "advertise_scheme", "http", _scheme,
+            "Scheme of workload endpoint URLs (http or https)."),
+    Setting("ENROLLMENT_TOKEN", "enrollment_token", None, _optional_str,
+            "One-time enrollment token (used only while no credential is stored).", secret=True),
+    Setting("STATE_PATH", "state_path", "/var/lib/llmport-agent/state.json", _str,
+            "Where the credential and node state are kept (mode 0600)."),
+    Setting("HEARTBEAT_INTERVAL_SEC", "heartbeat_interval_sec", 15.0, _number(1),
+            "Seconds between heartbeats (must stay well under the backend's 120 s idle timeout)."),
+    Setting("INVENTORY_INTERVAL_SEC", "inventory_interval_sec", 60.0, _number(5),
+            "Seconds between inventory reports (each is one database row in the backend)."),
+    Setting("RECONNECT_MIN_SEC", "reconnect_min_sec", 2.0, _number(0.1),
+            "Smallest delay before reconnecting."),
+    Setting("RECONNECT_MAX_SEC", "reconnect_max_sec", 30.0, _number(0.1),
+            "Largest delay before reconnecting."),
+    Setting("REQUEST_TIMEOUT_SEC", "request_timeout_sec", 20.0, _number(1),
+            "Timeout of HTTP requests to the backend (enroll, rotate)."),
+    Setting("VERIFY_TLS", "verify_tls", True, _bool,
+            "Verify the backend's TLS certificate and host name."),
+    Setting("CA_BUNDLE", "ca_bundle", None, _ca_file,
+            "PEM file of CA certificates trusted for the backend (instead of the system store)."),
+    Setting("LOG_LEVEL", "log_level", "INFO", _log_level,
+            "DEBUG, INFO, WARNING or ERROR."),
+    Setting("COMMAND_POLL_INTERVAL_SEC", "command_poll_interval_sec", 2.0, _number(0.5),
+            "Seconds between small poll frames (the backend sends commands only in reply to a frame)."),
+    Setting("MAX_CONCURRENT_COMMANDS", "max_concurrent_commands", 8, _number(1, integer=True),
+            "Commands executed at the same time."),
+    Setting("COMMAND_MAX_AGE_SEC", "command_max_age_sec", 0.0, _number(0),
+            "Refuse commands issued longer ago than this (0 = never; the default)."),
+    Setting("COMMAND_DEADLINES", "command_deadlines", (), lambda var, raw: _deadlines(var, raw),
+            "Per-type deadlines overriding the built-in ones, e.g. deploy_workload=7200,fetch_container_logs=20."),
+    Setting("LOKI_URL", "loki_url", None, _optional_http_url,
+            "Loki base URL for log shipping (unset = no shipping)."),
+    Setting("LOG_BATCH_SIZE", "log_batch_size", 100, _number(1, integer=True),
+            "Log lines per Loki push."),
+    Setting("LOG_FLUSH_INTERVAL_SEC", "log_flush_interval_sec", 5.0, _number(0.1),
+            "Seconds between Loki pushes."),
+    Setting("MODEL_STORE", "model_store", "/srv/llm-port/models", _str,
+            "Directory of the HuggingFace model cache shared with workloads."),
+    Setting("IMAGE_ALLOWLIST", "image_allowlist", (), _csv,
+            "Comma-separated image prefixes allowed to run (empty = any)."),
+    Setting("WORKLOAD_NETWORK", "workload_network", "bridge",
+            lambda var, raw: _choice(var, raw, ("bridge", "host")),
+            "How workloads are networked: bridge (published ports) or host."),
+    Setting("OPS_PORT", "ops_port", 9464, _number(0, integer=True),
+            "Loopback port of the ops endpoint (/healthz, /readyz, /metrics); 0 = off."),
+)
+
+
+def _deadlines(var: str, raw: str) -> tuple[tuple[str, float], ...]:
+    out: list[tuple[str, float]] = []
+    for part in raw.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not sep or not name.strip() or seconds < 1:
+            raise ConfigError(
+                f"{var}: {part!r} is not valid; expected command_type=seconds pairs (seconds >= 1), "
+                "comma-separated"
+            )
+        out.append((name.strip(), seconds))
+    return tuple(out)
+
+
+def _choice(var: str, raw: str, choices: tuple[str, ...]) -> str:
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{var}={raw!r} is not allowed; expected one of {', '.join(choices)}")
+    return value
+
+
+@frozen
+class AgentConfig:
+    """The resolved configuration. Build it with L{load_config}."""
+
+    backend_url: str
+    agent_id: str
+    host: str
+    advertise_host: str
+    advertise_scheme: str
+    enrollment_token: str | None = field(repr=False)
+    state_path: str
+    heartbeat_interval_sec: float
+    inventory_interval_sec: float
+    reconnect_min_sec: float
+    reconnect_max_sec: float
+    request_timeout_sec: float
+    verify_tls: bool
+    ca_bundle: str | None
+    log_level: str
+    command_poll_interval_sec: float
+    max_concurrent_commands: int
+    command_max_age_sec: float
+    command_deadlines: tuple[tuple[str, float], ...]
+    loki_url: str | None
+    log_batch_size: int
+    log_flush_interval_sec: float
+    model_store: str
+    image_allowlist: tuple[str, ...]
+    workload_network: str
+    ops_port: int
+
+    @property
+    def state_dir(self) -> str:
+        return os.path.dirname(os.path.abspath(self.state_path))
+
+    def masked(self) -> dict[str, Any]:
+        """The configuration as C{{ENV_NAME: value}}, secrets masked, for display and diagnostics."""
+        out: dict[str, Any] = {}
+        for s in SETTINGS:
+            value = getattr(self, s.attr)
+            if s.secret:
+                value = mask(value)
+            elif isinstance(value, tuple):
+                value = ",".join(v if isinstance(v, str) else f"{v[0]}={v[1]:g}" for v in value)
+            out[s.env] = value
+        return out
+
+
+def mask(value: str | None) -> str:
+    """Show that a secret is set without showing it."""
+    if not value:
+        return "(unset)"
+    return "***" + f" ({len(value)} chars)"
+
+
+def load_config(
+    environ: Mapping[str, str] | None = None, overrides: Mapping[str, str | None] | None = None
+) -> AgentConfig:
+    """
+    Resolve the configuration: defaults, then the environment, then C{overrides} (command-line
+    options keyed by attribute name; None means not given).
+
+    @raise ConfigError: one line naming the variable, what is wrong and the expected form.
+    """
+    env = os.environ if environ is None else environ
+    overrides = overrides or {}
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        given = overrides.get(s.attr)
+        if given is not None:
+            values[s.attr] = s.parse(f"--{s.option}", str(given))
+        elif s.env in env:
+            values[s.attr] = s.parse(s.env, env[s.env])
+        else:
+            values[s.attr] = s.default(values) if callable(s.default) else s.default
+    if not values["advertise_host"]:
+        values["advertise_host"] = values["host"]
+    if values["reconnect_min_sec"] > values["reconnect_max_sec"]:
+        raise ConfigError(
+            f"{PREFIX}RECONNECT_MIN_SEC={values['reconnect_min_sec']:g} is above "
+            f"{PREFIX}RECONNECT_MAX_SEC={values['reconnect_max_sec']:g}; expected min <= max"
+        )
+    if values["heartbeat_interval_sec"] > 60:
+        raise ConfigError(
+            f"{PREFIX}HEARTBEAT_INTERVAL_SEC={values['heartbeat_interval_sec']:g} is too long: the "
+            "backend closes a silent connection after 120 s; expected 1-60"
+        )
+    if values["ops_port"] > 65535:
+        raise ConfigError(f"{PREFIX}OPS_PORT={values['ops_port']} is not a port; expected 0-65535")
+    names = {f.name for f in fields(AgentConfig)}
+    return AgentConfig(**{k: v for k, v in values.items() if k in names})

@@ -1,0 +1,227 @@
+"""
+The event outbox: events for C{event_batch} frames, on disk until the backend has them.
+
+Events are appended to C{<state dir>/events.jsonl} (group commit, off the reactor) and sent in
+frames of at most 100 while connected, within about a second of being emitted. A batch is removed
+only once its delivery is confirmed (see L{SessionService.confirm}); a batch cut off by a
+disconnect is sent again after the next connect. The outbox is bounded: beyond C{capacity} the
+oldest events are dropped and every drop is counted (visible in diagnostics).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from llmport_agent.storage import GroupCommitLog, ensure_private_dir, read_json_lines
+from llmport_agent.threads import BlockingRunner
+
+BATCH_MAX = 100
+SEVERITIES = ("info", "warning", "error")
+
+
+def iso_now(wallclock: Callable[[], float] = time.time) -> str:
+    t = wallclock()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+
+
+def make_event(
+    event_type: str,
+    payload: Mapping[str, Any],
+    severity: str = "info",
+    correlation_id: str | None = None,
+    wallclock: Callable[[], float] = time.time,
+) -> dict[str, Any]:
+    """An event object within the backend's field limits (protocol 6)."""
+    if severity not in SEVERITIES:
+        severity = "info"
+    return {
+        "event_type": str(event_type)[:128],
+        "severity": severity,
+        "correlation_id": (str(correlation_id)[:128] if correlation_id else None),
+        "payload": dict(payload),
+        "ts": iso_now(wallclock),
+    }
+
+
+class Sender:
+    """What the outbox needs from the session."""
+
+    connected: bool
+
+    def send(self, frame: dict[str, Any]) -> bool: ...  # pragma: no cover
+    def confirm(self) -> Deferred[None] | None: ...  # pragma: no cover
+
+
+class EventOutbox(Service):
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        runner: BlockingRunner,
+        path: str,
+        session: Any,
+        *,
+        capacity: int = 10000,
+        flush_interval: float = 0.5,
+        wallclock: Callable[[], float] = time.time,
+    ) -> None:
+        self.setName("events")
+        self._reactor = reactor
+        self._runner = runner
+        self.path = path
+        self.session = session
+        self.capacity = capacity
+        self.flush_interval = flush_interval
+        self._wallclock = wallclock
+        self._queue: deque[tuple[int, dict[str, Any]]] = deque()
+        self._next = 1
+        self._inflight: list[int] = []
+        self.dropped = 0
+        self.sent = 0
+        self._log: GroupCommitLog | None = None
+        self._loop: LoopingCall | None = None
+        self._acked_upto = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def load(self) -> Deferred[None]:
+        def read() -> tuple[list[dict[str, Any]], int]:
+            ensure_private_dir(os.path.dirname(os.path.abspath(self.path)))
+            return read_json_lines(self.path)
+
+        def replay(result: tuple[list[dict[str, Any]], int]) -> Deferred[None]:
+            acked = 0
+            events: list[tuple[int, dict[str, Any]]] = []
+            for line in result[0]:
+                if "ack" in line:
+                    acked = max(acked, int(line.get("ack") or 0))
+                    self.dropped = max(self.dropped, int(line.get("dropped") or 0))
+                elif isinstance(line.get("n"), int) and isinstance(line.get("event"), dict):
+                    events.append((line["n"], line["event"]))
+            for n, event in events:
+                if n > acked:
+                    self._queue.append((n, event))
+                self._next = max(self._next, n + 1)
+            self._acked_upto = acked
+            self._trim()
+            self._log = GroupCommitLog(self._runner, self.path)
+            return self._compact()
+
+        return self._runner.run(read).addCallback(replay)
+
+    def startService(self) -> None:
+        super().startService()
+        self._loop = LoopingCall(self.flush)
+        self._loop.clock = self._reactor
+        self._loop.start(self.flush_interval, now=False)
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        self._loop = None
+        return self.drained()
+
+    def drained(self) -> Deferred[None]:
+        if self._log is None or self._log.idle:
+            return succeed(None)
+        return self._log.append({"ack": self._acked_upto, "dropped": self.dropped})
+
+    # -- API -------------------------------------------------------------------------------
+
+    def emit(
+        self,
+        event_type: str,
+        payload: Mapping[str, Any],
+        severity: str = "info",
+        correlation_id: str | None = None,
+    ) -> None:
+        """Queue an event (durably, in the background)."""
+        event = make_event(event_type, payload, severity, correlation_id, self._wallclock)
+        n = self._next
+        self._next += 1
+        self._queue.append((n, event))
+        self._trim()
+        if self._log is not None:
+            self._log.append({"n": n, "event": event}).addErrback(
+                lambda f: self.log.failure("Could not store an event", failure=f)
+            )
+        if len(self._queue) >= BATCH_MAX:
+            self.flush()
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def session_opened(self) -> None:
+        self._inflight = []
+        self.flush()
+
+    def session_closed(self) -> None:
+        self._inflight = []
+
+    def frame_received(self, frame: dict[str, Any]) -> None:
+        pass
+
+    def flush(self) -> None:
+        """Send the next batch if connected and none is awaiting confirmation."""
+        if self._inflight or not self._queue or not self.session.connected:
+            return
+        batch = [item for _, item in zip(range(BATCH_MAX), self._queue, strict=False)]
+        numbers = [n for n, _ in batch]
+        if not self.session.send({"type": "event_batch", "events": [e for _, e in batch]}):
+            return
+        self._inflight = numbers
+        confirm = self.session.confirm()
+        if confirm is None:
+            self._inflight = []
+            return
+        confirm.addCallbacks(self._delivered, self._lost, callbackArgs=(numbers,), errbackArgs=(numbers,))
+
+    def _delivered(self, _: object, numbers: list[int]) -> None:
+        if self._inflight != numbers:
+            return
+        self._inflight = []
+        upto = numbers[-1]
+        while self._queue and self._queue[0][0] <= upto:
+            self._queue.popleft()
+        self.sent += len(numbers)
+        self._acked_upto = max(self._acked_upto, upto)
+        if self._log is not None:
+            self._log.append({"ack": self._acked_upto, "dropped": self.dropped})
+            if self._log.lines_written > 4 * len(self._queue) + 5000:
+                self._compact()
+        if self._queue:
+            self.flush()
+
+    def _lost(self, f: Any, numbers: list[int]) -> None:
+        if self._inflight == numbers:
+            self._inflight = []
+
+    def _trim(self) -> None:
+        while len(self._queue) > self.capacity:
+            n, event = self._queue.popleft()
+            self.dropped += 1
+            self._acked_upto = max(self._acked_upto, n)
+            if self.dropped in (1, 10, 100) or self.dropped % 1000 == 0:
+                self.log.warn(
+                    "Event outbox full ({capacity}); dropped the oldest events ({dropped} so far)",
+                    capacity=self.capacity,
+                    dropped=self.dropped,
+                )
+
+    def _compact(self) -> Deferred[None]:
+        assert self._log is not None
+        lines: list[dict[str, Any]] = [{"ack": self._acked_upto, "dropped": self.dropped}]
+        lines += [{"n": n, "event": e} for n, e in self._queue]
+        return self._log.rewrite(lines)

@@ -1,0 +1,356 @@
+"""
+The root service: one MultiService holding everything the agent runs.
+
+Start order (dependencies first): thread pools, durable state (state file, command journal,
+event outbox), the Docker executor and health watcher, the command pipeline, heartbeat and
+inventory, the ops endpoint, and last the backend session. Stop runs in reverse: the session
+closes cleanly (WebSocket close 1000), timers stop, running commands are cancelled (their journal
+entries stay, to be resolved at the next start), files are flushed, then the pools stop.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from twisted.application.service import MultiService
+from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.logger import Logger
+
+from llmport_agent import VERSION
+from llmport_agent.backend_http import BackendHTTP
+from llmport_agent.commands.base import HandlerSpec
+from llmport_agent.commands.journal import CommandJournal
+from llmport_agent.commands.node import PersistentModes, node_handler_specs
+from llmport_agent.commands.pipeline import CommandPipeline
+from llmport_agent.config import AgentConfig
+from llmport_agent.events.outbox import EventOutbox
+from llmport_agent.reporting import HeartbeatReporter, InventoryReporter
+from llmport_agent.session.service import SessionService
+from llmport_agent.state import StateStore, resolve_state_path
+from llmport_agent.threads import PoolService
+
+START_TIME = time.time()
+
+
+def make_http_client(reactor: Any, config: AgentConfig) -> Any:
+    """A treq client for the backend with its own connection pool and TLS policy."""
+    from treq.client import HTTPClient
+    from twisted.web.client import Agent, HTTPConnectionPool
+
+    from llmport_agent.tls import https_policy
+
+    pool = HTTPConnectionPool(reactor, persistent=True)
+    pool.maxPersistentPerHost = 4
+    pool.cachedConnectionTimeout = 60
+    agent = Agent(
+        reactor,
+        contextFactory=https_policy(config.verify_tls, config.ca_bundle),
+        pool=pool,
+        connectTimeout=config.request_timeout_sec,
+    )
+    return HTTPClient(agent), pool
+
+
+class AgentService(MultiService):
+    """The whole agent."""
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        config: AgentConfig,
+        *,
+        fatal: Callable[[int, str], None] | None = None,
+        gpu_source: Any = None,
+        docker_enabled: bool = True,
+        endpoint_factory: Callable[[str, int, bool], Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.reactor = reactor
+        self.config = config
+        self._fatal_cb = fatal
+        self.exit_status: int | None = None
+        state_path, note = resolve_state_path(config.state_path)
+        self.state_note = note
+        state_dir = os.path.dirname(os.path.abspath(state_path))
+        self.io_pool = PoolService(reactor, "io", 2)
+        self.host_pool = PoolService(reactor, "host", 2)
+        self.state = StateStore(self.io_pool, state_path)
+        self.journal = CommandJournal(self.io_pool, os.path.join(state_dir, "commands.jsonl"), time.time)
+        self.http, self.http_pool = make_http_client(reactor, config)
+        self.backend = BackendHTTP(reactor, self.http, config.backend_url, config.request_timeout_sec)
+        self.modes = PersistentModes(self.state, on_change=self._modes_changed)
+
+        from llmport_agent.inventory.collector import InventoryCollector
+        from llmport_agent.inventory.gpu import NVMLGPUSource
+
+        self.engine: Any = None
+        self.workloads: Any = None
+        self.health: Any = None
+        if docker_enabled:
+            self._build_workloads(state_dir)
+        self.collector = InventoryCollector(
+            reactor,
+            self.host_pool,
+            gpu_source if gpu_source is not None else NVMLGPUSource(),
+            state_dir=state_dir,
+            model_store=config.model_store,
+            engine_facts=self._engine_facts,
+        )
+        self.session = SessionService(
+            reactor,
+            config,
+            self.state,
+            self.backend,
+            lambda: Deferred.fromCoroutine(self.collector.capabilities()),
+            self._fatal,
+            version=VERSION,
+            endpoint_factory=endpoint_factory,
+        )
+        self.outbox = EventOutbox(reactor, self.io_pool, os.path.join(state_dir, "events.jsonl"), self.session)
+        self.heartbeat = HeartbeatReporter(
+            reactor, self.session, config.heartbeat_interval_sec, self._heartbeat_fields
+        )
+        self.inventory = InventoryReporter(reactor, self.session, config.inventory_interval_sec, self.collector)
+        registry: dict[str, HandlerSpec] = {}
+        registry.update(node_handler_specs(self.modes, self._refresh_inventory, self.diagnostics))
+        if self.workloads is not None:
+            registry.update(self._workload_specs())
+        self.pipeline = CommandPipeline(
+            reactor,
+            self.session,
+            self.journal,
+            registry,
+            self.modes,
+            self.outbox,
+            credential=self.session.credential,
+            max_concurrent=config.max_concurrent_commands,
+            max_age=config.command_max_age_sec,
+            deadlines=dict(config.command_deadlines),
+        )
+        # Listener order matters on connect: heartbeat first (the node stays offline until
+        # it), then results in doubt and acks, then inventory, events and workload states.
+        self.session.subscribe(self.heartbeat)
+        self.session.subscribe(self.pipeline)
+        self.session.subscribe(self.inventory)
+        self.session.subscribe(self.outbox)
+        if self.health is not None:
+            self.session.subscribe(_Announcer(self.health))
+        self._ordered = [self.io_pool, self.host_pool]
+        if self.engine is not None:
+            self._ordered.append(self.engine)
+        self._ordered += [self.outbox, self.pipeline, self.heartbeat, self.inventory]
+        if self.health is not None:
+            self._ordered.append(self.health)
+        self._ordered.append(self.session)
+        self.ops: Any = None
+        if config.ops_port:
+            from llmport_agent.ops import OpsService
+
+            self.ops = OpsService(reactor, self, config.ops_port)
+            self._ordered.insert(len(self._ordered) - 1, self.ops)
+        self.recent_errors: list[dict[str, Any]] = []
+        self._started: Deferred[None] | None = None
+
+    # -- workloads (optional: the Docker executor) ------------------------------------------
+
+    def _build_workloads(self, state_dir: str) -> None:
+        from llmport_agent.workloads import build_workloads
+
+        self.engine, self.workloads, self.health = build_workloads(self, state_dir)
+
+    def _workload_specs(self) -> dict[str, HandlerSpec]:
+        from llmport_agent.workloads.handlers import workload_handler_specs
+
+        return workload_handler_specs(self.workloads)
+
+    def _engine_facts(self) -> dict[str, Any]:
+        if self.engine is None:
+            return {"docker_available": False, "container_runtime": "none"}
+        return dict(self.engine.facts())
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def startService(self) -> None:
+        # The children are started by _start, in order, once durable state is loaded.
+        self.running = 1
+        self._started = Deferred.fromCoroutine(self._start())
+        self._started.addErrback(self._start_failed)
+
+    def _start_failed(self, f: Any) -> None:
+        self.log.failure("The agent could not start", failure=f)
+        self._fatal(1, f"The agent could not start: {f.getErrorMessage()}")
+
+    async def _start(self) -> None:
+        if self.state_note:
+            self.log.warn("{note}", note=self.state_note)
+        for svc in self._ordered[:2]:
+            svc.setServiceParent(self)
+        await self.state.load()
+        await self.journal.load()
+        await self.outbox.load()
+        for svc in self._ordered[2:]:
+            svc.setServiceParent(self)
+        self.log.info(
+            "llmport-agent {version} started (agent id {agent_id}, backend {url}, state {path})",
+            version=VERSION,
+            agent_id=self.config.agent_id,
+            url=self.config.backend_url,
+            path=self.state.path,
+        )
+
+    def whenStarted(self) -> Deferred[None]:
+        if self._started is None:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._started.addBoth(lambda r: (d.callback(None), r)[1])
+        return d
+
+    def stopService(self) -> Deferred[None]:
+        self.running = 0
+        started = self._started if self._started is not None else succeed(None)
+        return started.addBoth(lambda _: Deferred.fromCoroutine(self._stop()))
+
+    async def _stop(self) -> None:
+        pools = (self.io_pool, self.host_pool)
+        for svc in reversed(list(self)):
+            if svc in pools or not getattr(svc, "running", False):
+                continue
+            await self._stop_one(svc)
+        await self.state.flush()
+        try:
+            await self.http_pool.closeCachedConnections()
+        except Exception:
+            self.log.failure("Closing HTTP connections failed")
+        for svc in reversed(pools):
+            if getattr(svc, "running", False):
+                await self._stop_one(svc)
+        self.log.info("llmport-agent stopped")
+
+    async def _stop_one(self, svc: Any) -> None:
+        try:
+            result = svc.stopService()
+            if isinstance(result, Deferred):
+                result.addTimeout(15, self.reactor)
+                await DeferredList([result], consumeErrors=True)
+        except Exception:
+            self.log.failure("Stopping {name} failed", name=svc.name)
+
+    def _fatal(self, status: int, message: str) -> None:
+        self.exit_status = status
+        self.log.critical("{message}", message=message)
+        if self._fatal_cb is not None:
+            self._fatal_cb(status, message)
+
+    # -- glue ------------------------------------------------------------------------------
+
+    def _heartbeat_fields(self) -> dict[str, Any]:
+        facts = self._engine_facts()
+        degraded = self.engine is not None and not facts.get("docker_available", False)
+        return {
+            "status": self.modes.status(degraded=degraded),
+            "version": VERSION,
+            "capabilities": self.collector.last_capabilities(),
+            "advertise_host": self.config.advertise_host,
+        }
+
+    def _modes_changed(self) -> None:
+        self.heartbeat.send_now()
+
+    async def _refresh_inventory(self) -> bool:
+        return bool(await self.inventory.report_now())
+
+    async def diagnostics(self) -> dict[str, Any]:
+        """The C{collect_diagnostics} result: structured, secrets masked."""
+        import attrs
+        import autobahn
+        import treq
+
+        import twisted
+
+        gpu: dict[str, Any] = {}
+        try:
+            report = await self.collector.collect()
+            g = report.inventory.get("gpu", {})
+            gpu = {
+                "count": g.get("count", 0),
+                "vendor": report.inventory.get("static_capabilities", {}).get("gpu_vendor", "none"),
+                "total_vram_bytes": g.get("total_vram_bytes", 0),
+                "free_vram_bytes": g.get("free_vram_bytes", 0),
+                "gpu_error": g.get("gpu_error", ""),
+                "devices": [
+                    {k: d.get(k) for k in ("index", "name", "memory_total_mib", "utilization_pct", "temperature_c")}
+                    for d in g.get("devices", [])
+                ],
+            }
+        except Exception as e:
+            gpu = {"error": f"{type(e).__name__}: {e}"}
+        out: dict[str, Any] = {
+            "agent": {
+                "version": VERSION,
+                "python": sys.version.split()[0],
+                "platform": platform.platform(),
+                "pid": os.getpid(),
+                "uptime_sec": round(time.time() - START_TIME, 1),
+                "libraries": {
+                    "twisted": twisted.__version__,
+                    "autobahn": autobahn.__version__,
+                    "treq": getattr(treq, "__version__", ""),
+                    "attrs": attrs.__version__,
+                },
+            },
+            "config": self.config.masked(),
+            "node": {
+                "node_id": self.session.node_id or "",
+                "agent_id": self.config.agent_id,
+                "maintenance": self.modes.maintenance,
+                "draining": self.modes.draining,
+                "profile": (self.modes.profile or {}).get("name", ""),
+                "status": self._heartbeat_fields()["status"],
+            },
+            "session": {
+                "connected": self.session.connected,
+                "session_id": self.session.session_id or "",
+                "consecutive_failures": self.session.failures.failures,
+                **self.session.stats.as_dict(),
+            },
+            "commands": self.pipeline.describe(),
+            "events": {"outbox_depth": self.outbox.depth, "dropped": self.outbox.dropped, "sent": self.outbox.sent},
+            "reports": {"heartbeats_sent": self.heartbeat.sent, "inventories_sent": self.inventory.sent,
+                        "inventory_error": self.inventory.last_error},
+            "gpu": gpu,
+            "recent_errors": list(self.recent_errors[-20:]),
+        }
+        if self.engine is not None:
+            try:
+                from llmport_agent.workloads.diagnostics import engine_diagnostics
+
+                out["engine"] = await engine_diagnostics(self.engine)
+            except Exception as e:
+                out["engine"] = {"error": f"{type(e).__name__}: {e}"}
+        return out
+
+
+class _Announcer:
+    """After every connect, report every managed workload's state (protocol 3.2, node offline)."""
+
+    log = Logger()
+
+    def __init__(self, health: Any) -> None:
+        self.health = health
+
+    def session_opened(self) -> None:
+        d = Deferred.fromCoroutine(self.health.announce_all())
+        d.addErrback(lambda f: self.log.failure("Announcing workloads failed", failure=f))
+
+    def session_closed(self) -> None:
+        pass
+
+    def frame_received(self, frame: dict[str, Any]) -> None:
+        pass

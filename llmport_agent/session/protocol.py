@@ -1,0 +1,177 @@
+"""
+The WebSocket client protocol and factory for the backend stream (protocol 3).
+
+Per connection: the C{Authorization: Bearer} header is built in C{onConnecting} from the current
+credential; C{seq} starts at 1 and strictly increases; inbound frames are parsed defensively and
+handed to the session as dicts; delivery confirmation uses WebSocket pings: a frame sent before a
+ping whose pong came back has reached the backend's WebSocket stack.
+
+Nothing here knows about commands; it moves JSON objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
+from autobahn.websocket.types import ConnectingRequest
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+
+if TYPE_CHECKING:
+    from llmport_agent.session.service import SessionService
+
+#: Frames above this size are ignored with a log line (the connection stays up).
+SOFT_MAX_FRAME = 8 * 1024 * 1024
+#: Frames above this size make Autobahn fail the connection (memory bound).
+HARD_MAX_FRAME = 32 * 1024 * 1024
+
+
+class ConnectionGone(Exception):
+    """The connection closed before a frame's delivery was confirmed."""
+
+
+def parse_http_status(status_line: str | None) -> int | None:
+    if not status_line:
+        return None
+    parts = status_line.split()
+    if len(parts) >= 2 and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+class AgentClientProtocol(WebSocketClientProtocol):
+    """One connection to the backend stream."""
+
+    log = Logger()
+    factory: AgentClientFactory
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = 0
+        self.opened_at: float | None = None
+        self._unconfirmed: list[Deferred[None]] = []
+        self._ping_waiters: dict[bytes, list[Deferred[None]]] = {}
+        self._ping_counter = 0
+        self.frames_sent = 0
+        self.frames_received = 0
+
+    # -- handshake -------------------------------------------------------------------------
+
+    def onConnecting(self, transport_details: Any) -> ConnectingRequest:
+        f = self.factory
+        headers = dict(f.headers or {})
+        headers["Authorization"] = "Bearer " + f.credential()
+        return ConnectingRequest(
+            host=f.host,
+            port=f.port,
+            resource=f.resource,
+            headers=headers,
+            useragent=f.useragent,
+            origin=f.origin,
+            protocols=[],
+        )
+
+    def onOpen(self) -> None:
+        self.opened_at = self.factory.clock.seconds()
+        self.factory.session.connection_opened(self)
+
+    # -- inbound ---------------------------------------------------------------------------
+
+    def onMessage(self, payload: bytes, isBinary: bool) -> None:
+        self.frames_received += 1
+        if isBinary:
+            self.log.warn("Ignored a binary frame from the backend ({size} bytes)", size=len(payload))
+            return
+        if len(payload) > SOFT_MAX_FRAME:
+            self.log.warn(
+                "Ignored an oversized frame from the backend ({size} bytes, limit {limit})",
+                size=len(payload),
+                limit=SOFT_MAX_FRAME,
+            )
+            return
+        try:
+            frame = json.loads(payload)
+        except ValueError as e:
+            self.log.warn("Ignored a frame from the backend that is not JSON: {error}", error=str(e))
+            return
+        if not isinstance(frame, dict):
+            self.log.warn(
+                "Ignored a frame from the backend that is not a JSON object (got {kind})",
+                kind=type(frame).__name__,
+            )
+            return
+        self.factory.session.frame_received(self, frame)
+
+    # -- outbound --------------------------------------------------------------------------
+
+    def send_frame(self, frame: dict[str, Any]) -> int:
+        """Stamp the next C{seq} on C{frame} and send it as one text frame."""
+        self.seq += 1
+        frame["seq"] = self.seq
+        data = json.dumps(frame, separators=(",", ":"), default=str).encode()
+        self.sendMessage(data, isBinary=False)
+        self.frames_sent += 1
+        return self.seq
+
+    def confirm(self) -> Deferred[None]:
+        """
+        Fires once everything sent so far has reached the backend (a ping sent after it was
+        answered); fails with L{ConnectionGone} if the connection closes first.
+        """
+        d: Deferred[None] = Deferred()
+        self._unconfirmed.append(d)
+        if not self._ping_waiters:
+            self._send_confirm_ping()
+        return d
+
+    def _send_confirm_ping(self) -> None:
+        self._ping_counter += 1
+        token = b"llmport-confirm-%d-" % self._ping_counter + os.urandom(4).hex().encode()
+        waiters, self._unconfirmed = self._unconfirmed, []
+        self._ping_waiters[token] = waiters
+        self.sendPing(token)
+
+    def onPong(self, payload: bytes) -> None:
+        waiters = self._ping_waiters.pop(payload, None)
+        if waiters is None:
+            return
+        for d in waiters:
+            d.callback(None)
+        if self._unconfirmed and not self._ping_waiters:
+            self._send_confirm_ping()
+
+    # -- close -----------------------------------------------------------------------------
+
+    def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:
+        pending = self._unconfirmed + [d for ws in self._ping_waiters.values() for d in ws]
+        self._unconfirmed, self._ping_waiters = [], {}
+        for d in pending:
+            d.errback(ConnectionGone("connection closed before delivery was confirmed"))
+        status = None if self.opened_at is not None else parse_http_status(
+            getattr(self, "http_status_line", None)
+        )
+        self.factory.session.connection_closed(self, wasClean, code, reason, status)
+
+
+class AgentClientFactory(WebSocketClientFactory):
+    """Builds L{AgentClientProtocol}s for one L{SessionService}."""
+
+    protocol = AgentClientProtocol
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        session: SessionService,
+        credential: Callable[[], str],
+        clock: Any,
+        useragent: str,
+    ) -> None:
+        super().__init__(url, useragent=useragent)
+        self.session = session
+        self.credential = credential
+        self.clock = clock

@@ -1,0 +1,546 @@
+"""
+The backend session: enrollment when needed, one authenticated WebSocket connection kept up
+through every network fault (ClientService + Autobahn), credential rotation, command polling.
+
+Listeners (the command pipeline, heartbeat, inventory, event outbox) subscribe with
+L{SessionService.subscribe} and receive plain dicts; they send with L{SessionService.send}.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+from attrs import define, field
+from twisted.application.internet import ClientService
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from llmport_agent.backend_http import BackendHTTP, Rejected, Transient
+from llmport_agent.backoff import Backoff, FailureCounter, retry_policy
+from llmport_agent.config import AgentConfig
+from llmport_agent.session.protocol import (
+    HARD_MAX_FRAME,
+    AgentClientFactory,
+    AgentClientProtocol,
+)
+from llmport_agent.state import StateStore, token_fingerprint
+from llmport_agent.tls import client_tls_options
+
+STREAM_PATH = "/api/admin/system/nodes/stream"
+TOKEN_HELP = "mint a new one with POST /api/admin/system/nodes/enrollment-tokens"
+
+#: Exit status reserved for "an operator must act" (EX_CONFIG); the systemd unit does not
+#: restart on it.
+EXIT_NEEDS_OPERATOR = 78
+
+ROTATION_INTERVAL = 12 * 3600.0
+ROTATION_CHECK = 600.0
+ROTATION_TIMEOUT = 10.0
+REVOKED_AFTER_REFUSALS = 5
+REVOKED_AFTER_SECONDS = 180.0
+REVOKED_RETRY_SECONDS = 300.0
+
+
+class SessionListener(Protocol):
+    def session_opened(self) -> None: ...
+    def session_closed(self) -> None: ...
+    def frame_received(self, frame: dict[str, Any]) -> None: ...
+
+
+def stream_url(backend_url: str) -> str:
+    """C{ws[s]://host[:port]/<base>/api/admin/system/nodes/stream} from C{BACKEND_URL}."""
+    parts = urlsplit(backend_url)
+    scheme = "wss" if parts.scheme == "https" else "ws"
+    path = parts.path.rstrip("/") + STREAM_PATH
+    return urlunsplit((scheme, parts.netloc, path, "", ""))
+
+
+@define
+class SessionStats:
+    connects: int = 0
+    opens: int = 0
+    refused: int = 0
+    closes: int = 0
+    frames_sent: int = 0
+    frames_received: int = 0
+    last_open_at: float | None = None
+    last_close: dict[str, Any] = field(factory=dict)
+    enrollments: int = 0
+    rotations: int = 0
+    rotation_errors: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "connects": self.connects,
+            "opens": self.opens,
+            "refused_upgrades": self.refused,
+            "closes": self.closes,
+            "frames_sent": self.frames_sent,
+            "frames_received": self.frames_received,
+            "last_open_at": self.last_open_at or 0,
+            "last_close": dict(self.last_close),
+            "enrollments": self.enrollments,
+            "rotations": self.rotations,
+            "rotation_errors": self.rotation_errors,
+        }
+
+
+class SessionService(Service):
+    """
+    Keeps the backend session.
+
+    @param fatal: called with (exit status, message) when the agent cannot go on without an
+        operator (enrollment token rejected, no credential and no token).
+    @param capabilities: fires with the static capabilities (sent at enrollment).
+    @param endpoint_factory: for tests: C{(host, port, tls) -> IStreamClientEndpoint}.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        config: AgentConfig,
+        state: StateStore,
+        backend: BackendHTTP,
+        capabilities: Callable[[], Deferred[dict[str, Any]]],
+        fatal: Callable[[int, str], None],
+        *,
+        version: str,
+        endpoint_factory: Callable[[str, int, bool], Any] | None = None,
+        rng: Callable[[], float] = random.random,
+        wallclock: Callable[[], float] = time.time,
+    ) -> None:
+        self.setName("session")
+        self._reactor = reactor
+        self.config = config
+        self.state = state
+        self.backend = backend
+        self._capabilities = capabilities
+        self._fatal = fatal
+        self.version = version
+        self._endpoint_factory = endpoint_factory or self._default_endpoint
+        self._wallclock = wallclock
+        self.backoff = Backoff(config.reconnect_min_sec, config.reconnect_max_sec, rng)
+        self.failures = FailureCounter(stable_after=max(10.0, config.reconnect_max_sec))
+        self.stats = SessionStats()
+        self.proto: AgentClientProtocol | None = None
+        self.node_id: str | None = state.get("node_id")
+        self.session_id: str | None = None
+        self._listeners: list[SessionListener] = []
+        self._client: ClientService | None = None
+        self._poll: LoopingCall | None = None
+        self._rotation_loop: LoopingCall | None = None
+        self._last_sent_at = 0.0
+        self._refusals = 0
+        self._first_refusal_at: float | None = None
+        self._revoked = False
+        self._starting: Deferred[None] | None = None
+        self._stopping = False
+        self._rotating = False
+        self._enrolling = False
+
+    # -- wiring ----------------------------------------------------------------------------
+
+    def subscribe(self, listener: SessionListener) -> None:
+        self._listeners.append(listener)
+
+    @property
+    def connected(self) -> bool:
+        return self.proto is not None
+
+    def credential(self) -> str:
+        return self.state.credential or ""
+
+    def _default_endpoint(self, host: str, port: int, tls: bool) -> Any:
+        endpoint = HostnameEndpoint(self._reactor, host, port, timeout=self.config.request_timeout_sec)
+        if tls:
+            if not self.config.verify_tls:
+                self.log.warn(
+                    "TLS verification is OFF (LLM_PORT_NODE_AGENT_VERIFY_TLS=false): the backend "
+                    "connection is open to interception"
+                )
+            endpoint = wrapClientTLS(
+                client_tls_options(host, self.config.verify_tls, self.config.ca_bundle), endpoint
+            )
+        return endpoint
+
+    # -- start -----------------------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        self._stopping = False
+        self._starting = Deferred.fromCoroutine(self._start())
+        self._starting.addErrback(
+            lambda f: self.log.failure("The backend session could not start", failure=f)
+        )
+
+    async def _start(self) -> None:
+        token = self.config.enrollment_token
+        if self.state.credential:
+            if token:
+                self.log.info(
+                    "A credential is stored in {path}; the enrollment token is not needed any more "
+                    "and can be removed from the configuration",
+                    path=self.state.path,
+                )
+        elif token:
+            if token_fingerprint(token) in self.state.get("used_tokens", []):
+                self._fatal(
+                    EXIT_NEEDS_OPERATOR,
+                    "No credential is stored and the configured enrollment token was already used "
+                    f"by this node; {TOKEN_HELP} and set LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN",
+                )
+                return
+            ok = await self._enroll(token)
+            if not ok:
+                return
+        else:
+            self._fatal(
+                EXIT_NEEDS_OPERATOR,
+                f"No credential in {self.state.path} and no enrollment token: {TOKEN_HELP} "
+                "and set LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN",
+            )
+            return
+        if self._stopping:
+            return
+        self._connect()
+
+    async def _enroll(self, token: str) -> bool:
+        """Enroll with retries on transient errors. False when rejected or stopping."""
+        self._enrolling = True
+        attempt = 0
+        try:
+            while not self._stopping:
+                try:
+                    capabilities = await self._capabilities()
+                    result = await self.backend.enroll(
+                        token, self.config.agent_id, self.config.host, capabilities, self.version
+                    )
+                except Rejected as e:
+                    await self._remember_token(token)
+                    self._fatal(
+                        EXIT_NEEDS_OPERATOR,
+                        f"The enrollment token was rejected ({e.detail}): it is invalid, expired or "
+                        f"already used; {TOKEN_HELP} and set LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN",
+                    )
+                    return False
+                except Transient as e:
+                    attempt += 1
+                    delay = self.backoff.delay(attempt)
+                    self.log.warn(
+                        "Enrollment failed ({error}); retrying in {delay:.1f} s",
+                        error=str(e),
+                        delay=delay,
+                    )
+                    await self._sleep(delay)
+                    continue
+                previous = self.state.credential
+                used = list(self.state.get("used_tokens", []))[-19:] + [token_fingerprint(token)]
+                await self.state.update(
+                    credential=result.credential,
+                    pending_credential=None,
+                    previous_credential=previous,
+                    node_id=result.node_id,
+                    agent_id=self.config.agent_id,
+                    backend_host=result.host,
+                    enrolled_at=self._wallclock(),
+                    last_rotation_at=self._wallclock(),
+                    used_tokens=used,
+                )
+                self.node_id = result.node_id
+                self.stats.enrollments += 1
+                self.log.info(
+                    "Enrolled as node {node_id} (agent id {agent_id}); credential stored in {path}",
+                    node_id=result.node_id,
+                    agent_id=self.config.agent_id,
+                    path=self.state.path,
+                )
+                return True
+            return False
+        finally:
+            self._enrolling = False
+
+    async def _remember_token(self, token: str) -> None:
+        used = list(self.state.get("used_tokens", []))[-19:] + [token_fingerprint(token)]
+        await self.state.update(used_tokens=used)
+
+    def _sleep(self, seconds: float) -> Deferred[None]:
+        from twisted.internet.task import deferLater
+
+        return deferLater(self._reactor, seconds, lambda: None)
+
+    def _connect(self) -> None:
+        url = stream_url(self.config.backend_url)
+        parts = urlsplit(self.config.backend_url)
+        tls = parts.scheme == "https"
+        port = parts.port or (443 if tls else 80)
+        factory = AgentClientFactory(
+            url,
+            session=self,
+            credential=self.credential,
+            clock=self._reactor,
+            useragent=f"llmport-agent/{self.version}",
+        )
+        factory.setProtocolOptions(
+            autoPingInterval=20,
+            autoPingTimeout=10,
+            openHandshakeTimeout=max(5.0, self.config.request_timeout_sec),
+            closeHandshakeTimeout=3,
+            maxMessagePayloadSize=HARD_MAX_FRAME,
+            maxFramePayloadSize=HARD_MAX_FRAME,
+        )
+        endpoint = self._endpoint_factory(parts.hostname or "", port, tls)
+        base_policy = retry_policy(self.backoff, self.failures)
+
+        def policy(attempt: int) -> float:
+            if self._revoked:
+                return REVOKED_RETRY_SECONDS
+            return base_policy(attempt)
+
+        self._client = ClientService(endpoint, factory, retryPolicy=policy, clock=self._reactor)
+        self._client.startService()
+        self._poll = LoopingCall(self._poll_tick)
+        self._poll.clock = self._reactor
+        self._poll.start(self.config.command_poll_interval_sec, now=False)
+        self._rotation_loop = LoopingCall(self._rotation_tick)
+        self._rotation_loop.clock = self._reactor
+        self._rotation_loop.start(ROTATION_CHECK, now=False)
+
+    # -- connection events (called by the protocol) ---------------------------------------
+
+    def connection_opened(self, proto: AgentClientProtocol) -> None:
+        if self.proto is not None and self.proto is not proto:
+            self.log.warn("A second connection opened; closing the older one")
+            self.proto.sendClose(1000, "superseded")
+        self.proto = proto
+        self.stats.opens += 1
+        self.stats.last_open_at = self._wallclock()
+        self._refusals = 0
+        self._first_refusal_at = None
+        if self._revoked:
+            self._revoked = False
+        self._last_sent_at = self._reactor.seconds()
+        self.log.info("Connected to the backend stream at {url}", url=stream_url(self.config.backend_url))
+        for listener in list(self._listeners):
+            try:
+                listener.session_opened()
+            except Exception:
+                self.log.failure("A session listener failed on open")
+
+    def frame_received(self, proto: AgentClientProtocol, frame: dict[str, Any]) -> None:
+        if proto is not self.proto:
+            return
+        self.stats.frames_received += 1
+        if frame.get("type") == "hello_ack":
+            sid = frame.get("session_id")
+            nid = frame.get("node_id")
+            self.session_id = sid if isinstance(sid, str) else None
+            if isinstance(nid, str) and nid and nid != self.node_id:
+                self.node_id = nid
+                self.state.update(node_id=nid)
+        for listener in list(self._listeners):
+            try:
+                listener.frame_received(frame)
+            except Exception:
+                self.log.failure("A session listener failed on an inbound frame")
+
+    def connection_closed(
+        self,
+        proto: AgentClientProtocol,
+        wasClean: bool,
+        code: int | None,
+        reason: str | None,
+        http_status: int | None,
+    ) -> None:
+        now = self._reactor.seconds()
+        opened_for = None if proto.opened_at is None else now - proto.opened_at
+        self.failures.opened_for(opened_for)
+        self.stats.frames_sent += proto.frames_sent
+        self.stats.closes += 1
+        self.stats.last_close = {
+            "clean": bool(wasClean),
+            "code": code or 0,
+            "reason": (reason or "")[:200],
+            "http_status": http_status or 0,
+            "opened_for_sec": round(opened_for or 0.0, 1),
+        }
+        if proto is self.proto:
+            self.proto = None
+            for listener in list(self._listeners):
+                try:
+                    listener.session_closed()
+                except Exception:
+                    self.log.failure("A session listener failed on close")
+        if self._stopping:
+            return
+        if opened_for is None:
+            self.stats.refused += 1
+            self._refused(http_status, reason)
+        else:
+            self.log.info(
+                "Backend stream closed (code {code}, {reason}) after {seconds:.0f} s; reconnecting",
+                code=code,
+                reason=reason or "no reason",
+                seconds=opened_for,
+            )
+
+    def _refused(self, http_status: int | None, reason: str | None) -> None:
+        if http_status not in (401, 403):
+            self.log.warn(
+                "Could not open the backend stream: {reason}", reason=(reason or "connection failed")
+            )
+            return
+        now = self._reactor.seconds()
+        self._refusals += 1
+        if self._first_refusal_at is None:
+            self._first_refusal_at = now
+        span = now - self._first_refusal_at
+        if self._refusals >= REVOKED_AFTER_REFUSALS and span >= REVOKED_AFTER_SECONDS:
+            self._credential_revoked()
+        else:
+            self.log.warn(
+                "The backend refused the stream (HTTP {status}); retrying (refusal {n})",
+                status=http_status,
+                n=self._refusals,
+            )
+
+    def _credential_revoked(self) -> None:
+        token = self.config.enrollment_token
+        if token and token_fingerprint(token) not in self.state.get("used_tokens", []) and not self._enrolling:
+            self.log.warn(
+                "The backend keeps refusing this node's credential (HTTP 403, {n} times over "
+                "{minutes:.0f} min); re-enrolling with the configured enrollment token",
+                n=self._refusals,
+                minutes=(self._reactor.seconds() - (self._first_refusal_at or 0)) / 60,
+            )
+            self._refusals = 0
+            self._first_refusal_at = None
+            d = Deferred.fromCoroutine(self._enroll(token))
+            d.addErrback(lambda f: self.log.failure("Re-enrollment failed", failure=f))
+            return
+        self._revoked = True
+        self.log.error(
+            "The backend refuses this node's credential (HTTP 403, {n} times): the node was probably "
+            "deleted or its credential revoked. To re-enroll, {help} and set "
+            "LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN, then restart the agent. Retrying every {every:.0f} s.",
+            n=self._refusals,
+            help=TOKEN_HELP,
+            every=REVOKED_RETRY_SECONDS,
+        )
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def send(self, frame: dict[str, Any]) -> bool:
+        """Send one frame now if connected (C{seq} is set here). False when not connected."""
+        proto = self.proto
+        if proto is None:
+            return False
+        try:
+            proto.send_frame(frame)
+        except Exception:
+            self.log.failure("Could not send a {type} frame", type=frame.get("type"))
+            return False
+        self._last_sent_at = self._reactor.seconds()
+        return True
+
+    def confirm(self) -> Deferred[None] | None:
+        """Fires when all frames sent so far reached the backend; None when disconnected."""
+        return self.proto.confirm() if self.proto is not None else None
+
+    def _poll_tick(self) -> None:
+        if self.proto is None:
+            return
+        if self._reactor.seconds() - self._last_sent_at >= self.config.command_poll_interval_sec * 0.9:
+            self.send({"type": "poll"})
+
+    # -- rotation --------------------------------------------------------------------------
+
+    def _rotation_tick(self) -> Deferred[None] | None:
+        last = self.state.get("last_rotation_at") or self.state.get("enrolled_at")
+        now = self._wallclock()
+        if last is None:
+            self.state.update(last_rotation_at=now)
+            return None
+        if now - float(last) < ROTATION_INTERVAL or self._rotating:
+            return None
+        proto = self.proto
+        if proto is None or proto.opened_at is None:
+            return None
+        if self._reactor.seconds() - proto.opened_at < 60:
+            return None
+        d = Deferred.fromCoroutine(self.rotate())
+        d.addErrback(lambda f: self.log.failure("Credential rotation failed", failure=f))
+        return None
+
+    async def rotate(self) -> bool:
+        """
+        Rotate the credential (protocol 2). The backend revokes the old credential before it
+        replies, so an unknown outcome keeps both: the new one if it arrived, else the old one.
+        """
+        old = self.state.credential
+        if not old:
+            return False
+        self._rotating = True
+        try:
+            try:
+                _, new = await self.backend.rotate(old, ROTATION_TIMEOUT)
+            except Rejected as e:
+                self.stats.rotation_errors += 1
+                self.log.warn(
+                    "Credential rotation refused ({detail}); keeping the current credential",
+                    detail=e.detail,
+                )
+                await self.state.update(last_rotation_at=self._wallclock())
+                return False
+            except Transient as e:
+                self.stats.rotation_errors += 1
+                self.log.warn(
+                    "Credential rotation outcome unknown ({error}); the backend may have revoked the "
+                    "current credential. It stays in use; if the backend refuses it, this node needs a "
+                    "new enrollment token.",
+                    error=str(e),
+                )
+                await self.state.update(last_rotation_at=self._wallclock())
+                return False
+            await self.state.update(
+                credential=new, previous_credential=old, last_rotation_at=self._wallclock()
+            )
+            self.stats.rotations += 1
+            self.log.info("Credential rotated; the new one is stored in {path}", path=self.state.path)
+            return True
+        finally:
+            self._rotating = False
+
+    # -- stop ------------------------------------------------------------------------------
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        self._stopping = True
+        for loop_name in ("_poll", "_rotation_loop"):
+            loop = getattr(self, loop_name)
+            if loop is not None and loop.running:
+                loop.stop()
+            setattr(self, loop_name, None)
+        client, self._client = self._client, None
+        proto = self.proto
+        if client is None:
+            return succeed(None)
+        if proto is not None:
+            proto.sendClose(code=1000, reason="agent stopping")
+            closed: Deferred[Any] = Deferred()
+            proto.is_closed.addBoth(lambda r: closed.callback(None) if not closed.called else None)
+            closed.addTimeout(5, self._reactor, onTimeoutCancel=lambda *_: None)
+
+            def stop_client(_: object) -> Deferred[None]:
+                return client.stopService()
+
+            return closed.addCallback(stop_client)
+        return client.stopService()

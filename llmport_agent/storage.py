@@ -1,0 +1,180 @@
+"""
+Durable files: atomic replacement and an append-only JSON-lines log with group commit.
+
+The blocking functions here run in worker threads (through a L{BlockingRunner}); the reactor-side
+classes never touch the disk themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from llmport_agent.threads import BlockingRunner
+
+log = Logger()
+
+
+def ensure_private_dir(directory: str) -> None:
+    """Create C{directory} (and parents) with mode 0700; tighten an existing one we own."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    st = os.stat(directory)
+    if st.st_uid == os.geteuid() and (st.st_mode & 0o077):
+        os.chmod(directory, 0o700)
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes, mode: int = 0o600) -> None:
+    """
+    Replace C{path} with C{data} atomically and durably: a temporary file in the same directory,
+    fsync, rename over the target, fsync of the directory. Blocking.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    ensure_private_dir(directory)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(directory)
+
+
+def move_aside(path: str, now: float | None = None) -> str:
+    """Rename a damaged file to C{<path>.corrupt-<UTC timestamp>} and return the new name."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    target = f"{path}.corrupt-{stamp}"
+    n = 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{path}.corrupt-{stamp}-{n}"
+    os.replace(path, target)
+    return target
+
+
+def append_lines(path: str, lines: Iterable[bytes]) -> None:
+    """Append lines to C{path} (mode 0600) and fsync. Blocking."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, b"".join(lines))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json_lines(path: str) -> tuple[list[dict[str, Any]], int]:
+    """
+    Read a JSON-lines file. Returns the records and the number of damaged lines skipped (a torn
+    last line after a crash is normal). Blocking.
+    """
+    records: list[dict[str, Any]] = []
+    damaged = 0
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                raw = raw.strip()
+                if not raw:
+                    continue
+                try:
+                    rec = json.loads(raw)
+                except ValueError:
+                    damaged += 1
+                    continue
+                if isinstance(rec, dict):
+                    records.append(rec)
+                else:
+                    damaged += 1
+    except FileNotFoundError:
+        pass
+    return records, damaged
+
+
+def encode_line(record: dict[str, Any]) -> bytes:
+    return json.dumps(record, separators=(",", ":"), sort_keys=True).encode() + b"\n"
+
+
+class GroupCommitLog:
+    """
+    An append-only JSON-lines file written with group commit: records appended while a write is
+    in flight are written together by the next write, with one fsync. C{append} fires once its
+    record is durable. C{rewrite} compacts the file atomically (used by the owner when the log
+    grows well past its live content).
+    """
+
+    def __init__(self, runner: BlockingRunner, path: str) -> None:
+        self._runner = runner
+        self.path = path
+        # Operations in order: (lines, waiter, is_rewrite).
+        self._queue: list[tuple[list[bytes], Deferred[None], bool]] = []
+        self._writing = False
+        self.lines_written = 0
+
+    def append(self, record: dict[str, Any]) -> Deferred[None]:
+        d: Deferred[None] = Deferred()
+        self._queue.append(([encode_line(record)], d, False))
+        self._kick()
+        return d
+
+    def rewrite(self, records: Iterable[dict[str, Any]]) -> Deferred[None]:
+        """Replace the whole file with C{records}, in order with the appends around it."""
+        d: Deferred[None] = Deferred()
+        self._queue.append(([encode_line(r) for r in records], d, True))
+        self._kick()
+        return d
+
+    @property
+    def idle(self) -> bool:
+        return not self._writing and not self._queue
+
+    def _kick(self) -> None:
+        if self._writing or not self._queue:
+            return
+        self._writing = True
+        if self._queue[0][2]:
+            lines, waiter, _ = self._queue.pop(0)
+            d = self._runner.run(atomic_write, self.path, b"".join(lines))
+            d.addBoth(self._done, [waiter], len(lines), True)
+            return
+        batch: list[bytes] = []
+        waiters: list[Deferred[None]] = []
+        while self._queue and not self._queue[0][2]:
+            lines, waiter, _ = self._queue.pop(0)
+            batch.extend(lines)
+            waiters.append(waiter)
+        d = self._runner.run(append_lines, self.path, batch)
+        d.addBoth(self._done, waiters, len(batch), False)
+
+    def _done(self, result: Any, waiters: list[Deferred[None]], count: int, rewrite: bool) -> None:
+        self._writing = False
+        if isinstance(result, Failure):
+            log.failure("Writing {path} failed", failure=result, path=self.path)
+            for w in waiters:
+                w.errback(result)
+        else:
+            self.lines_written = count if rewrite else self.lines_written + count
+            for w in waiters:
+                w.callback(None)
+        self._kick()

@@ -1,0 +1,43 @@
+"""
+The twistd plugin's options and service maker: C{twistd -n llmport-agent [options]}.
+
+Every configuration variable has a command-line option of the same meaning (e.g.
+C{--backend-url} for C{LLM_PORT_NODE_AGENT_BACKEND_URL}); options win over the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from twisted.python import usage
+
+from llmport_agent.config import SETTINGS, AgentConfig, ConfigError, load_config
+
+
+class Options(usage.Options):
+    synopsis = "[options]"
+    longdesc = "Runs the llm-port node agent. Every option can also be set with its LLM_PORT_NODE_AGENT_* variable."
+    optParameters = [[s.option, None, None, f"{s.help} [{s.env}]"] for s in SETTINGS]
+
+    config: AgentConfig
+
+    def postOptions(self) -> None:
+        overrides = {s.attr: self[s.option] for s in SETTINGS}
+        try:
+            self.config = load_config(overrides=overrides)
+        except ConfigError as e:
+            raise usage.UsageError(str(e)) from None
+
+
+def makeService(options: Options) -> Any:
+    from twisted.internet import reactor
+
+    from llmport_agent.service import AgentService
+
+    def fatal(status: int, message: str) -> None:
+        # twistd has no exit status of its own: stop cleanly, then leave with ours.
+        reactor.addSystemEventTrigger("after", "shutdown", os._exit, status)
+        reactor.callLater(0, reactor.stop)
+
+    return AgentService(reactor, options.config, fatal=fatal)
