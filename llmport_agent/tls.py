@@ -12,7 +12,8 @@ from typing import Any
 
 from OpenSSL import SSL
 from twisted.internet import ssl
-from twisted.internet.interfaces import IOpenSSLClientConnectionCreator, IPolicyForHTTPS
+from twisted.internet.interfaces import IOpenSSLClientConnectionCreator
+from twisted.web.iweb import IPolicyForHTTPS
 from twisted.web.client import BrowserLikePolicyForHTTPS
 from zope.interface import implementer
 

@@ -305,6 +305,7 @@ class SessionService(Service):
                 return REVOKED_RETRY_SECONDS
             return base_policy(attempt)
 
+        self._policy = policy
         self._client = ClientService(endpoint, factory, retryPolicy=policy, clock=self._reactor)
         self._client.startService()
         self._poll = LoopingCall(self._poll_tick)

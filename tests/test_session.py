@@ -1,0 +1,343 @@
+"""The backend session: protocol in memory (iosim), enrollment, refusals, rotation, polling."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import txaio
+import txaio.testutil
+from autobahn.twisted.websocket import WebSocketServerFactory, WebSocketServerProtocol
+from autobahn.websocket.types import ConnectionDeny
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
+from twisted.test import iosim
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmport_agent.backend_http import Enrollment, Rejected, Transient
+from llmport_agent.config import load_config
+from llmport_agent.session.protocol import AgentClientFactory, ConnectionGone
+from llmport_agent.session.service import (
+    EXIT_NEEDS_OPERATOR,
+    ROTATION_INTERVAL,
+    SessionService,
+    stream_url,
+)
+from llmport_agent.state import StateStore, token_fingerprint
+from llmport_agent.testing import SynchronousRunner
+
+CRED = "11111111-2222-3333-4444-555555555555." + "s" * 43
+
+
+class UrlTests(SynchronousTestCase):
+    def test_stream_url(self) -> None:
+        """ws for http, wss for https, base path kept."""
+        self.assertEqual(stream_url("http://h:8000"), "ws://h:8000/api/admin/system/nodes/stream")
+        self.assertEqual(stream_url("https://h/llm"), "wss://h/llm/api/admin/system/nodes/stream")
+
+
+class Sink:
+    """Stands in for SessionService towards the protocol."""
+
+    def __init__(self) -> None:
+        self.opened: list[Any] = []
+        self.frames: list[dict[str, Any]] = []
+        self.closed: list[tuple[Any, ...]] = []
+
+    def connection_opened(self, proto: Any) -> None:
+        self.opened.append(proto)
+
+    def frame_received(self, proto: Any, frame: dict[str, Any]) -> None:
+        self.frames.append(frame)
+
+    def connection_closed(self, proto: Any, *args: Any) -> None:
+        self.closed.append(args)
+
+
+class Server(WebSocketServerProtocol):
+    deny: int | None = None
+    instances: list[Server] = []
+
+    def onConnect(self, request: Any) -> None:
+        self.headers = request.headers
+        Server.instances.append(self)
+        if self.deny:
+            raise ConnectionDeny(self.deny)
+
+    def onPing(self, payload: bytes) -> None:
+        if not getattr(self, "no_pong", False):
+            super().onPing(payload)
+
+    def onMessage(self, payload: bytes, isBinary: bool) -> None:
+        self.received = getattr(self, "received", []) + [json.loads(payload)]
+
+
+class ProtocolTests(SynchronousTestCase):
+    def connect(self, deny: int | None = None) -> tuple[Any, Any, Any, Sink]:
+        clock = Clock()
+        self.loop = txaio.testutil.replace_loop(clock)
+        self.loop.__enter__()
+        self.addCleanup(self.loop.__exit__, None, None, None)
+        sink = Sink()
+        factory = AgentClientFactory(
+            "ws://backend:8000/llm/api/admin/system/nodes/stream",
+            session=sink,  # type: ignore[arg-type]
+            credential=lambda: CRED,
+            clock=clock,
+            useragent="test",
+        )
+        factory.setProtocolOptions(openHandshakeTimeout=0, closeHandshakeTimeout=0)
+        client = factory.buildProtocol(None)
+        Server.deny = deny
+        Server.instances = []
+        sf = WebSocketServerFactory()
+        sf.protocol = Server
+        sf.setProtocolOptions(openHandshakeTimeout=0, closeHandshakeTimeout=0)
+        server = sf.buildProtocol(None)
+        pump = iosim.connect(
+            server, iosim.makeFakeServer(server), client, iosim.makeFakeClient(client), greet=False
+        )
+        pump.flush()
+        return client, server, pump, sink
+
+    def test_bearer_header_and_path(self) -> None:
+        """The upgrade carries 'Authorization: Bearer <credential>' on the base-path stream URL."""
+        client, server, pump, sink = self.connect()
+        self.assertEqual(server.headers["authorization"], "Bearer " + CRED)
+        self.assertEqual(server.http_request_path, "/llm/api/admin/system/nodes/stream")
+        self.assertEqual(sink.opened, [client])
+
+    def test_seq_increases_from_one(self) -> None:
+        """seq starts at 1 on each connection and strictly increases."""
+        client, server, pump, sink = self.connect()
+        for _ in range(3):
+            client.send_frame({"type": "poll"})
+        pump.flush()
+        self.assertEqual([f["seq"] for f in server.received], [1, 2, 3])
+
+    def test_bad_inbound_frames(self) -> None:
+        """Non-JSON, a JSON list, a binary frame: one log line each, nothing delivered."""
+        client, server, pump, sink = self.connect()
+        server.sendMessage(b"not json")
+        server.sendMessage(b"[1,2]")
+        server.sendMessage(b"\x00\x01", isBinary=True)
+        server.sendMessage(b'{"type":"commands","items":[]}')
+        pump.flush()
+        self.assertEqual(sink.frames, [{"type": "commands", "items": []}])
+        self.assertEqual(sink.closed, [])
+
+    def test_confirm_by_pong(self) -> None:
+        """confirm() fires when the server answers the ping sent after the frames."""
+        client, server, pump, sink = self.connect()
+        client.send_frame({"type": "command_result"})
+        d = client.confirm()
+        self.assertNoResult(d)
+        pump.flush()
+        self.successResultOf(d)
+
+    def test_confirm_fails_on_close(self) -> None:
+        """A confirmation pending when the connection drops fails with ConnectionGone."""
+        client, server, pump, sink = self.connect()
+        server.no_pong = True
+        d = client.confirm()
+        pump.flush()
+        self.assertNoResult(d)
+        client.transport.loseConnection()
+        pump.flush()
+        self.failureResultOf(d, ConnectionGone)
+
+    def test_refused_upgrade_reports_status(self) -> None:
+        """A 403 at the upgrade is reported with its HTTP status and without an open."""
+        client, server, pump, sink = self.connect(deny=403)
+        pump.flush()
+        self.assertEqual(sink.opened, [])
+        self.assertEqual(sink.closed[-1][-1], 403)
+
+
+class FakeBackend:
+    def __init__(self) -> None:
+        self.enrolls: list[Deferred[Enrollment]] = []
+        self.rotations: list[Deferred[tuple[str, str]]] = []
+
+    def enroll(self, token: str, agent_id: str, host: str, caps: dict[str, Any], version: str) -> Deferred[Enrollment]:
+        d: Deferred[Enrollment] = Deferred()
+        self.enrolls.append(d)
+        return d
+
+    def rotate(self, credential: str, timeout: float) -> Deferred[tuple[str, str]]:
+        d: Deferred[tuple[str, str]] = Deferred()
+        self.rotations.append(d)
+        return d
+
+
+class FakeProto:
+    def __init__(self, opened_at: float | None) -> None:
+        self.opened_at = opened_at
+        self.frames_sent = 0
+        self.sent: list[dict[str, Any]] = []
+        self.is_closed: Deferred[None] = succeed(None)
+
+    def sendClose(self, code: int, reason: str) -> None:
+        self.close = (code, reason)
+
+    def send_frame(self, frame: dict[str, Any]) -> int:
+        self.sent.append(frame)
+        return len(self.sent)
+
+
+class SessionServiceTests(SynchronousTestCase):
+    def make(self, token: str | None = None, credential: str | None = None, **env: str) -> SessionService:
+        self.reactor = MemoryReactorClock()
+        self.wall = [1_000_000.0]
+        self.fatal: list[tuple[int, str]] = []
+        self.backend = FakeBackend()
+        environ = {"LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:8000"}
+        if token:
+            environ["LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN"] = token
+        environ.update({"LLM_PORT_NODE_AGENT_" + k: v for k, v in env.items()})
+        config = load_config(environ, {})
+        d = self.mktemp()
+        os.makedirs(d)
+        self.state = StateStore(SynchronousRunner(), os.path.join(d, "state.json"))
+        self.successResultOf(self.state.load())
+        if credential:
+            self.successResultOf(self.state.update(credential=credential, node_id="n1"))
+        svc = SessionService(
+            self.reactor, config, self.state, self.backend,  # type: ignore[arg-type]
+            lambda: succeed({"gpu_count": 0}), lambda code, msg: self.fatal.append((code, msg)),
+            version="0.1.0",
+            endpoint_factory=lambda host, port, tls: TCP4ClientEndpoint(self.reactor, host, port),
+            rng=lambda: 1.0, wallclock=lambda: self.wall[0],
+        )
+        self.addCleanup(svc.stopService)
+        return svc
+
+    def test_no_credential_no_token(self) -> None:
+        """Without credential and token the agent stops with the 'needs operator' status."""
+        svc = self.make()
+        svc.startService()
+        self.assertEqual(self.fatal[0][0], EXIT_NEEDS_OPERATOR)
+        self.assertIn("enrollment-tokens", self.fatal[0][1])
+        self.assertEqual(self.reactor.tcpClients, [])
+
+    def test_enroll_then_connect(self) -> None:
+        """With a token, enroll, store the credential, then connect to the stream."""
+        svc = self.make(token="tok-123")
+        svc.startService()
+        self.backend.enrolls[0].callback(Enrollment("n1", CRED, "10.1.2.3"))
+        self.assertEqual(self.state.credential, CRED)
+        self.assertEqual(self.state.get("backend_host"), "10.1.2.3")
+        self.assertIn(token_fingerprint("tok-123"), self.state.get("used_tokens"))
+        self.assertEqual(len(self.reactor.tcpClients), 1)
+        self.assertEqual(self.reactor.tcpClients[0][:2], ("127.0.0.1", 8000))
+        with open(self.state.path) as f:
+            self.assertNotIn("tok-123", f.read())
+
+    def test_enroll_rejected(self) -> None:
+        """A rejected token: one clear message, the dedicated exit status, no retry."""
+        svc = self.make(token="tok-123")
+        svc.startService()
+        self.backend.enrolls[0].errback(Rejected(401, "Enrollment token is invalid or expired."))
+        self.assertEqual(self.fatal[0][0], EXIT_NEEDS_OPERATOR)
+        self.assertIn("invalid, expired or already used", self.fatal[0][1])
+        self.assertNotIn("tok-123", self.fatal[0][1])
+        self.reactor.advance(3600)
+        self.assertEqual(len(self.backend.enrolls), 1)
+
+    def test_enroll_transient_retries_with_backoff(self) -> None:
+        """Network errors and 5xx are retried after a backoff delay."""
+        svc = self.make(token="tok-123")
+        svc.startService()
+        self.backend.enrolls[0].errback(Transient("HTTP 503"))
+        self.assertEqual(len(self.backend.enrolls), 1)
+        self.reactor.advance(1.9)
+        self.assertEqual(len(self.backend.enrolls), 1)
+        self.reactor.advance(10)
+        self.assertEqual(len(self.backend.enrolls), 2)
+
+    def test_stored_credential_token_unused(self) -> None:
+        """With a credential stored, the token is not used again."""
+        svc = self.make(token="tok-123", credential=CRED)
+        svc.startService()
+        self.assertEqual(self.backend.enrolls, [])
+        self.assertEqual(len(self.reactor.tcpClients), 1)
+
+    def refuse(self, svc: SessionService, times: int, every: float) -> None:
+        for _ in range(times):
+            svc.connection_closed(FakeProto(None), False, 1006, "upgrade failed [403]", 403)  # type: ignore[arg-type]
+            self.reactor.advance(every)
+
+    def test_revoked_with_fresh_token_reenrolls(self) -> None:
+        """Repeated 403s over minutes with an unused token configured: re-enroll with it."""
+        svc = self.make(token="new-token", credential=CRED)
+        svc.startService()
+        self.refuse(svc, 4, 60)
+        self.assertEqual(self.backend.enrolls, [])
+        self.refuse(svc, 1, 0)
+        self.assertEqual(len(self.backend.enrolls), 1)
+        new = "22222222-2222-3333-4444-555555555555." + "x" * 43
+        self.backend.enrolls[0].callback(Enrollment("n1", new, None))
+        self.assertEqual(self.state.credential, new)
+        self.assertEqual(self.state.get("previous_credential"), CRED)
+
+    def test_revoked_without_token_keeps_retrying(self) -> None:
+        """Without a usable token: a clear line, retries minutes apart, credential kept, no exit."""
+        svc = self.make(credential=CRED)
+        svc.startService()
+        self.refuse(svc, 5, 60)
+        self.assertEqual(self.fatal, [])
+        self.assertEqual(self.state.credential, CRED)
+        self.assertTrue(svc._revoked)
+        self.assertGreaterEqual(svc._policy(1), 120)  # type: ignore[union-attr]
+
+    def test_quick_refusals_not_revoked(self) -> None:
+        """Several 403s within seconds (a proxy blip) do not count as revocation."""
+        svc = self.make(credential=CRED)
+        svc.startService()
+        self.refuse(svc, 10, 1)
+        self.assertFalse(svc._revoked)
+
+    def test_poll_frames(self) -> None:
+        """While connected and idle, a small poll frame goes out every poll interval."""
+        svc = self.make(credential=CRED)
+        svc.startService()
+        proto = FakeProto(self.reactor.seconds())
+        svc.connection_opened(proto)  # type: ignore[arg-type]
+        for _ in range(5):
+            self.reactor.advance(2)
+        self.assertEqual([f["type"] for f in proto.sent], ["poll"] * 5)
+        self.reactor.advance(1)
+        svc.send({"type": "heartbeat"})
+        self.reactor.advance(1)
+        # The tick right after another frame sends no poll: the heartbeat already polled.
+        self.assertEqual(proto.sent[-1]["type"], "heartbeat")
+        self.reactor.advance(2)
+        self.assertEqual(proto.sent[-1]["type"], "poll")
+
+    def test_rotation_every_12h(self) -> None:
+        """Rotation runs after 12 h of wall-clock time over a healthy session; success stores the new one."""
+        svc = self.make(credential=CRED)
+        self.successResultOf(self.state.update(last_rotation_at=self.wall[0]))
+        svc.startService()
+        svc.connection_opened(FakeProto(self.reactor.seconds()))  # type: ignore[arg-type]
+        self.reactor.advance(600)
+        self.assertEqual(self.backend.rotations, [])
+        self.wall[0] += ROTATION_INTERVAL
+        self.reactor.advance(600)
+        self.assertEqual(len(self.backend.rotations), 1)
+        new = "33333333-2222-3333-4444-555555555555." + "r" * 43
+        self.backend.rotations[0].callback(("n1", new))
+        self.assertEqual(self.state.credential, new)
+        self.assertEqual(self.state.get("previous_credential"), CRED)
+
+    def test_rotation_unknown_outcome_keeps_old(self) -> None:
+        """A lost rotation reply keeps the current credential (both are kept when the new one arrived)."""
+        svc = self.make(credential=CRED)
+        svc.startService()
+        d = Deferred.fromCoroutine(svc.rotate())
+        self.backend.rotations[0].errback(Transient("no answer within 10 s"))
+        self.assertFalse(self.successResultOf(d))
+        self.assertEqual(self.state.credential, CRED)
