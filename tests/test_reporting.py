@@ -1,0 +1,119 @@
+"""Heartbeat timing and inventory reports, with a Clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attrs import frozen
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmport_agent.reporting import HeartbeatReporter, InventoryReporter
+from llmport_agent.testing import FakeSession
+
+
+@frozen
+class Report:
+    inventory: dict[str, Any]
+    utilization: dict[str, Any]
+
+
+class FakeCollector:
+    def __init__(self) -> None:
+        self.pending: list[Deferred[Report]] = []
+        self.immediate = True
+
+    async def collect(self) -> Report:
+        if self.immediate:
+            return Report({"gpu_count": 0}, {"cpu_percent": 1.0})
+        d: Deferred[Report] = Deferred()
+        self.pending.append(d)
+        return await d
+
+
+class HeartbeatTests(SynchronousTestCase):
+    def test_right_after_connect_then_every_interval(self) -> None:
+        """A heartbeat goes out at connect and every interval after; none while disconnected."""
+        clock = Clock()
+        session = FakeSession()
+        hb = HeartbeatReporter(clock, session, 15, lambda: {"status": "healthy", "version": "1", "capabilities": {}, "advertise_host": "h"})
+        hb.session_opened()
+        self.assertEqual(len(session.of_type("heartbeat")), 1)
+        self.assertEqual(session.of_type("heartbeat")[0]["status"], "healthy")
+        clock.advance(14.9)
+        self.assertEqual(len(session.of_type("heartbeat")), 1)
+        clock.advance(0.1)
+        self.assertEqual(len(session.of_type("heartbeat")), 2)
+        clock.pump([15] * 4)
+        self.assertEqual(len(session.of_type("heartbeat")), 6)
+        hb.session_closed()
+        clock.advance(60)
+        self.assertEqual(len(session.of_type("heartbeat")), 6)
+        hb.session_opened()
+        self.assertEqual(len(session.of_type("heartbeat")), 7)
+        hb.stopService()
+
+    def test_build_failure_does_not_stop_loop(self) -> None:
+        """A failure building one heartbeat is logged; the next one still goes out."""
+        clock = Clock()
+        session = FakeSession()
+        calls = [0]
+
+        def build() -> dict[str, Any]:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise ValueError("bad")
+            return {"status": "healthy"}
+
+        hb = HeartbeatReporter(clock, session, 15, build)
+        hb.session_opened()
+        clock.advance(15)
+        clock.advance(15)
+        self.assertEqual(len(session.of_type("heartbeat")), 2)
+        self.assertEqual(len(self.flushLoggedErrors(ValueError)), 1)
+        hb.stopService()
+
+
+class InventoryTests(SynchronousTestCase):
+    def test_at_connect_and_interval(self) -> None:
+        """An inventory frame goes out at connect and every interval."""
+        clock = Clock()
+        session = FakeSession()
+        rep = InventoryReporter(clock, session, 60, FakeCollector())
+        rep.session_opened()
+        self.assertEqual(len(session.of_type("inventory")), 1)
+        clock.advance(60)
+        self.assertEqual(len(session.of_type("inventory")), 2)
+        frame = session.of_type("inventory")[0]
+        self.assertEqual(frame["inventory"], {"gpu_count": 0})
+        rep.stopService()
+
+    def test_report_now_waits_for_send(self) -> None:
+        """report_now fires True only after the frame was sent."""
+        clock = Clock()
+        session = FakeSession()
+        collector = FakeCollector()
+        collector.immediate = False
+        rep = InventoryReporter(clock, session, 60, collector)
+        d = rep.report_now()
+        self.assertNoResult(d)
+        collector.pending[0].callback(Report({}, {}))
+        self.assertTrue(self.successResultOf(d))
+        self.assertEqual(len(session.of_type("inventory")), 1)
+
+    def test_hung_collection_times_out(self) -> None:
+        """A collection that never finishes is abandoned after its timeout; the loop goes on."""
+        clock = Clock()
+        session = FakeSession()
+        collector = FakeCollector()
+        collector.immediate = False
+        rep = InventoryReporter(clock, session, 60, collector)
+        rep.session_opened()
+        clock.advance(31)
+        self.flushLoggedErrors()
+        self.assertEqual(rep.last_error != "", True)
+        collector.immediate = True
+        clock.advance(60)
+        self.assertEqual(len(session.of_type("inventory")), 1)
+        rep.stopService()
