@@ -20,7 +20,9 @@ from llmport_agent.state import StateStore
 from llmport_agent.testing import FakeSession, SynchronousRunner
 
 
-def command(ctype: str = "noop", payload: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+def command(
+    ctype: str = "noop", payload: dict[str, Any] | None = None, **extra: Any
+) -> dict[str, Any]:
     cid = str(uuid.uuid4())
     obj = {
         "id": cid,
@@ -55,9 +57,13 @@ class Harness:
         self.session = FakeSession()
         self.state = StateStore(self.runner, os.path.join(self.dir, "state.json"))
         case.successResultOf(self.state.load())
-        self.journal = CommandJournal(self.runner, os.path.join(self.dir, "commands.jsonl"), self.clock.seconds)
+        self.journal = CommandJournal(
+            self.runner, os.path.join(self.dir, "commands.jsonl"), self.clock.seconds
+        )
         case.successResultOf(self.journal.load())
-        self.outbox = EventOutbox(self.clock, self.runner, os.path.join(self.dir, "events.jsonl"), self.session)
+        self.outbox = EventOutbox(
+            self.clock, self.runner, os.path.join(self.dir, "events.jsonl"), self.session
+        )
         case.successResultOf(self.outbox.load())
         self.modes = PersistentModes(self.state)
         self.gates: dict[str, Deferred[dict[str, Any]]] = {}
@@ -68,18 +74,35 @@ class Harness:
             {
                 "noop": HandlerSpec(self._noop, lane="runtime", idempotent=True, deadline=60),
                 "gated": HandlerSpec(self._gated, lane="runtime", idempotent=True, deadline=60),
-                "gated_unsafe": HandlerSpec(self._gated, lane="runtime", idempotent=False, deadline=60),
-                "deploy_workload": HandlerSpec(self._gated, lane="runtime", idempotent=True, deadline=60,
-                                               blocked_by_maintenance=True, blocked_by_draining=True),
-                "fetch_container_logs": HandlerSpec(self._logs, lane="read", idempotent=True, deadline=30),
+                "gated_unsafe": HandlerSpec(
+                    self._gated, lane="runtime", idempotent=False, deadline=60
+                ),
+                "deploy_workload": HandlerSpec(
+                    self._gated,
+                    lane="runtime",
+                    idempotent=True,
+                    deadline=60,
+                    blocked_by_maintenance=True,
+                    blocked_by_draining=True,
+                ),
+                "fetch_container_logs": HandlerSpec(
+                    self._logs, lane="read", idempotent=True, deadline=30
+                ),
                 "boom": HandlerSpec(self._boom, lane="runtime", idempotent=True, deadline=60),
                 "fails": HandlerSpec(self._fails, lane="runtime", idempotent=True, deadline=60),
             }
         )
         self.pipeline = CommandPipeline(
-            self.clock, self.session, self.journal, registry, self.modes, self.outbox,
-            credential=self.session.credential, max_concurrent=kw.get("max_concurrent", 8),
-            max_age=kw.get("max_age", 0.0), wallclock=self.clock.seconds,
+            self.clock,
+            self.session,
+            self.journal,
+            registry,
+            self.modes,
+            self.outbox,
+            credential=self.session.credential,
+            max_concurrent=kw.get("max_concurrent", 8),
+            max_age=kw.get("max_age", 0.0),
+            wallclock=self.clock.seconds,
         )
         self.pipeline.startService()
 
@@ -129,7 +152,9 @@ class ReceiptTests(SynchronousTestCase):
         h = Harness(self)
         c = command("noop")
         h.deliver(c)
-        self.assertEqual(h.kinds_for(c["id"]), ["command_ack", "command_progress", "command_result"])
+        self.assertEqual(
+            h.kinds_for(c["id"]), ["command_ack", "command_progress", "command_result"]
+        )
         result = h.frames_for(c["id"])[-1]
         self.assertTrue(result["success"])
         self.assertEqual(result["result"], {"ok": True})
@@ -255,7 +280,9 @@ class BadCommandTests(SynchronousTestCase):
         c = command("fails")
         h.deliver(c)
         result = h.frames_for(c["id"])[-1]
-        self.assertEqual((result["error_code"], result["error_message"]), ("runtime_error", "the thing failed"))
+        self.assertEqual(
+            (result["error_code"], result["error_message"]), ("runtime_error", "the thing failed")
+        )
 
     def test_signature(self) -> None:
         """A present signature is verified: right runs, wrong gets signature_invalid."""
@@ -352,7 +379,7 @@ class DeliveryTests(SynchronousTestCase):
         h.pipeline.session_opened()
         kinds = h.kinds_for(c["id"])
         self.assertEqual(kinds.count("command_result"), 2)
-        self.assertNotIn("command_ack", kinds[kinds.index("command_result"):])
+        self.assertNotIn("command_ack", kinds[kinds.index("command_result") :])
         self.assertEqual(h.journal.get(c["id"]).state, DELIVERED)
 
     def test_result_while_disconnected(self) -> None:
@@ -457,7 +484,13 @@ class NodeCommandTests(SynchronousTestCase):
     def test_maintenance_values(self) -> None:
         """enabled accepts booleans and "true"/"false"/"1"/"0"; anything else is invalid_command."""
         h = Harness(self)
-        for value, expected in [(True, True), ("false", False), ("1", True), ("0", False), (False, False)]:
+        for value, expected in [
+            (True, True),
+            ("false", False),
+            ("1", True),
+            ("0", False),
+            (False, False),
+        ]:
             c = command("set_maintenance_mode", {"enabled": value})
             h.deliver(c)
             self.assertEqual(h.frames_for(c["id"])[-1]["result"], {"maintenance_mode": expected})
@@ -492,7 +525,9 @@ class NodeCommandTests(SynchronousTestCase):
         h = Harness(self)
         c = command("refresh_inventory")
         h.deliver(c)
-        kinds = [f["type"] for f in h.session.frames if f["type"] in ("inventory", "command_result")]
+        kinds = [
+            f["type"] for f in h.session.frames if f["type"] in ("inventory", "command_result")
+        ]
         self.assertEqual(kinds, ["inventory", "command_result"])
 
     def test_profile_flat_and_wrapped(self) -> None:
@@ -518,3 +553,26 @@ class NodeCommandTests(SynchronousTestCase):
         c = command("collect_diagnostics")
         h.deliver(c)
         self.assertIsInstance(h.frames_for(c["id"])[-1]["result"]["agent"], dict)
+
+
+class StaleListTests(SynchronousTestCase):
+    def test_listed_again_before_ack_processed(self) -> None:
+        """A command listed again on the same connection (stale list) is not acked twice."""
+        h = Harness(self)
+        h.session.auto_confirm = False
+        c = command("gated", {"runtime_id": "r"})
+        for _ in range(5):
+            h.deliver(c)
+        self.assertEqual(h.kinds_for(c["id"]).count("command_ack"), 1)
+
+    def test_reack_after_reconnect(self) -> None:
+        """An ack not confirmed before a disconnect is sent again after the reconnect."""
+        h = Harness(self)
+        h.session.auto_confirm = False
+        c = command("gated", {"runtime_id": "r"})
+        h.deliver(c)
+        h.session.disconnect()
+        h.pipeline.session_closed()
+        h.session.connected = True
+        h.pipeline.session_opened()
+        self.assertEqual(h.kinds_for(c["id"]).count("command_ack"), 2)

@@ -127,6 +127,9 @@ class CommandPipeline(Service):
         self._tasks: set[Deferred[Any]] = set()
         self._delivering: set[str] = set()
         self._receiving: set[str] = set()
+        # Acks sent on the current connection: the backend's lists can be stale for a few
+        # frames after an ack, so a listed command is re-acked only after a reconnect.
+        self._acked_here: set[str] = set()
         self._stopping = False
         self._unknown_frame_types: set[str] = set()
         self.stats = {"received": 0, "duplicates": 0, "malformed": 0, "succeeded": 0, "failed": 0,
@@ -212,6 +215,7 @@ class CommandPipeline(Service):
 
     def session_closed(self) -> None:
         self._delivering.clear()
+        self._acked_here.clear()
 
     def frame_received(self, frame: dict[str, Any]) -> None:
         kind = frame.get("type")
@@ -427,7 +431,7 @@ class CommandPipeline(Service):
     # -- frames ----------------------------------------------------------------------------
 
     def _send_ack(self, rec: JournalRecord) -> None:
-        if rec.finished:
+        if rec.finished or rec.id in self._acked_here:
             return
         frame = {
             "type": "command_ack",
@@ -437,6 +441,7 @@ class CommandPipeline(Service):
         }
         if not self.session.send(frame):
             return
+        self._acked_here.add(rec.id)
         confirm = self.session.confirm()
         if confirm is None:
             return
