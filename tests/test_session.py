@@ -341,3 +341,13 @@ class SessionServiceTests(SynchronousTestCase):
         self.backend.rotations[0].errback(Transient("no answer within 10 s"))
         self.assertFalse(self.successResultOf(d))
         self.assertEqual(self.state.credential, CRED)
+    def test_previous_credential_tried_once(self) -> None:
+        """After a rotation whose new credential is refused, the previous one is tried once."""
+        svc = self.make(credential=CRED)
+        self.successResultOf(self.state.update(previous_credential="old.cred"))
+        svc.startService()
+        self.refuse(svc, 1, 1)
+        self.assertEqual(self.state.credential, "old.cred")
+        self.assertEqual(self.state.get("previous_credential"), CRED)
+        self.refuse(svc, 1, 1)
+        self.assertEqual(self.state.credential, "old.cred")

@@ -142,6 +142,11 @@ class SessionService(Service):
         self._refusals = 0
         self._first_refusal_at: float | None = None
         self._revoked = False
+        self._swapped = False
+        # When repeated refusals mean "revoked" (instance attributes so tests can shorten them).
+        self.revoked_after_refusals = REVOKED_AFTER_REFUSALS
+        self.revoked_after_seconds = REVOKED_AFTER_SECONDS
+        self.revoked_retry_seconds = REVOKED_RETRY_SECONDS
         self._starting: Deferred[None] | None = None
         self._stopping = False
         self._rotating = False
@@ -302,7 +307,7 @@ class SessionService(Service):
 
         def policy(attempt: int) -> float:
             if self._revoked:
-                return REVOKED_RETRY_SECONDS
+                return self.revoked_retry_seconds
             return base_policy(attempt)
 
         self._policy = policy
@@ -326,6 +331,7 @@ class SessionService(Service):
         self.stats.last_open_at = self._wallclock()
         self._refusals = 0
         self._first_refusal_at = None
+        self._swapped = False
         if self._revoked:
             self._revoked = False
         self._last_sent_at = self._reactor.seconds()
@@ -401,10 +407,26 @@ class SessionService(Service):
             return
         now = self._reactor.seconds()
         self._refusals += 1
+        previous = self.state.get("previous_credential")
+        if (
+            not self._swapped
+            and isinstance(previous, str)
+            and previous
+            and previous != self.state.credential
+        ):
+            # After a rotation in doubt (or a re-enrollment) the other credential may be the
+            # valid one: try it once before counting towards "revoked".
+            self._swapped = True
+            self.log.warn(
+                "The backend refused the current credential (HTTP {status}); trying the previous one",
+                status=http_status,
+            )
+            self.state.update(credential=previous, previous_credential=self.state.credential)
+            return
         if self._first_refusal_at is None:
             self._first_refusal_at = now
         span = now - self._first_refusal_at
-        if self._refusals >= REVOKED_AFTER_REFUSALS and span >= REVOKED_AFTER_SECONDS:
+        if self._refusals >= self.revoked_after_refusals and span >= self.revoked_after_seconds:
             self._credential_revoked()
         else:
             self.log.warn(
@@ -434,7 +456,7 @@ class SessionService(Service):
             "LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN, then restart the agent. Retrying every {every:.0f} s.",
             n=self._refusals,
             help=TOKEN_HELP,
-            every=REVOKED_RETRY_SECONDS,
+            every=self.revoked_retry_seconds,
         )
 
     # -- sending ---------------------------------------------------------------------------
