@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
@@ -132,6 +132,8 @@ class InventoryReporter(Service):
         d.addTimeout(INVENTORY_TIMEOUT, self._reactor)
 
         def failed(f: Any) -> bool:
+            if f.check(CancelledError) and not self.running:
+                return False
             self.last_error = f.getErrorMessage() or f.type.__name__
             self.log.failure("Inventory collection failed", failure=f)
             return False

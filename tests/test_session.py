@@ -179,6 +179,7 @@ class FakeProto:
         self.frames_sent = 0
         self.sent: list[dict[str, Any]] = []
         self.is_closed: Deferred[None] = succeed(None)
+        self.can_send = True
 
     def sendClose(self, code: int, reason: str) -> None:
         self.close = (code, reason)

@@ -106,6 +106,11 @@ class AgentClientProtocol(WebSocketClientProtocol):
             return
         self.factory.session.frame_received(self, frame)
 
+    @property
+    def can_send(self) -> bool:
+        """True while frames can be sent (open, not closing)."""
+        return self.state == WebSocketClientProtocol.STATE_OPEN
+
     # -- outbound --------------------------------------------------------------------------
 
     def send_frame(self, frame: dict[str, Any]) -> int:

@@ -15,9 +15,10 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from attrs import define, field
+from autobahn.exception import Disconnected
 from twisted.application.internet import ClientService
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -143,6 +144,7 @@ class SessionService(Service):
         self._first_refusal_at: float | None = None
         self._revoked = False
         self._swapped = False
+        self._sleeping: Deferred[None] | None = None
         # When repeated refusals mean "revoked" (instance attributes so tests can shorten them).
         self.revoked_after_refusals = REVOKED_AFTER_REFUSALS
         self.revoked_after_seconds = REVOKED_AFTER_SECONDS
@@ -245,7 +247,10 @@ class SessionService(Service):
                         error=str(e),
                         delay=delay,
                     )
-                    await self._sleep(delay)
+                    try:
+                        await self._sleep(delay)
+                    except CancelledError:
+                        return False
                     continue
                 previous = self.state.credential
                 used = list(self.state.get("used_tokens", []))[-19:] + [token_fingerprint(token)]
@@ -278,9 +283,17 @@ class SessionService(Service):
         await self.state.update(used_tokens=used)
 
     def _sleep(self, seconds: float) -> Deferred[None]:
+        """A cancellable pause; C{stopService} cancels it."""
         from twisted.internet.task import deferLater
 
-        return deferLater(self._reactor, seconds, lambda: None)
+        d = deferLater(self._reactor, seconds, lambda: None)
+        self._sleeping = d
+
+        def done(result: Any) -> Any:
+            self._sleeping = None
+            return result
+
+        return d.addBoth(done)
 
     def _connect(self) -> None:
         url = stream_url(self.config.backend_url)
@@ -464,10 +477,12 @@ class SessionService(Service):
     def send(self, frame: dict[str, Any]) -> bool:
         """Send one frame now if connected (C{seq} is set here). False when not connected."""
         proto = self.proto
-        if proto is None:
+        if proto is None or not proto.can_send:
             return False
         try:
             proto.send_frame(frame)
+        except Disconnected:
+            return False
         except Exception:
             self.log.failure("Could not send a {type} frame", type=frame.get("type"))
             return False
@@ -476,7 +491,13 @@ class SessionService(Service):
 
     def confirm(self) -> Deferred[None] | None:
         """Fires when all frames sent so far reached the backend; None when disconnected."""
-        return self.proto.confirm() if self.proto is not None else None
+        proto = self.proto
+        if proto is None or not proto.can_send:
+            return None
+        try:
+            return proto.confirm()
+        except Disconnected:
+            return None
 
     def _poll_tick(self) -> None:
         if self.proto is None:
@@ -547,6 +568,8 @@ class SessionService(Service):
     def stopService(self) -> Deferred[None]:
         super().stopService()
         self._stopping = True
+        if self._sleeping is not None:
+            self._sleeping.cancel()
         for loop_name in ("_poll", "_rotation_loop"):
             loop = getattr(self, loop_name)
             if loop is not None and loop.running:

@@ -1,0 +1,178 @@
+"""
+Integration: a real agent against the real stand-in backend over loopback sockets.
+
+Enrollment, heartbeat and inventory through the admin API, backend restart, 403 with and without
+a token, idle close, TLS with a private CA, bad inbound frames.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import treq
+from twisted.internet import reactor
+from twisted.internet.task import deferLater
+
+from llmport_agent.devbackend import make_test_tls
+from llmport_agent.session.service import EXIT_NEEDS_OPERATOR
+from tests.agentharness import AgentTestCase
+
+
+def sleep(seconds: float) -> object:
+    return deferLater(reactor, seconds, lambda: None)
+
+
+class EnrollConnectTests(AgentTestCase):
+    async def test_enroll_heartbeat_inventory_via_admin_api(self) -> None:
+        """The agent enrolls, connects, and its heartbeat and inventory show in the admin API."""
+        backend = await self.start_backend()
+        agent = self.start_agent(backend)
+        node_id = await self.wait_connected(backend, agent)
+        await backend.wait_for(lambda: backend.latest_inventory(node_id) is not None)
+        response = await treq.get(f"{backend.url}/dev/nodes/{node_id}", persistent=False)
+        node = json.loads(await response.content())
+        self.assertEqual(node["status"], "healthy")
+        self.assertEqual(node["version"], agent.session.version)
+        response = await treq.get(f"{backend.url}/dev/nodes/{node_id}/inventory", persistent=False)
+        inv = json.loads(await response.content())
+        body = inv.get("inventory", inv)
+        self.assertIn("gpu_count", json.dumps(body))
+        with open(agent.state.path) as f:
+            stored = json.load(f)
+        self.assertEqual(stored["node_id"], node_id)
+        self.assertEqual(os.stat(agent.state.path).st_mode & 0o777, 0o600)
+
+    async def test_clean_stop_closes_1000(self) -> None:
+        """Stopping the agent closes the stream cleanly; the backend marks the node offline."""
+        backend = await self.start_backend()
+        agent = self.start_agent(backend)
+        node_id = await self.wait_connected(backend, agent)
+        await agent.stopService()
+        await backend.wait_for(lambda: backend.connection_count(node_id) == 0)
+        self.assertEqual(backend.node(node_id)["status"], "offline")
+        self.assertTrue(agent.session.stats.last_close["clean"])
+
+    async def test_rejected_token_exits_needs_operator(self) -> None:
+        """A used/invalid token stops the agent with the dedicated status and a clear message."""
+        backend = await self.start_backend()
+        fatal: list[tuple[int, str]] = []
+        self.start_agent(backend, ENROLLMENT_TOKEN="x" * 32, fatal=fatal)
+        await backend.wait_for(lambda: bool(fatal))
+        self.assertEqual(fatal[0][0], EXIT_NEEDS_OPERATOR)
+        self.assertIn("rejected", fatal[0][1])
+        self.assertNotIn("x" * 32, fatal[0][1])
+
+
+class FaultTests(AgentTestCase):
+    async def test_backend_restart_reconnects(self) -> None:
+        """The backend stops and restarts on the same port; the agent reconnects within the backoff bounds."""
+        backend = await self.start_backend()
+        agent = self.start_agent(backend)
+        node_id = await self.wait_connected(backend, agent)
+        port = backend.port
+        await backend.stop()
+        await sleep(1.0)
+        self.assertFalse(agent.session.connected)
+        await backend.listen(port, "127.0.0.1")
+        restarted = reactor.seconds()
+        await backend.wait_for(lambda: backend.connection_count(node_id) == 1, 10)
+        # RECONNECT_MAX_SEC is 1: one retry period plus connect time.
+        self.assertLess(reactor.seconds() - restarted, 3.0)
+
+    async def test_network_cut_reconnects(self) -> None:
+        """A cut TCP connection is detected and the agent reconnects; heartbeat follows at once."""
+        backend = await self.start_backend()
+        agent = self.start_agent(backend)
+        node_id = await self.wait_connected(backend, agent)
+        opens = agent.session.stats.opens
+        beats = agent.heartbeat.sent
+        backend.drop_connections(node_id)
+        await backend.wait_for(lambda: agent.session.stats.opens > opens, 10)
+        await backend.wait_for(lambda: agent.heartbeat.sent > beats)
+
+    async def test_403_without_token_keeps_retrying(self) -> None:
+        """A revoked credential: retries, then one clear line per attempt; no exit, credential kept."""
+        backend = await self.start_backend()
+        agent = self.start_agent(backend)
+        node_id = await self.wait_connected(backend, agent)
+        agent.session.revoked_after_refusals = 3
+        agent.session.revoked_after_seconds = 0.5
+        agent.session.revoked_retry_seconds = 0.5
+        cred = agent.state.credential
+        backend.revoke_credentials(node_id)
+        backend.drop_connections(node_id)
+        await backend.wait_for(lambda: agent.session._revoked, 20)
+        self.assertEqual(agent.state.credential, cred)
+        self.assertIsNone(agent.exit_status)
+        self.assertGreaterEqual(agent.session.stats.refused, 3)
+
+    async def test_403_with_fresh_token_reenrolls(self) -> None:
+        """A deleted node with an unused token configured re-enrolls and reconnects."""
+        backend = await self.start_backend()
+        state_dir = self.mktemp()
+        agent = self.start_agent(backend, state_dir=state_dir)
+        node_id = await self.wait_connected(backend, agent)
+        await agent.stopService()
+        backend.revoke_credentials(node_id)
+        fresh = backend.mint_token("re-enroll")["token"]
+        agent2 = self.start_agent(backend, state_dir=state_dir, ENROLLMENT_TOKEN=fresh,
+                                  AGENT_ID=agent.config.agent_id)
+        agent2.session.revoked_after_refusals = 2
+        agent2.session.revoked_after_seconds = 0.3
+        await backend.wait_for(lambda: agent2.session.stats.enrollments == 1, 20)
+        node2 = await self.wait_connected(backend, agent2)
+        self.assertEqual(node2, node_id)  # same agent id reuses the node row
+
+    async def test_idle_close_4408_reconnects(self) -> None:
+        """A backend idle timeout (4408) closes the stream; the agent reconnects."""
+        backend = await self.start_backend(idle_timeout=1.0)
+        agent = self.start_agent(backend, COMMAND_POLL_INTERVAL_SEC="30", HEARTBEAT_INTERVAL_SEC="30")
+        node_id = await self.wait_connected(backend, agent)
+        await backend.wait_for(lambda: agent.session.stats.last_close.get("code") == 4408, 10)
+        await backend.wait_for(lambda: backend.connection_count(node_id) == 1, 10)
+
+    async def test_bad_inbound_frames(self) -> None:
+        """Non-JSON, a list, binary, unknown type, garbage commands: logged, nothing breaks."""
+        backend = await self.start_backend()
+        agent = self.start_agent(backend)
+        node_id = await self.wait_connected(backend, agent)
+        proto = next(iter(backend._streams[node_id]))
+        for payload, binary in [
+            (b"not json", False), (b"[1,2,3]", False), (b"\x00\xff", True),
+            (b'{"type":"surprise"}', False), (b'{"type":"commands","items":"nope"}', False),
+            (b'{"type":"commands","items":[1,"x",{"id":"not-uuid"},null]}', False),
+            (b"x" * (9 * 1024 * 1024), False),
+        ]:
+            proto.sendMessage(payload, isBinary=binary)
+        await sleep(1.0)
+        self.assertTrue(agent.session.connected)
+        self.assertEqual(backend.connection_count(node_id), 1)
+        cmd = backend.issue_command(node_id, "refresh_inventory", {})
+        await backend.wait_for(lambda: backend.command(cmd["id"])["status"] == "succeeded")
+
+
+class TLSTests(AgentTestCase):
+    async def _tls_backend(self) -> tuple[object, str]:
+        from llmport_agent.devbackend import DevBackend
+
+        tls = make_test_tls(self.mktemp())
+        backend = DevBackend(reactor)
+        await backend.listen(0, "127.0.0.1", tls=tls)
+        self.addCleanup(backend.stop)
+        return backend, tls.ca_pem
+
+    async def test_tls_with_ca_bundle(self) -> None:
+        """With CA_BUNDLE naming the private CA, enrollment and the wss stream work."""
+        backend, ca = await self._tls_backend()
+        self.assertTrue(backend.url.startswith("https://"))
+        agent = self.start_agent(backend, CA_BUNDLE=ca)
+        await self.wait_connected(backend, agent)
+
+    async def test_tls_refused_without_ca(self) -> None:
+        """Without the CA the certificate is refused: no enrollment happens."""
+        backend, ca = await self._tls_backend()
+        agent = self.start_agent(backend)
+        await sleep(2.0)
+        self.assertIsNone(agent.session.node_id)
+        self.assertEqual(backend.nodes(), [])
