@@ -137,7 +137,7 @@ class FaultTests(AgentTestCase):
         backend = await self.start_backend()
         agent = self.start_agent(backend)
         node_id = await self.wait_connected(backend, agent)
-        proto = next(iter(backend._streams[node_id]))
+        proto = next(iter(backend.streams(node_id)))
         for payload, binary in [
             (b"not json", False), (b"[1,2,3]", False), (b"\x00\xff", True),
             (b'{"type":"surprise"}', False), (b'{"type":"commands","items":"nope"}', False),

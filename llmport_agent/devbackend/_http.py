@@ -1,0 +1,524 @@
+"""
+The stand-in backend's HTTP side: enrollment, rotation, image transfer, the dev admin API.
+
+Error bodies are shaped like the real backend's (FastAPI): C{{"detail": "..."}} for
+HTTP errors, C{{"detail": [{"type", "loc", "msg", "input"}, ...]}} for 422 validation errors,
+a plain-text C{Internal Server Error} for 500.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IPushProducer
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
+from zope.interface import implementer
+
+from llmport_agent.devbackend._state import AuthError, EnrollRejected, StoreFailure
+
+if TYPE_CHECKING:
+    from llmport_agent.devbackend.backend import DevBackend, ImageEntry
+
+#: Image references the real backend accepts for transfer (protocol 4.4).
+IMAGE_REF = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9._/-]*(?::[a-zA-Z0-9._-]+)?")
+
+_CHUNK = 64 * 1024
+_REDACTED = "<redacted>"
+
+
+def json_response(request: Request, code: int, body: Any) -> bytes:
+    """Set C{code} and a JSON content type on C{request}; return the encoded C{body}."""
+    request.setResponseCode(code)
+    request.setHeader(b"content-type", b"application/json")
+    return json.dumps(body).encode("utf-8")
+
+
+def _internal_error(request: Request) -> bytes:
+    request.setResponseCode(500)
+    request.setHeader(b"content-type", b"text/plain; charset=utf-8")
+    return b"Internal Server Error"
+
+
+def _header(request: Request, name: bytes) -> str | None:
+    value = request.getHeader(name)
+    if value is None:
+        return None
+    return value.decode("latin-1") if isinstance(value, bytes) else str(value)
+
+
+def _query(request: Request, name: bytes) -> str | None:
+    values = (request.args or {}).get(name)
+    if not values:
+        return None
+    return values[-1].decode("utf-8", "replace")
+
+
+def _redact(body: Any) -> Any:
+    """The request body as echoed in a 422 error, without the enrollment token."""
+    if isinstance(body, dict) and "enrollment_token" in body:
+        return {**body, "enrollment_token": _REDACTED}
+    return body
+
+
+def _is_json_type(content_type: str) -> bool:
+    main = content_type.split(";", 1)[0].strip().lower()
+    kind, _, sub = main.partition("/")
+    return kind == "application" and (sub == "json" or sub.endswith("+json"))
+
+
+def read_json_body(request: Request) -> tuple[Any, list[dict[str, Any]]]:
+    """
+    Read a request body the way FastAPI does for a model parameter.
+
+    @return: C{(body, errors)}; C{errors} is a non-empty pydantic-style list when the body is
+        missing, not JSON, or sent with a non-JSON content type.
+    """
+    raw = request.content.read() if request.content is not None else b""
+    content_type = _header(request, b"content-type")
+    if content_type is not None and not _is_json_type(content_type):
+        text = raw.decode("utf-8", "replace")
+        return text, [
+            {
+                "type": "model_attributes_type",
+                "loc": ["body"],
+                "msg": "Input should be a valid dictionary or object to extract fields from",
+                "input": text,
+            }
+        ]
+    if not raw:
+        return None, [{"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}]
+    try:
+        return json.loads(raw), []
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        pos = getattr(e, "pos", 0)
+        reason = getattr(e, "msg", "invalid encoding")
+        return None, [
+            {
+                "type": "json_invalid",
+                "loc": ["body", pos],
+                "msg": "JSON decode error",
+                "input": {},
+                "ctx": {"error": reason},
+            }
+        ]
+
+
+def validate_model(
+    body: Any, fields: dict[str, tuple[str, bool]]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """
+    A small pydantic stand-in. C{fields} maps a name to C{(kind, required)} where kind is
+    C{str}, C{str?} (string or null), C{dict} or C{any}.
+    """
+    if not isinstance(body, dict):
+        return {}, [
+            {
+                "type": "model_attributes_type",
+                "loc": ["body"],
+                "msg": "Input should be a valid dictionary or object to extract fields from",
+                "input": _redact(body),
+            }
+        ]
+    errors: list[dict[str, Any]] = []
+    out: dict[str, Any] = {}
+    for name, (kind, required) in fields.items():
+        if name not in body:
+            if required:
+                errors.append(
+                    {
+                        "type": "missing",
+                        "loc": ["body", name],
+                        "msg": "Field required",
+                        "input": _redact(body),
+                    }
+                )
+            continue
+        value = body[name]
+        shown = _REDACTED if name == "enrollment_token" else value
+        if kind == "str" or (kind == "str?" and value is not None):
+            if not isinstance(value, str):
+                errors.append(
+                    {
+                        "type": "string_type",
+                        "loc": ["body", name],
+                        "msg": "Input should be a valid string",
+                        "input": shown,
+                    }
+                )
+                continue
+        elif kind == "dict" and not isinstance(value, dict):
+            errors.append(
+                {
+                    "type": "dict_type",
+                    "loc": ["body", name],
+                    "msg": "Input should be a valid dictionary",
+                    "input": value,
+                }
+            )
+            continue
+        out[name] = value
+    return out, errors
+
+
+class JsonResource(Resource):
+    """
+    A resource whose unknown children and unsupported methods answer like FastAPI:
+    C{404 {"detail": "Not Found"}} and C{405 {"detail": "Method Not Allowed"}}.
+    """
+
+    def getChild(self, path: bytes, request: Request) -> Resource:
+        return NotFound()
+
+    def render(self, request: Request) -> bytes | int:
+        method = request.method.decode("ascii", "replace") if request.method else ""
+        handler = getattr(self, f"render_{method}", None)
+        if handler is None:
+            return json_response(request, 405, {"detail": "Method Not Allowed"})
+        result: bytes | int = handler(request)
+        return result
+
+
+class NotFound(JsonResource):
+    """Every path below answers 404."""
+
+    isLeaf = True
+
+    def render(self, request: Request) -> bytes:
+        return json_response(request, 404, {"detail": "Not Found"})
+
+
+def _admin_allowed(backend: DevBackend, request: Request) -> bool:
+    expected = backend.admin_token
+    if expected is None:
+        return True
+    return _header(request, b"authorization") == f"Bearer {expected}"
+
+
+class TokensResource(JsonResource):
+    """C{POST .../nodes/enrollment-tokens} (dev: no user auth unless an admin token is set)."""
+
+    isLeaf = True
+
+    def __init__(self, backend: DevBackend) -> None:
+        super().__init__()
+        self._backend = backend
+
+    def render_POST(self, request: Request) -> bytes:
+        if not _admin_allowed(self._backend, request):
+            return json_response(request, 401, {"detail": "Not authenticated"})
+        raw = request.content.read() if request.content is not None else b""
+        note: Any = None
+        if raw.strip():
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError):
+                return json_response(
+                    request,
+                    422,
+                    {"detail": [{"type": "json_invalid", "loc": ["body"], "msg": "JSON decode error"}]},
+                )
+            values, errors = validate_model(body, {"note": ("str?", False)})
+            if errors:
+                return json_response(request, 422, {"detail": errors})
+            note = values.get("note")
+        return json_response(request, 200, self._backend.mint_token(note))
+
+
+class EnrollResource(JsonResource):
+    """C{POST .../nodes/enroll} (protocol 1)."""
+
+    isLeaf = True
+    log = Logger()
+
+    _FIELDS = {
+        "enrollment_token": ("str", True),
+        "agent_id": ("str", True),
+        "host": ("str?", False),
+        "capabilities": ("dict", False),
+        "version": ("str?", False),
+    }
+
+    def __init__(self, backend: DevBackend) -> None:
+        super().__init__()
+        self._backend = backend
+
+    def render_POST(self, request: Request) -> bytes:
+        body, errors = read_json_body(request)
+        if errors:
+            return json_response(request, 422, {"detail": errors})
+        values, errors = validate_model(body, self._FIELDS)
+        if errors:
+            return json_response(request, 422, {"detail": errors})
+        forwarded = _header(request, b"x-forwarded-for")
+        if forwarded and forwarded.split(",")[0].strip():
+            caller = forwarded.split(",")[0].strip()
+        else:
+            peer = request.getClientAddress()
+            caller = str(getattr(peer, "host", "") or "")
+        try:
+            reply = self._backend.state.enroll(
+                values["enrollment_token"],
+                values["agent_id"],
+                values.get("host"),
+                values.get("capabilities", {}),
+                values.get("version"),
+                caller,
+            )
+        except EnrollRejected as e:
+            return json_response(request, 401, {"detail": e.detail})
+        except StoreFailure as e:
+            self.log.warn("devbackend: enrollment insert fails: {why}", why=str(e))
+            return _internal_error(request)
+        return json_response(request, 200, reply)
+
+
+class RotateResource(JsonResource):
+    """
+    C{POST .../nodes/credentials/rotate} (protocol 2): revoke the presented credential at
+    once, then reply (or, with C{faults.lose_rotate_reply}, abort without a reply).
+    """
+
+    isLeaf = True
+    log = Logger()
+
+    def __init__(self, backend: DevBackend) -> None:
+        super().__init__()
+        self._backend = backend
+
+    def render_POST(self, request: Request) -> bytes | int:
+        try:
+            _node, record = self._backend.state.authenticate(_header(request, b"authorization"))
+        except AuthError as e:
+            return json_response(request, 401, {"detail": e.detail})
+        reply = self._backend.state.rotate(record)
+        if self._backend.faults.lose_rotate_reply:
+            self.log.info("devbackend fault: rotate reply lost for node {node_id}",
+                          node_id=reply["node_id"])
+            assert request.channel is not None
+            transport = request.channel.transport
+            if transport is not None:
+                transport.abortConnection()
+            return NOT_DONE_YET
+        return json_response(request, 200, reply)
+
+
+@implementer(IPushProducer)
+class _Pacer:
+    """Flow control for a streamed response: pauses while the peer is slow."""
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.stopped = False
+        self._waiter: Deferred[None] | None = None
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        self._wake()
+
+    def stopProducing(self) -> None:
+        self.stopped = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.callback(None)
+
+    async def ready(self) -> None:
+        while self.paused and not self.stopped:
+            self._waiter = Deferred()
+            await self._waiter
+
+
+class ImageSaveResource(JsonResource):
+    """
+    C{GET .../api/node-files/images/save?image=&tag=} (protocol 4.4): a registered
+    C{docker save} tar, chunked, without Content-Length, file reads off the reactor.
+    """
+
+    isLeaf = True
+    log = Logger()
+
+    def __init__(self, backend: DevBackend) -> None:
+        super().__init__()
+        self._backend = backend
+
+    def render_GET(self, request: Request) -> bytes | int:
+        try:
+            self._backend.state.authenticate(_header(request, b"authorization"))
+        except AuthError as e:
+            return json_response(request, 401, {"detail": e.detail})
+        image = _query(request, b"image")
+        if image is None:
+            return json_response(
+                request,
+                422,
+                {"detail": [{"type": "missing", "loc": ["query", "image"],
+                             "msg": "Field required", "input": None}]},
+            )
+        tag = _query(request, b"tag")
+        reference = f"{image}:{tag if tag is not None else 'latest'}"
+        if IMAGE_REF.fullmatch(reference) is None:
+            return json_response(
+                request, 400, {"detail": f"Invalid image reference: {reference!r}"}
+            )
+        entry = self._backend.images.get(reference)
+        if entry is None:
+            return json_response(request, 404, {"detail": f"Image {reference} not found."})
+        request.setResponseCode(200)
+        request.setHeader(b"content-type", b"application/x-tar")
+        if entry.image_size is not None:
+            request.setHeader(b"x-image-size", str(entry.image_size).encode("ascii"))
+        d = Deferred.fromCoroutine(self._stream(request, entry))
+        self._backend.track(d)
+
+        def _failed(f: Failure) -> None:
+            self.log.failure("devbackend: image stream failed", failure=f)
+
+        d.addErrback(_failed)
+        return NOT_DONE_YET
+
+    async def _stream(self, request: Request, entry: ImageEntry) -> None:
+        runner = self._backend.runner
+        pacer = _Pacer()
+        done = request.notifyFinish()
+        done.addErrback(lambda _f: pacer.stopProducing())
+        request.registerProducer(pacer, True)
+        limit = self._backend.faults.image_abort_after
+        sent = 0
+        handle = await runner.run(open, entry.tar_path, "rb")
+        try:
+            while not pacer.stopped:
+                want = _CHUNK if limit is None else min(_CHUNK, limit - sent)
+                chunk = await runner.run(handle.read, want) if want > 0 else b""
+                if pacer.stopped:
+                    return
+                if chunk:
+                    request.write(chunk)
+                    sent += len(chunk)
+                if limit is not None and sent >= limit:
+                    self.log.info("devbackend fault: image stream cut after {n} bytes", n=sent)
+                    request.unregisterProducer()
+                    transport: Any = request.channel.transport if request.channel else None
+                    if transport is not None:
+                        transport.loseConnection()
+                    return
+                if not chunk:
+                    request.unregisterProducer()
+                    request.finish()
+                    return
+                await pacer.ready()
+        finally:
+            await runner.run(handle.close)
+
+
+def _decode_path(request: Request) -> list[str]:
+    return [seg.decode("utf-8", "replace") for seg in (request.postpath or [])]
+
+
+class DevApiResource(JsonResource):
+    """
+    The dev admin API (JSON; for the demo and operators): nodes, inventories, events,
+    commands, timelines, runtimes.
+    """
+
+    isLeaf = True
+
+    def __init__(self, backend: DevBackend) -> None:
+        super().__init__()
+        self._backend = backend
+
+    def render_GET(self, request: Request) -> bytes:
+        if not _admin_allowed(self._backend, request):
+            return json_response(request, 401, {"detail": "Not authenticated"})
+        b = self._backend
+        path = [p for p in _decode_path(request) if p]
+        found: Any
+        routes: dict[tuple[str, int], Callable[[list[str]], Any]] = {
+            ("nodes", 1): lambda p: b.nodes(),
+            ("nodes", 2): lambda p: b.node(p[1]),
+            ("runtimes", 1): lambda p: b.runtimes(),
+            ("runtimes", 2): lambda p: b.runtime(p[1]),
+            ("commands", 1): lambda p: b.commands(),
+            ("commands", 2): lambda p: b.command(p[1]) if p[1] in b.state.commands else None,
+        }
+        sub_node: dict[str, Callable[[str], Any]] = {
+            "inventory": b.latest_inventory,
+            "inventories": b.inventories,
+            "events": b.events,
+            "commands": b.commands,
+            "frames": b.frames,
+            "anomalies": b.anomalies,
+        }
+        if not path:
+            return json_response(request, 404, {"detail": "Not Found"})
+        route = routes.get((path[0], len(path)))
+        if route is not None:
+            found = route(path)
+            if found is None:
+                return json_response(request, 404, {"detail": "Not Found"})
+            return json_response(request, 200, found)
+        if len(path) == 3 and path[0] == "nodes" and path[2] in sub_node:
+            if b.node(path[1]) is None:
+                return json_response(request, 404, {"detail": "Node not found"})
+            return json_response(request, 200, sub_node[path[2]](path[1]))
+        if len(path) == 3 and path[0] == "commands" and path[2] == "timeline":
+            if path[1] not in b.state.commands:
+                return json_response(request, 404, {"detail": "Command not found"})
+            return json_response(request, 200, b.timeline(path[1]))
+        return json_response(request, 404, {"detail": "Not Found"})
+
+    def render_POST(self, request: Request) -> bytes:
+        if not _admin_allowed(self._backend, request):
+            return json_response(request, 401, {"detail": "Not authenticated"})
+        path = [p for p in _decode_path(request) if p]
+        if len(path) != 3 or path[0] != "nodes" or path[2] not in ("commands", "profile"):
+            return json_response(request, 404, {"detail": "Not Found"})
+        node_id = path[1]
+        if self._backend.node(node_id) is None:
+            return json_response(request, 404, {"detail": "Node not found"})
+        body, errors = read_json_body(request)
+        if errors:
+            return json_response(request, 422, {"detail": errors})
+        if path[2] == "profile":
+            if body is not None and not isinstance(body, dict):
+                return json_response(request, 422, {"detail": "profile must be an object or null"})
+            self._backend.set_profile(node_id, body)
+            return json_response(request, 200, self._backend.node(node_id))
+        values, errors = validate_model(
+            body,
+            {
+                "command_type": ("str", True),
+                "payload": ("dict", False),
+                "idempotency_key": ("str?", False),
+                "correlation_id": ("str?", False),
+                "timeout_sec": ("any", False),
+            },
+        )
+        timeout = values.get("timeout_sec")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int)):
+            errors.append(
+                {"type": "int_type", "loc": ["body", "timeout_sec"],
+                 "msg": "Input should be a valid integer", "input": timeout}
+            )
+        if errors:
+            return json_response(request, 422, {"detail": errors})
+        command = self._backend.issue_command(
+            node_id,
+            values["command_type"],
+            values.get("payload", {}),
+            idempotency_key=values.get("idempotency_key"),
+            correlation_id=values.get("correlation_id"),
+            timeout_sec=timeout,
+        )
+        return json_response(request, 200, command)

@@ -1,0 +1,904 @@
+"""
+The stand-in backend's tables and the node protocol's semantics, without any networking.
+
+Everything here runs on the reactor thread and never blocks. The behaviour follows
+C{protocol.md} (sections 1-7) including its quirks: no guard on the command state machine,
+field length limits that turn into a dropped connection, a node that stays C{offline} until
+its first heartbeat, runtimes that go to C{error} when their node goes offline.
+
+Secrets: enrollment tokens and credential secrets are kept only as SHA-256 hashes.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import hmac
+import ipaddress
+import secrets
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+from attrs import define, field
+from twisted.logger import Logger
+
+
+class Clock(Protocol):
+    """The time source the tables need (the reactor or a C{task.Clock})."""
+
+    def seconds(self) -> float: ...
+
+
+#: Marks a key of C{issue_command(raw_override=...)} to remove from the wire object.
+OMIT: Any = object()
+
+# Command statuses that still get dispatched.
+_PENDING = ("queued", "dispatched")
+# Runtime statuses that a node going offline turns into "error".
+_LIVE_RUNTIME = ("running", "starting", "creating")
+# Command types whose success sets the runtime running with the result's endpoint.
+_ENDPOINT_TYPES = ("deploy_workload", "start_workload", "restart_workload")
+_DEPLOY_PAYLOAD_TYPES = (
+    "deploy_workload",
+    "start_workload",
+    "restart_workload",
+    "update_workload",
+)
+_DEFAULT_TIMEOUTS = {"fetch_container_logs": 30}
+_MAX_DISPATCH = 50
+
+# Column sizes of the real database (protocol 1, 3.2, 6).
+AGENT_ID_MAX = 128
+VERSION_MAX = 64
+STATUS_MAX = 64
+ERROR_CODE_MAX = 128
+EVENT_TYPE_MAX = 128
+SEVERITY_MAX = 32
+CORRELATION_ID_MAX = 128
+
+
+class AuthError(Exception):
+    """A bearer credential was refused; C{detail} is the real backend's exact text."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class EnrollRejected(Exception):
+    """The enrollment token is unknown, expired or used (HTTP 401)."""
+
+    detail = "Enrollment token is invalid or expired."
+
+    def __init__(self) -> None:
+        super().__init__(self.detail)
+
+
+class StoreFailure(Exception):
+    """What would be a database error in the real backend (HTTP 500 / dropped stream)."""
+
+
+class FrameRejected(Exception):
+    """The real backend's stream handler would fail on this frame and drop the connection."""
+
+
+def hash_secret(secret: str) -> str:
+    """SHA-256 hex digest of a secret; the only form in which secrets are kept."""
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def is_ip_literal(value: object) -> bool:
+    """True when C{value} is a string holding an IPv4 or IPv6 address."""
+    if not isinstance(value, str):
+        return False
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
+def rewrite_endpoint(url: object, host: str | None) -> object:
+    """
+    Replace the host part of C{url} with C{host}, keeping scheme, port and path, as the real
+    backend does with endpoints reported by a node. Anything that is not a URL with a host
+    is returned unchanged.
+    """
+    if not isinstance(url, str) or not host:
+        return url
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return url
+    if not parts.scheme or not parts.hostname:
+        return url
+    shown = f"[{host}]" if ":" in host else host
+    netloc = shown if port is None else f"{shown}:{port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _db_str(frame_type: str, name: str, value: object, limit: int | None) -> str | None:
+    """
+    Check a value bound for a string column: C{None} passes, a string passes within
+    C{limit}; anything else breaks the real insert.
+
+    @raise FrameRejected: naming the field.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise FrameRejected(f"{frame_type}.{name} is not a string")
+    if limit is not None and len(value) > limit:
+        raise FrameRejected(f"{frame_type}.{name} is longer than {limit} characters")
+    return value
+
+
+def _command_uuid(frame_type: str, value: object) -> str | None:
+    """
+    The C{command_id} of a frame: C{None} when absent (the frame is ignored), the canonical
+    UUID string otherwise.
+
+    @raise FrameRejected: for a value that is not a UUID string (a database error in the
+        real backend).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise FrameRejected(f"{frame_type}.command_id is not a string")
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise FrameRejected(f"{frame_type}.command_id is not a UUID") from None
+
+
+@define
+class TokenRecord:
+    id: str
+    token_hash: str
+    note: str | None
+    created_at: float
+    expires_at: float
+    used_at: float | None = None
+
+
+@define
+class CredentialRecord:
+    id: str
+    node_id: str
+    secret_hash: str
+    created_at: float
+    revoked_at: float | None = None
+
+
+@define
+class NodeRecord:
+    id: str
+    agent_id: str
+    host: str
+    status: str
+    capabilities: Any
+    version: str | None
+    created_at: str
+    updated_at: str
+    last_seen: str | None = None
+    profile: dict[str, Any] | None = None
+    status_history: list[str] = field(factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(
+            {
+                "id": self.id,
+                "agent_id": self.agent_id,
+                "host": self.host,
+                "status": self.status,
+                "capabilities": self.capabilities,
+                "version": self.version,
+                "created_at": self.created_at,
+                "updated_at": self.updated_at,
+                "last_seen": self.last_seen,
+                "profile": self.profile,
+            }
+        )
+
+
+@define
+class CommandRecord:
+    id: str
+    node_id: str
+    command_type: str
+    status: str
+    correlation_id: str | None
+    idempotency_key: str
+    payload: Any
+    timeout_sec: int | None
+    issued_at: str
+    order: int
+    result: Any = None
+    error_code: str | None = None
+    error_message: str | None = None
+    dispatched_at: str | None = None
+    acked_at: str | None = None
+    started_at: str | None = None
+    completed_at: str | None = None
+    raw_override: dict[str, Any] | None = None
+    history: list[str] = field(factory=list)
+    timeline: list[dict[str, Any]] = field(factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The command object as the backend's API shows it (every field present)."""
+        return copy.deepcopy(
+            {
+                "id": self.id,
+                "node_id": self.node_id,
+                "command_type": self.command_type,
+                "status": self.status,
+                "correlation_id": self.correlation_id,
+                "idempotency_key": self.idempotency_key,
+                "payload": self.payload,
+                "result": self.result,
+                "timeout_sec": self.timeout_sec,
+                "error_code": self.error_code,
+                "error_message": self.error_message,
+                "issued_at": self.issued_at,
+                "dispatched_at": self.dispatched_at,
+                "acked_at": self.acked_at,
+                "started_at": self.started_at,
+                "completed_at": self.completed_at,
+            }
+        )
+
+    def wire(self) -> dict[str, Any]:
+        """The command object as sent on the stream, with C{raw_override} applied."""
+        out = self.to_dict()
+        for key, value in (self.raw_override or {}).items():
+            if value is OMIT:
+                out.pop(key, None)
+            else:
+                out[key] = copy.deepcopy(value)
+        return out
+
+
+@define
+class RuntimeRecord:
+    id: str
+    node_id: str | None
+    name: str | None
+    status: str
+    updated_at: str
+    endpoint_url: Any = None
+    error_message: str | None = None
+    health_message: str | None = None
+    history: list[str] = field(factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(
+            {
+                "id": self.id,
+                "node_id": self.node_id,
+                "name": self.name,
+                "status": self.status,
+                "endpoint_url": self.endpoint_url,
+                "error_message": self.error_message,
+                "health_message": self.health_message,
+                "updated_at": self.updated_at,
+                "history": self.history,
+            }
+        )
+
+
+class BackendState:
+    """
+    The stand-in's tables and the semantics of every node-facing operation.
+
+    @ivar anomalies: per node, notes about frames the real backend would accept silently
+        but that hint at an agent bug (unknown command ids, acks for foreign commands,
+        dropped connections and why). Tests read them through L{DevBackend.anomalies}.
+    """
+
+    log = Logger()
+
+    def __init__(self, clock: Clock, token_ttl: float = 1800.0) -> None:
+        self._clock = clock
+        self.token_ttl = token_ttl
+        self.tokens: dict[str, TokenRecord] = {}  # by token hash
+        self.credentials: dict[str, CredentialRecord] = {}
+        self.nodes: dict[str, NodeRecord] = {}
+        self.commands: dict[str, CommandRecord] = {}
+        self.runtimes: dict[str, RuntimeRecord] = {}
+        self.inventories: dict[str, list[dict[str, Any]]] = {}
+        self.events: dict[str, list[dict[str, Any]]] = {}
+        self.frames: dict[str, list[dict[str, Any]]] = {}
+        self.anomalies: dict[str, list[str]] = {}
+        self.sessions: dict[str, dict[str, Any]] = {}
+        self._order = 0
+
+    # -- time -------------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return self._clock.seconds()
+
+    def now_iso(self) -> str:
+        return datetime.fromtimestamp(self.now(), tz=UTC).isoformat()
+
+    def note(self, node_id: str, text: str) -> None:
+        """Record an anomaly for C{node_id} (see the class docstring)."""
+        self.anomalies.setdefault(node_id, []).append(text)
+        self.log.info("devbackend anomaly on node {node_id}: {text}", node_id=node_id, text=text)
+
+    # -- enrollment and credentials ---------------------------------------------------------
+
+    def mint_token(self, note: str | None = None) -> dict[str, Any]:
+        """Create a single-use enrollment token (32 url-safe characters)."""
+        token = secrets.token_urlsafe(24)
+        now = self.now()
+        record = TokenRecord(
+            id=str(uuid.uuid4()),
+            token_hash=hash_secret(token),
+            note=note,
+            created_at=now,
+            expires_at=now + self.token_ttl,
+        )
+        self.tokens[record.token_hash] = record
+        expires = datetime.fromtimestamp(record.expires_at, tz=UTC).isoformat()
+        return {"id": record.id, "token": token, "expires_at": expires, "note": note}
+
+    def _new_credential(self, node_id: str) -> str:
+        secret = secrets.token_urlsafe(32)
+        record = CredentialRecord(
+            id=str(uuid.uuid4()),
+            node_id=node_id,
+            secret_hash=hash_secret(secret),
+            created_at=self.now(),
+        )
+        self.credentials[record.id] = record
+        return f"{record.id}.{secret}"
+
+    def enroll(
+        self,
+        token: str,
+        agent_id: str,
+        host: str | None,
+        capabilities: Any,
+        version: str | None,
+        caller_host: str,
+    ) -> dict[str, Any]:
+        """
+        Trade an enrollment token for a node credential (protocol 1).
+
+        @param caller_host: the first X-Forwarded-For entry, else the socket peer.
+        @raise EnrollRejected: unknown, expired or used token.
+        @raise StoreFailure: a value too long for its column (the token stays unused, as the
+            real transaction rolls back).
+        """
+        record = self.tokens.get(hash_secret(token))
+        now = self.now()
+        if record is None or record.used_at is not None or now >= record.expires_at:
+            raise EnrollRejected()
+        if len(agent_id) > AGENT_ID_MAX:
+            raise StoreFailure(f"agent_id is longer than {AGENT_ID_MAX} characters")
+        if version is not None and len(version) > VERSION_MAX:
+            raise StoreFailure(f"version is longer than {VERSION_MAX} characters")
+        node_host = host if is_ip_literal(host) else caller_host
+        assert node_host is not None
+        record.used_at = now
+        stamp = self.now_iso()
+        node = self.node_by_agent_id(agent_id)
+        if node is None:
+            node = NodeRecord(
+                id=str(uuid.uuid4()),
+                agent_id=agent_id,
+                host=node_host,
+                status="healthy",
+                capabilities=capabilities,
+                version=version,
+                created_at=stamp,
+                updated_at=stamp,
+                last_seen=stamp,
+            )
+            self.nodes[node.id] = node
+        else:
+            node.host = node_host
+            node.capabilities = capabilities
+            node.version = version
+            node.updated_at = stamp
+            node.last_seen = stamp
+        self._set_node_status(node, "healthy")
+        credential = self._new_credential(node.id)
+        self.log.info(
+            "devbackend: node {node_id} enrolled (agent_id {agent_id}, host {host})",
+            node_id=node.id,
+            agent_id=agent_id,
+            host=node_host,
+        )
+        return {
+            "node_id": node.id,
+            "agent_id": agent_id,
+            "credential": credential,
+            "status": "healthy",
+            "host": node_host,
+        }
+
+    def authenticate(self, header: str | None) -> tuple[NodeRecord, CredentialRecord]:
+        """
+        Check an C{Authorization} header value exactly as the real backend does.
+
+        @raise AuthError: with the real backend's detail text.
+        """
+        if not header:
+            raise AuthError("Missing Authorization header.")
+        if not header.startswith("Bearer "):
+            raise AuthError("Invalid Authorization header.")
+        token = header[len("Bearer ") :]
+        if not token:
+            raise AuthError("Missing bearer token.")
+        cred_id, sep, secret = token.partition(".")
+        if not sep or not cred_id or not secret:
+            raise AuthError("Invalid credential format.")
+        try:
+            key = str(uuid.UUID(cred_id))
+        except ValueError:
+            raise AuthError("Invalid credential id.") from None
+        record = self.credentials.get(key)
+        if record is None or record.revoked_at is not None:
+            raise AuthError("Credential is invalid or revoked.")
+        if not hmac.compare_digest(hash_secret(secret), record.secret_hash):
+            raise AuthError("Credential secret mismatch.")
+        node = self.nodes.get(record.node_id)
+        if node is None:
+            raise AuthError("Credential node no longer exists.")
+        return node, record
+
+    def rotate(self, record: CredentialRecord) -> dict[str, Any]:
+        """Revoke C{record} at once and issue a new credential for its node."""
+        record.revoked_at = self.now()
+        credential = self._new_credential(record.node_id)
+        self.log.info("devbackend: credential rotated for node {node_id}", node_id=record.node_id)
+        return {"node_id": record.node_id, "credential": credential}
+
+    def revoke_credentials(self, node_id: str) -> None:
+        now = self.now()
+        for record in self.credentials.values():
+            if record.node_id == node_id and record.revoked_at is None:
+                record.revoked_at = now
+
+    def delete_node(self, node_id: str) -> None:
+        self.nodes.pop(node_id, None)
+
+    def node_by_agent_id(self, agent_id: str) -> NodeRecord | None:
+        for node in self.nodes.values():
+            if node.agent_id == agent_id:
+                return node
+        return None
+
+    def _set_node_status(self, node: NodeRecord, status: str) -> None:
+        if node.status != status or not node.status_history:
+            node.status_history.append(status)
+        node.status = status
+
+    def set_profile(self, node_id: str, profile: Mapping[str, Any] | None) -> None:
+        node = self._node(node_id)
+        node.profile = copy.deepcopy(dict(profile)) if profile is not None else None
+
+    def _node(self, node_id: str) -> NodeRecord:
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise KeyError(f"unknown node {node_id!r}")
+        return node
+
+    # -- commands ---------------------------------------------------------------------------
+
+    def issue_command(
+        self,
+        node_id: str,
+        command_type: str,
+        payload: Any,
+        *,
+        idempotency_key: str | None = None,
+        correlation_id: str | None = None,
+        timeout_sec: int | None = None,
+        raw_override: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """
+        Queue a command as the backend's admin and runtime APIs do. A command with the
+        same C{idempotency_key} that is still queued, dispatched, acked or running is
+        returned instead of a new one (which is how a lost command blocks later ones).
+        """
+        self._node(node_id)
+        if idempotency_key is not None:
+            for existing in self.commands.values():
+                if (
+                    existing.node_id == node_id
+                    and existing.idempotency_key == idempotency_key
+                    and existing.status in ("queued", "dispatched", "acked", "running")
+                ):
+                    return existing.to_dict()
+        stamp = self.now_iso()
+        self._order += 1
+        record = CommandRecord(
+            id=str(uuid.uuid4()),
+            node_id=node_id,
+            command_type=command_type,
+            status="queued",
+            correlation_id=correlation_id,
+            idempotency_key=idempotency_key or str(uuid.uuid4()),
+            payload=copy.deepcopy(payload),
+            timeout_sec=(
+                timeout_sec
+                if timeout_sec is not None
+                else _DEFAULT_TIMEOUTS.get(command_type, 900)
+            ),
+            issued_at=stamp,
+            order=self._order,
+            raw_override=dict(raw_override) if raw_override else None,
+            history=["queued"],
+        )
+        record.timeline.append(
+            {"event_type": "issued", "message": None, "payload": {}, "ts": stamp}
+        )
+        self.commands[record.id] = record
+        self._runtime_on_issue(record)
+        return record.to_dict()
+
+    def _runtime_on_issue(self, record: CommandRecord) -> None:
+        """What the runtime API does to the runtime row when it issues a workload command."""
+        if record.command_type not in _DEPLOY_PAYLOAD_TYPES or not isinstance(
+            record.payload, dict
+        ):
+            return
+        rid = record.payload.get("runtime_id")
+        if not isinstance(rid, str) or not rid:
+            return
+        status = "creating" if record.command_type == "deploy_workload" else "starting"
+        runtime = self.runtimes.get(rid)
+        if runtime is None:
+            name = record.payload.get("runtime_name")
+            self.add_runtime(
+                rid, record.node_id, name=name if isinstance(name, str) else None, status=status
+            )
+        else:
+            runtime.node_id = record.node_id
+            self._set_runtime(runtime, status, error_message=None)
+
+    def take_dispatch(self, node_id: str) -> list[dict[str, Any]]:
+        """
+        The node's queued/dispatched commands, oldest first, at most 50, now marked
+        C{dispatched}, as wire objects.
+        """
+        pending = sorted(
+            (c for c in self.commands.values() if c.node_id == node_id and c.status in _PENDING),
+            key=lambda c: c.order,
+        )[:_MAX_DISPATCH]
+        stamp = self.now_iso()
+        out = []
+        for record in pending:
+            if record.status != "dispatched":
+                self._set_command_status(record, "dispatched")
+                record.timeline.append(
+                    {"event_type": "dispatched", "message": None, "payload": {}, "ts": stamp}
+                )
+            if record.dispatched_at is None:
+                record.dispatched_at = stamp
+            out.append(record.wire())
+        return out
+
+    def _set_command_status(self, record: CommandRecord, status: str) -> None:
+        if record.status != status:
+            record.history.append(status)
+        record.status = status
+
+    # -- runtimes ---------------------------------------------------------------------------
+
+    def add_runtime(
+        self,
+        runtime_id: str,
+        node_id: str | None,
+        *,
+        name: str | None = None,
+        status: str = "creating",
+        endpoint_url: str | None = None,
+    ) -> dict[str, Any]:
+        record = RuntimeRecord(
+            id=runtime_id,
+            node_id=node_id,
+            name=name,
+            status=status,
+            endpoint_url=endpoint_url,
+            updated_at=self.now_iso(),
+            history=[status],
+        )
+        self.runtimes[runtime_id] = record
+        return record.to_dict()
+
+    def _set_runtime(
+        self, runtime: RuntimeRecord, status: str, *, error_message: str | None = None
+    ) -> None:
+        if runtime.status != status:
+            runtime.history.append(status)
+        runtime.status = status
+        runtime.error_message = error_message
+        runtime.updated_at = self.now_iso()
+
+    def _runtime_for(self, payload: Any) -> RuntimeRecord | None:
+        if not isinstance(payload, dict):
+            return None
+        rid = payload.get("runtime_id")
+        if not isinstance(rid, str):
+            return None
+        return self.runtimes.get(rid)
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def session_opened(self, node_id: str) -> str:
+        session_id = str(uuid.uuid4())
+        self.sessions[session_id] = {
+            "id": session_id,
+            "node_id": node_id,
+            "opened_at": self.now_iso(),
+            "closed_at": None,
+        }
+        return session_id
+
+    def session_closed(self, session_id: str, last: bool) -> None:
+        """
+        Close a session; when it was the node's C{last} one, mark the node offline and its
+        running/starting/creating runtimes C{error} "Node offline".
+        """
+        session = self.sessions.get(session_id)
+        if session is None:
+            return
+        session["closed_at"] = self.now_iso()
+        if not last:
+            return
+        node = self.nodes.get(session["node_id"])
+        if node is None:
+            return
+        self._set_node_status(node, "offline")
+        node.updated_at = self.now_iso()
+        for runtime in self.runtimes.values():
+            if runtime.node_id == node.id and runtime.status in _LIVE_RUNTIME:
+                self._set_runtime(runtime, "error", error_message="Node offline")
+
+    def record_frame(self, node_id: str, frame: Mapping[str, Any], accepted: bool) -> None:
+        stored = copy.deepcopy(dict(frame))
+        stored["_received_at"] = self.now_iso()
+        stored["_accepted"] = accepted
+        self.frames.setdefault(node_id, []).append(stored)
+
+    # -- inbound frames ---------------------------------------------------------------------
+
+    def apply_frame(self, node_id: str, frame: Mapping[str, Any]) -> None:
+        """
+        Process one accepted frame (protocol 3.2 table). Unknown types are ignored.
+
+        @raise FrameRejected: where the real backend's handler would fail (a value too long
+            for its column, a wrong type where a string column is written, a command id
+            that is not a UUID); nothing of the frame is applied then.
+        """
+        node = self.nodes.get(node_id)
+        if node is None:
+            # The row is gone: the real handler's writes would fail.
+            raise FrameRejected("node no longer exists")
+        kind = frame.get("type")
+        handler = {
+            "heartbeat": self._on_heartbeat,
+            "inventory": self._on_inventory,
+            "command_ack": self._on_ack,
+            "command_progress": self._on_progress,
+            "command_result": self._on_result,
+            "event_batch": self._on_event_batch,
+        }.get(kind) if isinstance(kind, str) else None
+        if handler is not None:
+            handler(node, frame)
+
+    def _on_heartbeat(self, node: NodeRecord, frame: Mapping[str, Any]) -> None:
+        status = frame.get("status", "healthy")
+        if status is None:
+            status = "healthy"
+        status = _db_str("heartbeat", "status", status, STATUS_MAX)
+        version = _db_str("heartbeat", "version", frame.get("version"), VERSION_MAX)
+        assert status is not None
+        capabilities = frame.get("capabilities")
+        advertise = frame.get("advertise_host")
+        self._set_node_status(node, status)
+        if isinstance(capabilities, dict):
+            node.capabilities = copy.deepcopy(capabilities)
+        if version is not None:
+            node.version = version
+        if is_ip_literal(advertise):
+            assert isinstance(advertise, str)
+            node.host = advertise
+        stamp = self.now_iso()
+        node.last_seen = stamp
+        node.updated_at = stamp
+
+    def _on_inventory(self, node: NodeRecord, frame: Mapping[str, Any]) -> None:
+        inventory = frame.get("inventory")
+        utilization = frame.get("utilization")
+        if not isinstance(inventory, dict):
+            self.note(node.id, "inventory frame without an inventory object")
+        self.inventories.setdefault(node.id, []).append(
+            {
+                "inventory": copy.deepcopy(inventory) if inventory is not None else {},
+                "utilization": copy.deepcopy(utilization) if utilization is not None else {},
+                "received_at": self.now_iso(),
+            }
+        )
+
+    def _command_of(self, node: NodeRecord, frame_type: str, frame: Mapping[str, Any]) -> (
+        CommandRecord | None
+    ):
+        cid = _command_uuid(frame_type, frame.get("command_id"))
+        if cid is None:
+            self.note(node.id, f"{frame_type} without command_id ignored")
+            return None
+        record = self.commands.get(cid)
+        if record is None or record.node_id != node.id:
+            self.note(node.id, f"{frame_type} for unknown command {cid} ignored")
+            return None
+        return record
+
+    def _on_ack(self, node: NodeRecord, frame: Mapping[str, Any]) -> None:
+        record = self._command_of(node, "command_ack", frame)
+        if record is None:
+            return
+        if record.status in ("succeeded", "failed"):
+            self.note(node.id, f"command_ack after the result of {record.id} (status regresses)")
+        stamp = self.now_iso()
+        self._set_command_status(record, "acked")
+        record.acked_at = stamp
+        message = frame.get("message")
+        record.timeline.append(
+            {
+                "event_type": "acked",
+                "message": message if isinstance(message, str) else None,
+                "payload": copy.deepcopy(dict(frame)),
+                "ts": stamp,
+            }
+        )
+
+    def _on_progress(self, node: NodeRecord, frame: Mapping[str, Any]) -> None:
+        record = self._command_of(node, "command_progress", frame)
+        if record is None:
+            return
+        if record.status in ("succeeded", "failed"):
+            self.note(
+                node.id, f"command_progress after the result of {record.id} (status regresses)"
+            )
+        stamp = self.now_iso()
+        self._set_command_status(record, "running")
+        if record.started_at is None:
+            record.started_at = stamp
+        message = frame.get("message")
+        record.timeline.append(
+            {
+                "event_type": "progress",
+                "message": message if isinstance(message, str) else None,
+                "payload": copy.deepcopy(dict(frame)),
+                "ts": stamp,
+            }
+        )
+
+    def _on_result(self, node: NodeRecord, frame: Mapping[str, Any]) -> None:
+        record = self._command_of(node, "command_result", frame)
+        if record is None:
+            return
+        error_code = _db_str("command_result", "error_code", frame.get("error_code"), ERROR_CODE_MAX)
+        error_message = _db_str(
+            "command_result", "error_message", frame.get("error_message"), None
+        )
+        raw_success = frame.get("success", False)
+        if not isinstance(raw_success, bool):
+            self.note(node.id, f"command_result.success of {record.id} is not a boolean")
+        success = bool(raw_success)
+        if record.status in ("succeeded", "failed"):
+            self.note(node.id, f"second command_result for {record.id}")
+        stamp = self.now_iso()
+        result = frame.get("result")
+        record.result = copy.deepcopy(result)
+        record.error_code = error_code
+        record.error_message = error_message
+        record.completed_at = stamp
+        self._set_command_status(record, "succeeded" if success else "failed")
+        record.timeline.append(
+            {
+                "event_type": "result",
+                "message": error_message,
+                "payload": copy.deepcopy(dict(frame)),
+                "ts": stamp,
+            }
+        )
+        self._runtime_on_result(node, record, success, result, error_message)
+
+    def _runtime_on_result(
+        self,
+        node: NodeRecord,
+        record: CommandRecord,
+        success: bool,
+        result: Any,
+        error_message: str | None,
+    ) -> None:
+        """Section 7 of the protocol."""
+        runtime = self._runtime_for(record.payload)
+        if runtime is None:
+            return
+        if not success:
+            self._set_runtime(runtime, "error", error_message=error_message)
+            return
+        if record.command_type in _ENDPOINT_TYPES:
+            endpoint = result.get("endpoint_url") if isinstance(result, dict) else None
+            if endpoint is None:
+                self.note(node.id, f"successful {record.command_type} without result.endpoint_url")
+            runtime.endpoint_url = rewrite_endpoint(endpoint, node.host)
+            self._set_runtime(runtime, "running")
+        elif record.command_type == "stop_workload":
+            self._set_runtime(runtime, "stopped")
+
+    def _on_event_batch(self, node: NodeRecord, frame: Mapping[str, Any]) -> None:
+        events = frame.get("events")
+        if events is None:
+            return
+        if not isinstance(events, list):
+            raise FrameRejected("event_batch.events is not a list")
+        checked = []
+        for index, event in enumerate(events):
+            where = f"event_batch.events[{index}]"
+            if not isinstance(event, dict):
+                raise FrameRejected(f"{where} is not an object")
+            event_type = _db_str(where, "event_type", event.get("event_type"), EVENT_TYPE_MAX)
+            if event_type is None:
+                raise FrameRejected(f"{where}.event_type is missing")
+            severity = _db_str(where, "severity", event.get("severity", "info"), SEVERITY_MAX)
+            correlation_id = _db_str(
+                where, "correlation_id", event.get("correlation_id"), CORRELATION_ID_MAX
+            )
+            checked.append((event_type, severity or "info", correlation_id, event))
+        stored = self.events.setdefault(node.id, [])
+        for event_type, severity, correlation_id, event in checked:
+            payload = event.get("payload")
+            stored.append(
+                {
+                    "event_type": event_type,
+                    "severity": severity,
+                    "correlation_id": correlation_id,
+                    "payload": copy.deepcopy(payload) if payload is not None else {},
+                    "ts": event.get("ts"),
+                    "received_at": self.now_iso(),
+                }
+            )
+            if event_type.startswith("workload.health."):
+                self._on_health(node, event_type, payload)
+
+    def _on_health(self, node: NodeRecord, event_type: str, payload: Any) -> None:
+        """Section 6: reconcile a runtime from a C{workload.health.*} event."""
+        runtime = self._runtime_for(payload)
+        if runtime is None:
+            return
+        assert isinstance(payload, dict)
+        kind = event_type[len("workload.health.") :]
+        if kind == "running":
+            if runtime.status in ("error", "starting", "creating"):
+                runtime.endpoint_url = rewrite_endpoint(payload.get("endpoint_url"), node.host)
+                self._set_runtime(runtime, "running")
+                runtime.health_message = None
+        elif kind == "stopped":
+            if runtime.status == "running":
+                message = (
+                    f"Container {payload.get('status')} (exit code {payload.get('exit_code')})"
+                )
+                self._set_runtime(runtime, "error", error_message=message)
+        elif kind == "missing":
+            if runtime.status == "running":
+                self._set_runtime(runtime, "error", error_message="Container not found")
+        elif kind == "crash_loop":
+            message = (
+                f"Container is crash-looping ({payload.get('status')}, "
+                f"{payload.get('restart_count')} restarts)"
+            )
+            self._set_runtime(runtime, "error", error_message=message)
+        elif kind == "unhealthy":
+            runtime.health_message = f"Health check: {payload.get('health_status')}"
+            runtime.updated_at = self.now_iso()

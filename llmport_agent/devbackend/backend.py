@@ -1,0 +1,501 @@
+"""
+L{DevBackend}: an in-process stand-in of the llm-port backend's node-facing side.
+
+One twisted.web L{Site} serves HTTP and the WebSocket stream on one port, optionally under a
+base path and over TLS. Built from C{protocol.md} alone, quirks included; used by the
+agent's tests, its C{demo} command and C{llmport-agent devbackend}.
+
+All methods must be called on the reactor thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, cast
+
+from attrs import define, frozen
+from autobahn.twisted.resource import WebSocketResource
+from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from twisted.web.server import Request, Site
+
+from llmport_agent.devbackend._http import (
+    DevApiResource,
+    EnrollResource,
+    ImageSaveResource,
+    JsonResource,
+    RotateResource,
+    TokensResource,
+)
+from llmport_agent.devbackend._state import AuthError, BackendState
+from llmport_agent.devbackend._stream import StreamFactory, StreamProtocol
+from llmport_agent.devbackend.tls import TLSFiles
+from llmport_agent.threads import BlockingRunner, PoolService
+
+#: Where the stream lives below the base path.
+STREAM_PATH = "/api/admin/system/nodes/stream"
+
+_MODELFILES = "llmport_agent.devbackend.modelfiles"
+
+
+@define
+class Faults:
+    """
+    Fault knobs, changeable at any time.
+
+    @ivar lose_rotate_reply: rotation revokes the old credential and issues a new one, then
+        aborts the TCP connection without answering (stays on until reset).
+    @ivar idle_timeout: seconds without a text frame before a stream is closed with 4408
+        (read when the timer is re-armed, i.e. at each frame).
+    @ivar image_abort_after: cut image downloads (TCP close) after this many bytes.
+    @ivar stream_deny_status: refuse every stream upgrade with this HTTP status.
+    @ivar hold_commands: never send commands (neither in C{hello_ack} nor in replies).
+    """
+
+    lose_rotate_reply: bool = False
+    idle_timeout: float = 120.0
+    image_abort_after: int | None = None
+    stream_deny_status: int | None = None
+    hold_commands: bool = False
+
+
+@frozen
+class ImageEntry:
+    """A registered C{docker save} tar."""
+
+    name: str
+    tag: str
+    tar_path: str
+    image_size: int | None
+
+
+class _TrackedConnection(ProtocolWrapper):
+    """A connection of the site whose end can be awaited."""
+
+    def __init__(self, factory: Any, wrappedProtocol: Any) -> None:
+        super().__init__(factory, wrappedProtocol)
+        self.lost: Deferred[None] = Deferred()
+
+    def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
+        try:
+            super().connectionLost(reason)
+        finally:
+            self.lost.callback(None)
+
+
+class _ConnectionTracker(WrappingFactory):
+    protocol = _TrackedConnection
+    noisy = False
+
+
+def _load_modelfiles() -> ModuleType | None:
+    try:
+        return importlib.import_module(_MODELFILES)
+    except ModuleNotFoundError as e:
+        if e.name == _MODELFILES:
+            return None
+        raise
+
+
+def _put(parent: Resource, name: bytes, child: Any) -> None:
+    # putChild is typed with IResource, which mypy cannot match without mypy-zope.
+    parent.putChild(name, child)
+
+
+def _normalize_base(base_path: str) -> str:
+    parts = [p for p in base_path.split("/") if p]
+    return "".join(f"/{p}" for p in parts)
+
+
+class DevBackend:
+    """
+    The stand-in backend.
+
+    @ivar faults: the L{Faults} knobs.
+    @ivar state: the tables (L{BackendState}); prefer the query methods below.
+    @ivar frame_hook: called as C{hook(node_id, frame)} for every accepted inbound frame,
+        after the frame was processed and before any C{commands} reply (so a hook that cuts
+        the link prevents that reply).
+    @ivar inbound_filter: called as C{filter(node_id, frame)} after the C{seq} check;
+        returning C{False} discards the frame as if lost on the wire (not processed, no
+        dispatch).
+    @ivar models: the model repository served under C{api/node-files/models/} when
+        C{llmport_agent.devbackend.modelfiles} exists, else C{None}.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        *,
+        idle_timeout: float = 120.0,
+        token_ttl: float = 1800.0,
+        base_path: str = "",
+        clock: Any = None,
+        admin_token: str | None = None,
+        runner: BlockingRunner | None = None,
+        models: Any = None,
+    ) -> None:
+        self.reactor = reactor
+        # An IReactorTime (seconds, callLater): idle timers and timestamps.
+        self.clock: Any = clock if clock is not None else reactor
+        self.faults = Faults(idle_timeout=idle_timeout)
+        self.state = BackendState(self.clock, token_ttl)
+        self.base_path = _normalize_base(base_path)
+        self.admin_token = admin_token
+        self.images: dict[str, ImageEntry] = {}
+        self.frame_hook: Callable[[str, dict[str, Any]], None] | None = None
+        self.inbound_filter: Callable[[str, dict[str, Any]], bool] | None = None
+        self._streams: dict[str, set[StreamProtocol]] = {}
+        self._pool: PoolService | None = None
+        if runner is None:
+            self._pool = PoolService(reactor, "devbackend", 4)
+            runner = self._pool
+        self.runner: BlockingRunner = runner
+        self._modelfiles = _load_modelfiles()
+        self.models: Any = models
+        if self.models is None and self._modelfiles is not None:
+            self.models = self._modelfiles.ModelRepository()
+        self._port: Any = None
+        self._tracker: _ConnectionTracker | None = None
+        self._scheme = "http"
+        self._interface = "127.0.0.1"
+        self._inflight: set[Deferred[Any]] = set()
+
+    # -- serving ----------------------------------------------------------------------------
+
+    def resource(self) -> Resource:
+        """The root resource (base path included)."""
+        app = JsonResource()
+        api = JsonResource()
+        _put(app, b"api", api)
+        admin = JsonResource()
+        _put(api, b"admin", admin)
+        system = JsonResource()
+        _put(admin, b"system", system)
+        nodes = JsonResource()
+        _put(system, b"nodes", nodes)
+        _put(nodes, b"enrollment-tokens", TokensResource(self))
+        _put(nodes, b"enroll", EnrollResource(self))
+        credentials = JsonResource()
+        _put(nodes, b"credentials", credentials)
+        _put(credentials, b"rotate", RotateResource(self))
+        _put(nodes, b"stream", WebSocketResource(StreamFactory(self)))
+        node_files = JsonResource()
+        _put(api, b"node-files", node_files)
+        images = JsonResource()
+        _put(node_files, b"images", images)
+        _put(images, b"save", ImageSaveResource(self))
+        if self._modelfiles is not None and self.models is not None:
+            models = self._modelfiles.model_files_resource(self.models, self.authorize_node)
+            _put(node_files, b"models", models)
+        _put(app, b"dev", DevApiResource(self))
+        root: JsonResource = app
+        for segment in reversed([p for p in self.base_path.split("/") if p]):
+            parent = JsonResource()
+            _put(parent, segment.encode("utf-8"), root)
+            root = parent
+        return root
+
+    def authorize_node(self, request: Request) -> bool:
+        """True when C{request} carries a valid C{Bearer <credential>} header."""
+        value = request.getHeader(b"authorization")
+        header = value.decode("latin-1") if isinstance(value, bytes) else value
+        try:
+            self.state.authenticate(header)
+        except AuthError:
+            return False
+        return True
+
+    def listen(
+        self, port: int = 0, interface: str = "127.0.0.1", tls: TLSFiles | None = None
+    ) -> Deferred[int]:
+        """Start serving; fires with the bound port number."""
+        return Deferred.fromCoroutine(self._listen(port, interface, tls))
+
+    async def _listen(self, port: int, interface: str, tls: TLSFiles | None) -> int:
+        if self._port is not None:
+            raise RuntimeError("DevBackend is already listening")
+        if self._pool is not None and not self._pool.running:
+            self._pool.startService()
+        site = Site(self.resource(), reactor=self.reactor)
+        site.displayTracebacks = False
+        site.noisy = False
+        factory: Any = site
+        if tls is not None:
+            from twisted.internet.ssl import PrivateCertificate
+            from twisted.protocols.tls import TLSMemoryBIOFactory
+
+            def _read() -> bytes:
+                with open(tls.cert_pem, "rb") as c, open(tls.key_pem, "rb") as k:
+                    return c.read() + b"\n" + k.read()
+
+            pem = await self.runner.run(_read)
+            options = PrivateCertificate.loadPEM(pem).options()
+            # TLS inside the tracker, so that the HTTP channel's transport is the TLS
+            # protocol itself (Autobahn reads TLS details from it).
+            factory = TLSMemoryBIOFactory(options, False, cast(Any, site))
+            self._scheme = "https"
+        else:
+            self._scheme = "http"
+        tracker = _ConnectionTracker(factory)
+        listening = self.reactor.listenTCP(port, tracker, interface=interface)
+        self._port = listening
+        self._tracker = tracker
+        self._interface = interface
+        bound = int(listening.getHost().port)
+        self.log.info("devbackend listening on {url}", url=self.url)
+        return bound
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("DevBackend is not listening")
+        return int(self._port.getHost().port)
+
+    @property
+    def url(self) -> str:
+        """The backend URL agents use, e.g. C{http://127.0.0.1:PORT/base}."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(
+            self._interface, self._interface
+        )
+        shown = f"[{host}]" if ":" in host else host
+        return f"{self._scheme}://{shown}:{self.port}{self.base_path}"
+
+    @property
+    def stream_url(self) -> str:
+        """The WebSocket URL of the stream (C{ws://} or C{wss://})."""
+        return "ws" + self.url[len("http") :] + STREAM_PATH
+
+    def track(self, d: Deferred[Any]) -> None:
+        """Keep C{d} (a response being streamed) until it fires; L{stop} waits for it."""
+        self._inflight.add(d)
+
+        def _done(result: Any) -> Any:
+            self._inflight.discard(d)
+            return result
+
+        d.addBoth(_done)
+
+    def stop(self) -> Deferred[None]:
+        """
+        Stop listening, close every stream (code 1000) and every HTTP connection, wait until
+        all are gone (aborting stragglers), then stop the file thread pool.
+        """
+        return Deferred.fromCoroutine(self._stop())
+
+    async def _stop(self) -> None:
+        port, self._port = self._port, None
+        if port is not None:
+            await port.stopListening()
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            connections = list(tracker.protocols)
+            for conn in connections:
+                inner = conn.wrappedProtocol
+                while isinstance(inner, ProtocolWrapper):
+                    inner = inner.wrappedProtocol
+                if isinstance(inner, StreamProtocol):
+                    inner.close(1000, "Server shutting down")
+                else:
+                    conn.loseConnection()
+            waiting: Deferred[Any] = DeferredList([c.lost for c in connections])
+            waiting.addTimeout(3, self.reactor)
+            try:
+                await waiting
+            except Exception:
+                for conn in connections:
+                    if not conn.lost.called:
+                        conn.abortConnection()
+                await DeferredList([c.lost for c in connections])
+        if self._inflight:
+            await DeferredList(list(self._inflight), consumeErrors=True)
+        if self._pool is not None and self._pool.running:
+            await self._pool.stopService()
+
+    # -- stream registry --------------------------------------------------------------------
+
+    def register_stream(self, proto: StreamProtocol) -> None:
+        assert proto.node_id is not None
+        self._streams.setdefault(proto.node_id, set()).add(proto)
+
+    def unregister_stream(self, proto: StreamProtocol) -> None:
+        assert proto.node_id is not None and proto.session_id is not None
+        live = self._streams.get(proto.node_id, set())
+        live.discard(proto)
+        self.state.session_closed(proto.session_id, last=not live)
+
+    def connection_count(self, node_id: str) -> int:
+        """How many streams of C{node_id} are open now."""
+        return len(self._streams.get(node_id, ()))
+
+    def streams(self, node_id: str) -> list[StreamProtocol]:
+        """The open stream protocols of C{node_id} (e.g. to send raw frames in tests)."""
+        return list(self._streams.get(node_id, ()))
+
+    def drop_connections(self, node_id: str | None = None, abort: bool = True) -> None:
+        """Cut the TCP connections of C{node_id}'s streams (all nodes when C{None})."""
+        for nid, protos in list(self._streams.items()):
+            if node_id is not None and nid != node_id:
+                continue
+            for proto in list(protos):
+                proto.dropConnection(abort=abort)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> Deferred[None]:
+        """Fire once C{predicate()} is true (polled on the reactor); fail after C{timeout}."""
+
+        async def _poll() -> None:
+            deadline = self.reactor.seconds() + timeout
+            while not predicate():
+                if self.reactor.seconds() >= deadline:
+                    raise TimeoutError(f"condition not met within {timeout} seconds")
+                await deferLater(self.reactor, 0.01, lambda: None)
+
+        return Deferred.fromCoroutine(_poll())
+
+    # -- admin operations -------------------------------------------------------------------
+
+    def mint_token(self, note: str | None = None) -> dict[str, Any]:
+        """An enrollment token: C{{"id", "token", "expires_at", "note"}}."""
+        return self.state.mint_token(note)
+
+    def enroll_node(
+        self,
+        agent_id: str,
+        host: str = "127.0.0.1",
+        capabilities: dict[str, Any] | None = None,
+        version: str | None = "0",
+    ) -> dict[str, Any]:
+        """Enroll in-process (no HTTP); returns the enroll reply with the credential."""
+        token = self.mint_token("in-process")["token"]
+        return self.state.enroll(token, agent_id, host, capabilities or {}, version, host)
+
+    def issue_command(
+        self,
+        node_id: str,
+        command_type: str,
+        payload: Any,
+        *,
+        idempotency_key: str | None = None,
+        correlation_id: str | None = None,
+        timeout_sec: int | None = None,
+        raw_override: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """
+        Queue a command (sent on the node's next frame). C{raw_override} keys replace fields
+        of the wire object (use L{OMIT} to remove one), e.g. to add a C{signature}.
+        """
+        return self.state.issue_command(
+            node_id,
+            command_type,
+            payload,
+            idempotency_key=idempotency_key,
+            correlation_id=correlation_id,
+            timeout_sec=timeout_sec,
+            raw_override=raw_override,
+        )
+
+    def set_profile(self, node_id: str, profile: dict[str, Any] | None) -> None:
+        """Assign the flat profile object sent in C{hello_ack}."""
+        self.state.set_profile(node_id, profile)
+
+    def add_runtime(
+        self,
+        runtime_id: str,
+        node_id: str | None = None,
+        *,
+        name: str | None = None,
+        status: str = "creating",
+        endpoint_url: str | None = None,
+    ) -> dict[str, Any]:
+        """Create a runtime row (issuing a deploy/start/restart/update also creates one)."""
+        return self.state.add_runtime(
+            runtime_id, node_id, name=name, status=status, endpoint_url=endpoint_url
+        )
+
+    def add_image(
+        self, name: str, tag: str, tar_path: str, image_size: int | None = None
+    ) -> None:
+        """Register a C{docker save} tar for C{GET .../images/save?image=name&tag=tag}."""
+        self.images[f"{name}:{tag}"] = ImageEntry(name, tag, tar_path, image_size)
+
+    def revoke_credentials(self, node_id: str) -> None:
+        """Revoke every credential of the node (open streams stay open)."""
+        self.state.revoke_credentials(node_id)
+
+    def delete_node(self, node_id: str) -> None:
+        """
+        Delete the node row: its credentials then fail with "Credential node no longer
+        exists." (403 on the stream); an open stream fails at its next frame.
+        """
+        self.state.delete_node(node_id)
+
+    # -- queries (copies) -------------------------------------------------------------------
+
+    def node(self, node_id: str) -> dict[str, Any] | None:
+        record = self.state.nodes.get(node_id)
+        return record.to_dict() if record is not None else None
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return [n.to_dict() for n in self.state.nodes.values()]
+
+    def node_by_agent_id(self, agent_id: str) -> dict[str, Any] | None:
+        record = self.state.node_by_agent_id(agent_id)
+        return record.to_dict() if record is not None else None
+
+    def node_status_history(self, node_id: str) -> list[str]:
+        record = self.state.nodes.get(node_id)
+        return list(record.status_history) if record is not None else []
+
+    def command(self, command_id: str) -> dict[str, Any]:
+        """The command object; C{KeyError} when unknown."""
+        return self.state.commands[command_id].to_dict()
+
+    def commands(self, node_id: str | None = None) -> list[dict[str, Any]]:
+        """Commands in issue order, optionally of one node."""
+        records = sorted(self.state.commands.values(), key=lambda c: c.order)
+        return [c.to_dict() for c in records if node_id is None or c.node_id == node_id]
+
+    def timeline(self, command_id: str) -> list[dict[str, Any]]:
+        """Timeline events (issued, dispatched, acked, progress, result) of a command."""
+        return copy.deepcopy(self.state.commands[command_id].timeline)
+
+    def status_history(self, command_id: str) -> list[str]:
+        """Every status the command went through, in order (regressions included)."""
+        return list(self.state.commands[command_id].history)
+
+    def latest_inventory(self, node_id: str) -> dict[str, Any] | None:
+        snapshots = self.state.inventories.get(node_id)
+        return self.inventories(node_id)[-1] if snapshots else None
+
+    def inventories(self, node_id: str) -> list[dict[str, Any]]:
+        return copy.deepcopy(self.state.inventories.get(node_id, []))
+
+    def events(self, node_id: str) -> list[dict[str, Any]]:
+        return copy.deepcopy(self.state.events.get(node_id, []))
+
+    def runtime(self, runtime_id: str) -> dict[str, Any] | None:
+        record = self.state.runtimes.get(runtime_id)
+        return record.to_dict() if record is not None else None
+
+    def runtimes(self) -> list[dict[str, Any]]:
+        return [r.to_dict() for r in self.state.runtimes.values()]
+
+    def frames(self, node_id: str) -> list[dict[str, Any]]:
+        """
+        Every frame received from the node, in order, each with C{_received_at} and
+        C{_accepted} (false for frames dropped by the C{seq} check or the inbound filter).
+        """
+        return copy.deepcopy(self.state.frames.get(node_id, []))
+
+    def anomalies(self, node_id: str) -> list[str]:
+        """Notes about suspicious frames and dropped connections of the node."""
+        return list(self.state.anomalies.get(node_id, []))
