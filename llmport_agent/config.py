@@ -195,6 +195,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("WORKLOAD_NETWORK", "workload_network", "bridge",
             lambda var, raw: _choice(var, raw, ("bridge", "host")),
             "How workloads are networked: bridge (published ports) or host."),
+    Setting("STOP_GRACE_SEC", "stop_grace_sec", 30.0, _number(1),
+            "Seconds between SIGTERM and SIGKILL when a workload is stopped."),
+    Setting("READINESS_TIMEOUT_SEC", "readiness_timeout_sec", 1800.0, _number(5),
+            "How long a deployed workload may take to answer its health path."),
+    Setting("PULL_STALL_SEC", "pull_stall_sec", 300.0, _number(5),
+            "An image pull or transfer with no progress for this long is abandoned (pull_stalled)."),
+    Setting("MODEL_SYNC_CONCURRENCY", "model_sync_concurrency", 4, _number(1, integer=True),
+            "Model blobs downloaded at the same time."),
     Setting("OPS_PORT", "ops_port", 9464, _number(0, integer=True),
             "Loopback port of the ops endpoint (/healthz, /readyz, /metrics); 0 = off."),
 )
@@ -256,6 +264,10 @@ class AgentConfig:
     model_store: str
     image_allowlist: tuple[str, ...]
     workload_network: str
+    stop_grace_sec: float
+    readiness_timeout_sec: float
+    pull_stall_sec: float
+    model_sync_concurrency: int
     ops_port: int
 
     @property

@@ -45,6 +45,7 @@ def make_http_client(reactor: Any, config: AgentConfig) -> Any:
     from llmport_agent.tls import https_policy
 
     pool = HTTPConnectionPool(reactor, persistent=True)
+    pool._factory.noisy = False
     pool.maxPersistentPerHost = 4
     pool.cachedConnectionTimeout = 60
     agent = Agent(
@@ -90,6 +91,18 @@ class AgentService(MultiService):
         from llmport_agent.inventory.collector import InventoryCollector
         from llmport_agent.inventory.gpu import NVMLGPUSource
 
+        from llmport_agent.models.syncer import ModelSyncer
+
+        self.hash_pool = PoolService(reactor, "files", max(2, config.model_sync_concurrency))
+        self.models = ModelSyncer(
+            reactor,
+            self.http,
+            self.hash_pool,
+            store_dir=config.model_store,
+            backend_url=config.backend_url,
+            credential=lambda: self.session.credential(),
+            concurrency=config.model_sync_concurrency,
+        )
         self.engine: Any = None
         self.workloads: Any = None
         self.health: Any = None
@@ -120,6 +133,9 @@ class AgentService(MultiService):
         self.inventory = InventoryReporter(reactor, self.session, config.inventory_interval_sec, self.collector)
         registry: dict[str, HandlerSpec] = {}
         registry.update(node_handler_specs(self.modes, self._refresh_inventory, self.diagnostics))
+        from llmport_agent.models.handler import sync_model_handler_spec
+
+        registry["sync_model"] = sync_model_handler_spec(self.models)
         if self.workloads is not None:
             registry.update(self._workload_specs())
         self.pipeline = CommandPipeline(
@@ -142,7 +158,7 @@ class AgentService(MultiService):
         self.session.subscribe(self.outbox)
         if self.health is not None:
             self.session.subscribe(_Announcer(self.health))
-        self._ordered = [self.io_pool, self.host_pool]
+        self._ordered = [self.io_pool, self.host_pool, self.hash_pool]
         if self.engine is not None:
             self._ordered.append(self.engine)
         self._ordered += [self.outbox, self.pipeline, self.heartbeat, self.inventory]
@@ -161,9 +177,43 @@ class AgentService(MultiService):
     # -- workloads (optional: the Docker executor) ------------------------------------------
 
     def _build_workloads(self, state_dir: str) -> None:
-        from llmport_agent.workloads import build_workloads
+        from llmport_agent.workloads.engine import DockerEngine
+        from llmport_agent.workloads.handlers import WorkloadManager
+        from llmport_agent.workloads.health import HealthWatcher
+        from llmport_agent.workloads.settings import WorkloadSettings
 
-        self.engine, self.workloads, self.health = build_workloads(self, state_dir)
+        c = self.config
+        settings = WorkloadSettings(
+            agent_id=c.agent_id,
+            advertise_scheme=c.advertise_scheme,
+            advertise_host=c.advertise_host,
+            model_store=c.model_store,
+            image_allowlist=c.image_allowlist,
+            network_mode=c.workload_network,  # type: ignore[arg-type]
+            stop_grace_sec=c.stop_grace_sec,
+            readiness_timeout_sec=c.readiness_timeout_sec,
+            pull_stall_sec=c.pull_stall_sec,
+        )
+        self.engine = DockerEngine(self.reactor)
+        self.health = HealthWatcher(
+            self.reactor,
+            self.engine,
+            settings,
+            lambda event_type, payload, severity="info": self.outbox.emit(event_type, payload, severity),
+        )
+        self.workloads = WorkloadManager(
+            self.reactor,
+            self.engine,
+            settings,
+            http=self.http,
+            backend_url=c.backend_url,
+            credential=lambda: self.session.credential(),
+            sync_model=lambda model_sync, progress: Deferred.fromCoroutine(
+                self.models.sync(model_sync, progress)
+            ),
+            profile=lambda: self.modes.profile,
+            health=self.health,
+        )
 
     def _workload_specs(self) -> dict[str, HandlerSpec]:
         from llmport_agent.workloads.handlers import workload_handler_specs
@@ -190,12 +240,12 @@ class AgentService(MultiService):
     async def _start(self) -> None:
         if self.state_note:
             self.log.warn("{note}", note=self.state_note)
-        for svc in self._ordered[:2]:
+        for svc in self._ordered[:3]:
             svc.setServiceParent(self)
         await self.state.load()
         await self.journal.load()
         await self.outbox.load()
-        for svc in self._ordered[2:]:
+        for svc in self._ordered[3:]:
             svc.setServiceParent(self)
         self.log.info(
             "llmport-agent {version} started (agent id {agent_id}, backend {url}, state {path})",
@@ -218,7 +268,7 @@ class AgentService(MultiService):
         return started.addBoth(lambda _: Deferred.fromCoroutine(self._stop()))
 
     async def _stop(self) -> None:
-        pools = (self.io_pool, self.host_pool)
+        pools = (self.io_pool, self.host_pool, self.hash_pool)
         for svc in reversed(list(self)):
             if svc in pools or not getattr(svc, "running", False):
                 continue
@@ -331,7 +381,8 @@ class AgentService(MultiService):
             try:
                 from llmport_agent.workloads.diagnostics import engine_diagnostics
 
-                out["engine"] = await engine_diagnostics(self.engine)
+                out["engine"] = await engine_diagnostics(self.engine, self.health.states()
+                                                         if hasattr(self.health, "states") else None)
             except Exception as e:
                 out["engine"] = {"error": f"{type(e).__name__}: {e}"}
         return out
@@ -347,7 +398,17 @@ class _Announcer:
 
     def session_opened(self) -> None:
         d = Deferred.fromCoroutine(self.health.announce_all())
-        d.addErrback(lambda f: self.log.failure("Announcing workloads failed", failure=f))
+
+        def failed(f: Any) -> None:
+            from llmport_agent.commands.base import CommandFailed
+
+            if f.check(CommandFailed):
+                self.log.warn("Could not announce workloads after connecting: {error}",
+                              error=f.value.error_message)
+            else:
+                self.log.failure("Announcing workloads failed", failure=f)
+
+        d.addErrback(failed)
 
     def session_closed(self) -> None:
         pass

@@ -177,6 +177,7 @@ class AgentClientFactory(WebSocketClientFactory):
         useragent: str,
     ) -> None:
         super().__init__(url, useragent=useragent)
+        self.noisy = False
         self.session = session
         self.credential = credential
         self.clock = clock
