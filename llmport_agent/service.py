@@ -275,6 +275,10 @@ class AgentService(MultiService):
             await self._stop_one(svc)
         await self.state.flush()
         try:
+            await self.collector.close()  # nvmlShutdown, on the host pool
+        except Exception:
+            self.log.failure("Closing the GPU source failed")
+        try:
             await self.http_pool.closeCachedConnections()
         except Exception:
             self.log.failure("Closing HTTP connections failed")
