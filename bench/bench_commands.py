@@ -18,7 +18,6 @@ import os
 import random
 import sys
 import tempfile
-import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -74,7 +74,7 @@ async def _demo(reactor: Any, args: argparse.Namespace) -> int:
     backend = DevBackend(reactor)
     agent: AgentService | None = None
     try:
-        port = await backend.listen(0, "127.0.0.1")
+        await backend.listen(0, "127.0.0.1")
         _say(f"llmport-agent {VERSION} demo")
         _say(f"[backend] stand-in backend listening on {backend.url}")
         token = backend.mint_token("demo")

@@ -90,7 +90,6 @@ class AgentService(MultiService):
 
         from llmport_agent.inventory.collector import InventoryCollector
         from llmport_agent.inventory.gpu import NVMLGPUSource
-
         from llmport_agent.models.syncer import ModelSyncer
 
         self.hash_pool = PoolService(reactor, "files", max(2, config.model_sync_concurrency))

@@ -8,6 +8,7 @@ C{--backend-url} for C{LLM_PORT_NODE_AGENT_BACKEND_URL}); options win over the e
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any
 
 from twisted.python import usage
@@ -40,4 +41,11 @@ def makeService(options: Options) -> Any:
         reactor.addSystemEventTrigger("after", "shutdown", os._exit, status)
         reactor.callLater(0, reactor.stop)
 
+    def clean_exit() -> None:
+        # twistd re-raises SIGTERM/SIGINT at exit (status -15/-2); a clean stop of the agent
+        # exits 0 instead, as `llmport-agent run` does.
+        if getattr(reactor, "_exitSignal", None) in (signal.SIGTERM, signal.SIGINT):
+            reactor._exitSignal = None  # type: ignore[attr-defined]
+
+    reactor.addSystemEventTrigger("after", "shutdown", clean_exit)
     return AgentService(reactor, options.config, fatal=fatal)

@@ -13,8 +13,8 @@ from typing import Any
 from OpenSSL import SSL
 from twisted.internet import ssl
 from twisted.internet.interfaces import IOpenSSLClientConnectionCreator
-from twisted.web.iweb import IPolicyForHTTPS
 from twisted.web.client import BrowserLikePolicyForHTTPS
+from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, cast
 
 from attrs import define, frozen
-from twisted.internet.interfaces import IPullProducer
+from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
@@ -204,9 +204,12 @@ class ModelRepository:
         ]
 
 
-@implementer(IPullProducer)
+@implementer(IPushProducer)
 class _BlobProducer:
-    """Writes C{length} bytes of a blob from C{start}, one chunk per C{resumeProducing}."""
+    """
+    Writes C{length} bytes of a blob from C{start}, chunk after chunk until the transport
+    pauses it (a push producer: no cooperator, so it also runs under iosim/StubTreq).
+    """
 
     def __init__(
         self,
@@ -225,10 +228,28 @@ class _BlobProducer:
         self._cut_after = cut_after
         self._corrupt = corrupt
         self._finished = False
+        self._paused = False
+        self._producing = False
+
+    def pauseProducing(self) -> None:
+        self._paused = True
 
     def resumeProducing(self) -> None:
-        if self._finished or self._file is None:
+        self._paused = False
+        if self._producing:
             return
+        self._producing = True
+        try:
+            while not self._paused and not self._finished:
+                self._step()
+        finally:
+            self._producing = False
+
+    def stopProducing(self) -> None:
+        self._close()
+
+    def _step(self) -> None:
+        assert self._file is not None
         n = min(_CHUNK, self._left)
         if self._cut_after is not None:
             n = min(n, self._cut_after - self._sent)
@@ -251,9 +272,6 @@ class _BlobProducer:
             self._close()
             self._request.unregisterProducer()
             self._request.finish()
-
-    def stopProducing(self) -> None:
-        self._close()
 
     def _close(self) -> None:
         self._finished = True
@@ -352,7 +370,8 @@ class _ModelFilesResource(Resource):
             request, source, start, length, cut, faults.corrupt_blob == blob_hash
         )
         request.notifyFinish().addErrback(lambda _: producer.stopProducing())
-        request.registerProducer(producer, False)
+        request.registerProducer(producer, True)
+        producer.resumeProducing()
         return NOT_DONE_YET
 
 

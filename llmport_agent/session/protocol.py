@@ -43,10 +43,18 @@ def parse_http_status(status_line: str | None) -> int | None:
     return None
 
 
-class AgentClientProtocol(WebSocketClientProtocol):
-    """One connection to the backend stream."""
+_log = Logger(namespace="llmport_agent.session.protocol")
 
-    log = Logger()
+
+class AgentClientProtocol(WebSocketClientProtocol):
+    """
+    One connection to the backend stream.
+
+    Autobahn's own C{log} (a txaio logger, which drops debug events unless asked) is left in
+    place: replacing it with a plain twisted Logger would emit Autobahn's debug events,
+    handshake details included, to every observer.
+    """
+
     factory: AgentClientFactory
 
     def __init__(self) -> None:
@@ -84,10 +92,10 @@ class AgentClientProtocol(WebSocketClientProtocol):
     def onMessage(self, payload: bytes, isBinary: bool) -> None:
         self.frames_received += 1
         if isBinary:
-            self.log.warn("Ignored a binary frame from the backend ({size} bytes)", size=len(payload))
+            _log.warn("Ignored a binary frame from the backend ({size} bytes)", size=len(payload))
             return
         if len(payload) > SOFT_MAX_FRAME:
-            self.log.warn(
+            _log.warn(
                 "Ignored an oversized frame from the backend ({size} bytes, limit {limit})",
                 size=len(payload),
                 limit=SOFT_MAX_FRAME,
@@ -96,10 +104,10 @@ class AgentClientProtocol(WebSocketClientProtocol):
         try:
             frame = json.loads(payload)
         except ValueError as e:
-            self.log.warn("Ignored a frame from the backend that is not JSON: {error}", error=str(e))
+            _log.warn("Ignored a frame from the backend that is not JSON: {error}", error=str(e))
             return
         if not isinstance(frame, dict):
-            self.log.warn(
+            _log.warn(
                 "Ignored a frame from the backend that is not a JSON object (got {kind})",
                 kind=type(frame).__name__,
             )
