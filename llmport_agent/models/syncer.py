@@ -1,0 +1,823 @@
+"""
+Air-gapped model delivery: copy a HuggingFace hub cache from the backend into MODEL_STORE.
+
+L{ModelSyncer.sync} takes a C{model_sync} object (protocol 4.3), validates its manifest
+(inline, or fetched from the backend), and makes C{MODEL_STORE/<model_dir_name>/} a valid
+hub cache:
+
+ 1. survey the blobs by C{stat} alone; blobs recorded as verified (same size and mtime) in
+    C{.llmport-verified.json} are reused without hashing;
+ 2. check the free disk against what is still missing;
+ 3. verify present-but-unrecorded blobs and download missing ones, several at once, each
+    streamed into C{<hash>.part} (resumed with C{Range}), hashed while it is written, then
+    renamed; network errors and 5xx are retried with backoff;
+ 4. build each snapshot tree aside and rename it into place, then write the refs.
+
+All disk work and hashing runs on the injected runner; the reactor thread only moves bytes.
+Two syncs of the same model directory share one operation (identical manifests) or run one
+after the other (different manifests).
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import functools
+import json
+import random as _random
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+from urllib.parse import quote
+
+from attrs import define, field
+from treq.client import HTTPClient
+from twisted.internet import defer, error
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, fail, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import (
+    RequestTransmissionFailed,
+    ResponseFailed,
+    ResponseNeverReceived,
+)
+
+from llmport_agent.commands.base import INTERNAL_ERROR, INVALID_COMMAND, CommandFailed
+from llmport_agent.models import _fs
+from llmport_agent.models._http import (
+    BlobBodyReceiver,
+    BodyTooLong,
+    ReactorTime,
+    SerialRunner,
+    TransferInterrupted,
+    abandon,
+    describe_error,
+    detail_of,
+    parse_content_range,
+    read_limited,
+    read_small,
+)
+from llmport_agent.models.errors import (
+    CHECKSUM_MISMATCH,
+    CREDENTIAL_REJECTED,
+    DOWNLOAD_FAILED,
+    INSUFFICIENT_DISK,
+    STORAGE_ERROR,
+)
+from llmport_agent.models.manifest import (
+    SOURCE_DOWNLOAD_FROM_HF,
+    SOURCE_SYNC_FROM_SERVER,
+    BlobSpec,
+    Manifest,
+    parse_manifest,
+)
+from llmport_agent.threads import BlockingRunner
+
+PHASE = "sync_model"
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+
+_NETWORK_ERRORS: tuple[type[BaseException], ...] = (
+    error.ConnectError,
+    error.ConnectionLost,
+    error.ConnectionDone,
+    error.DNSLookupError,
+    error.TimeoutError,
+    defer.TimeoutError,
+    ResponseFailed,
+    ResponseNeverReceived,
+    RequestTransmissionFailed,
+    TransferInterrupted,
+)
+
+ProgressCallback = Callable[..., None]
+
+
+class _Retry(Exception):
+    """A transient failure (network error, 5xx, interrupted body): back off and try again."""
+
+
+_RETRYABLE: tuple[type[BaseException], ...] = (_Retry, *_NETWORK_ERRORS)
+
+
+def _size(n: int | float) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+class _Progress:
+    """Byte counts of one operation, reported at most once per C{interval} seconds."""
+
+    def __init__(
+        self, clock: ReactorTime, emit: ProgressCallback, label: str, interval: float
+    ) -> None:
+        self._clock = clock
+        self._emit = emit
+        self._label = label
+        self._interval = interval
+        self._last: float | None = None
+        self.total = 0
+        self.done = 0
+        self.files_total = 0
+        self.files_done = 0
+
+    def add(self, n: int) -> None:
+        self.done += n
+        self.report()
+
+    def rewind(self, n: int) -> None:
+        self.done = max(0, self.done - n)
+
+    def pct(self) -> float:
+        if self.total <= 0:
+            return 0.0
+        return round(min(100.0, self.done * 100.0 / self.total), 1)
+
+    def report(
+        self, message: str | None = None, *, force: bool = False, pct: float | None = None
+    ) -> None:
+        now = self._clock.seconds()
+        if not force and self._last is not None and now - self._last < self._interval:
+            return
+        self._last = now
+        if message is None:
+            message = (
+                f"Downloading {self._label}: {_size(self.done)} of {_size(self.total)} "
+                f"({self.files_done} of {self.files_total} files)"
+            )
+        self._emit(
+            PHASE,
+            message,
+            bytes_done=self.done,
+            bytes_total=self.total,
+            progress_pct=self.pct() if pct is None else pct,
+            files_done=self.files_done,
+            files_total=self.files_total,
+        )
+
+
+@define(eq=False)
+class _Run:
+    """The mutable state of one sync of one model directory."""
+
+    manifest: Manifest
+    model_dir: str
+    progress: _Progress
+    record: dict[str, tuple[int, int]]
+    record_changed: bool = False
+    fetched_count: int = 0
+    fetched_bytes: int = 0
+    reused_count: int = 0
+    reused_bytes: int = 0
+    verified_count: int = 0
+    verified_bytes: int = 0
+    resumed: int = 0
+    retries: int = 0
+    range_ignored: int = 0
+
+    @property
+    def label(self) -> str:
+        return self.manifest.hf_repo_id or self.manifest.model_id
+
+    def remember(self, blob: BlobSpec, mtime_ns: int) -> None:
+        self.record[blob.hash] = (blob.size, mtime_ns)
+        self.record_changed = True
+
+    def forget(self, blob: BlobSpec) -> None:
+        if self.record.pop(blob.hash, None) is not None:
+            self.record_changed = True
+
+
+@define(eq=False)
+class _Operation:
+    """One sync of one model directory, shared by every caller that asked for it."""
+
+    manifest: Manifest
+    deferred: Deferred[dict[str, Any]] | None = None
+    finished: bool = False
+    outcome: dict[str, Any] | Failure | None = None
+    _listeners: list[tuple[Deferred[dict[str, Any]], ProgressCallback]] = field(factory=list)
+    _waiters: list[Deferred[None]] = field(factory=list)
+
+    log = Logger()
+
+    def subscribe(self, progress: ProgressCallback) -> Deferred[dict[str, Any]]:
+        """A Deferred of this operation's result; cancelling it detaches only this caller."""
+        if self.finished:
+            if isinstance(self.outcome, Failure):
+                return fail(self.outcome)
+            return succeed(copy.deepcopy(self.outcome or {}))
+        d: Deferred[dict[str, Any]] = Deferred(self._unsubscribe)
+        self._listeners.append((d, progress))
+        return d
+
+    def _unsubscribe(self, d: Deferred[dict[str, Any]]) -> None:
+        self._listeners = [(x, p) for x, p in self._listeners if x is not d]
+        if not self._listeners and not self.finished and self.deferred is not None:
+            self.deferred.cancel()
+
+    def emit(self, *args: Any, **kwargs: Any) -> None:
+        """Send one progress report to every caller."""
+        for _, progress in list(self._listeners):
+            try:
+                progress(*args, **kwargs)
+            except Exception:
+                self.log.failure("model sync progress callback failed")
+
+    def when_done(self) -> Deferred[None]:
+        """Fires (with C{None}) when the operation has ended, whatever its outcome."""
+        if self.finished:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._waiters.append(d)
+        return d
+
+    def settle(self, outcome: dict[str, Any] | Failure) -> None:
+        self.finished = True
+        self.outcome = outcome
+        listeners, self._listeners = self._listeners, []
+        waiters, self._waiters = self._waiters, []
+        for d, _ in listeners:
+            if isinstance(outcome, Failure):
+                d.errback(outcome)
+            else:
+                d.callback(copy.deepcopy(outcome))
+        for w in waiters:
+            if not w.called:
+                w.callback(None)
+
+
+class ModelSyncer:
+    """
+    Copies models from the backend into the model store (protocol 4.3).
+
+    @param reactor: provides L{ReactorTime} (timeouts, backoff, progress pacing).
+    @param http: the treq client for the backend (its own connection pool).
+    @param runner: runs blocking file work and hashing off the reactor thread; give it at
+        least C{concurrency} threads.
+    @param store_dir: MODEL_STORE.
+    @param backend_url: LLM_PORT_NODE_AGENT_BACKEND_URL, base path kept.
+    @param credential: returns the node credential (called per request; never logged).
+    @param concurrency: blobs downloaded at once.
+    @param retry_max: consecutive failed attempts (without progress) per blob before giving up.
+    @param free_space: C{free_space(path) -> bytes}; defaults to C{shutil.disk_usage}. Runs
+        on the runner.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: IReactorTime,
+        http: HTTPClient,
+        runner: BlockingRunner,
+        *,
+        store_dir: str,
+        backend_url: str,
+        credential: Callable[[], str],
+        concurrency: int = 4,
+        retry_max: int = 8,
+        free_space: Callable[[str], int] | None = None,
+        retry_initial_delay: float = 1.0,
+        retry_max_delay: float = 60.0,
+        request_timeout: float = 60.0,
+        idle_timeout: float = 120.0,
+        progress_interval: float = 1.0,
+        rng: _random.Random | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self._reactor: Any = reactor
+        self._http = http
+        self._runner = runner
+        self._store_dir = store_dir
+        self._backend_url = backend_url.rstrip("/")
+        self._credential = credential
+        self._concurrency = concurrency
+        self._retry_max = max(0, retry_max)
+        self._free_space = free_space or _fs.free_bytes
+        self._retry_initial_delay = retry_initial_delay
+        self._retry_max_delay = retry_max_delay
+        self._request_timeout = request_timeout
+        self._idle_timeout = idle_timeout
+        self._progress_interval = progress_interval
+        self._rng = rng or _random.Random()
+        self._ops: dict[str, _Operation] = {}
+
+    # -- public --------------------------------------------------------------------------
+
+    async def sync(
+        self, model_sync: Mapping[str, Any], progress: ProgressCallback
+    ) -> dict[str, Any]:
+        """
+        Make the model of C{model_sync} present and verified in the store.
+
+        @param model_sync: the C{model_sync} object: a full manifest, or at least
+            C{model_id} (the manifest is then fetched from the backend).
+        @param progress: called as C{progress("sync_model", message, bytes_done=...,
+            bytes_total=..., progress_pct=..., files_done=..., files_total=...)}, at most
+            about once per second.
+        @return: what was fetched, reused and verified (see L{_result}).
+        @raise CommandFailed: C{invalid_command}, C{insufficient_disk},
+            C{credential_rejected}, C{download_failed}, C{checksum_mismatch},
+            C{storage_error}.
+        """
+        if not isinstance(model_sync, Mapping):
+            raise CommandFailed(INVALID_COMMAND, "model_sync must be an object.")
+        source = model_sync.get("source")
+        if source == SOURCE_DOWNLOAD_FROM_HF:
+            return {
+                "source": source,
+                "skipped": True,
+                "reason": "The model is downloaded by the container itself (source download_from_hf).",
+            }
+        if source is not None and source != SOURCE_SYNC_FROM_SERVER:
+            raise CommandFailed(
+                INVALID_COMMAND,
+                f"Invalid model manifest: model_sync.source must be "
+                f"'{SOURCE_SYNC_FROM_SERVER}' or '{SOURCE_DOWNLOAD_FROM_HF}'.",
+            )
+        if "blobs" in model_sync:
+            manifest = parse_manifest(model_sync, "model_sync")
+        else:
+            model_id = model_sync.get("model_id")
+            if not isinstance(model_id, str) or not model_id or len(model_id) > 256:
+                raise CommandFailed(
+                    INVALID_COMMAND,
+                    "Invalid model manifest: model_sync.model_id must be a non-empty string "
+                    "when model_sync carries no blobs.",
+                )
+            manifest = await self._fetch_manifest(model_id)
+        return await self._join(manifest, progress)
+
+    # -- sharing ---------------------------------------------------------------------------
+
+    def _join(self, manifest: Manifest, progress: ProgressCallback) -> Deferred[dict[str, Any]]:
+        key = manifest.model_dir_name
+        op = self._ops.get(key)
+        if op is not None and op.manifest == manifest:
+            self.log.info("Model sync of {model_dir} already running; joining it", model_dir=key)
+            return op.subscribe(progress)
+        previous = op
+        op = _Operation(manifest)
+        self._ops[key] = op
+        op.deferred = Deferred.fromCoroutine(self._run(op, previous))
+        op.deferred.addBoth(self._finished, key, op)
+        return op.subscribe(progress)
+
+    def _finished(self, outcome: object, key: str, op: _Operation) -> None:
+        if self._ops.get(key) is op:
+            del self._ops[key]
+        if isinstance(outcome, Failure) and not outcome.check(CommandFailed, CancelledError):
+            self.log.failure(
+                "Model sync of {model_dir} failed unexpectedly", outcome, model_dir=key
+            )
+        op.settle(outcome if isinstance(outcome, Failure | dict) else {})
+
+    async def _run(self, op: _Operation, previous: _Operation | None) -> dict[str, Any]:
+        if previous is not None:
+            self.log.info(
+                "Model sync of {model_dir} waits for the previous one",
+                model_dir=op.manifest.model_dir_name,
+            )
+            await previous.when_done()
+        try:
+            return await self._sync_now(op)
+        except OSError as e:
+            raise self._storage_failed(e, op.manifest) from None
+
+    def _storage_failed(self, e: OSError, manifest: Manifest) -> CommandFailed:
+        where = e.filename or self._store_dir
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return CommandFailed(
+                INSUFFICIENT_DISK,
+                f"The model store ran out of disk space while syncing "
+                f"{manifest.hf_repo_id or manifest.model_id} ({where}).",
+                {"path": str(where)},
+            )
+        return CommandFailed(
+            STORAGE_ERROR,
+            f"Could not write the model store at {where}: {e.strerror or e}.",
+            {"path": str(where)},
+        )
+
+    # -- one operation ---------------------------------------------------------------------
+
+    async def _sync_now(self, op: _Operation) -> dict[str, Any]:
+        manifest = op.manifest
+        started = self._reactor.seconds()
+        label = manifest.hf_repo_id or manifest.model_id
+        progress = _Progress(self._reactor, op.emit, label, self._progress_interval)
+        progress.report(f"Checking {label} in the model store", force=True)
+        model_dir = await self._runner.run(
+            _fs.prepare_model_dir, self._store_dir, manifest.model_dir_name
+        )
+        record = await self._runner.run(_fs.load_record, model_dir)
+        survey = await self._runner.run(_fs.survey_blobs, model_dir, manifest.blobs, record)
+        run = _Run(manifest, model_dir, progress, dict(record))
+
+        to_verify: list[BlobSpec] = []
+        to_fetch: list[tuple[BlobSpec, int]] = []
+        for item in survey:
+            if item.state == "reuse":
+                run.reused_count += 1
+                run.reused_bytes += item.blob.size
+            elif item.state == "verify":
+                to_verify.append(item.blob)
+            else:
+                run.forget(item.blob)
+                to_fetch.append((item.blob, item.part_size))
+
+        needed = sum(blob.size - part for blob, part in to_fetch)
+        if needed > 0:
+            free = await self._runner.run(self._free_space, model_dir)
+            if needed > free:
+                raise CommandFailed(
+                    INSUFFICIENT_DISK,
+                    f"Not enough disk space for {label}: {_size(needed)} still to download, "
+                    f"{_size(free)} free in {model_dir}.",
+                    {"needed_bytes": needed, "free_bytes": free, "path": model_dir},
+                )
+
+        progress.total = sum(blob.size for blob, _ in to_fetch)
+        progress.done = sum(part for _, part in to_fetch)
+        progress.files_total = len(to_fetch)
+        if to_verify:
+            progress.report(f"Verifying {len(to_verify)} cached files of {label}", force=True)
+
+        jobs: list[Callable[[], Awaitable[None]]] = [
+            functools.partial(self._verify_or_fetch, run, blob) for blob in to_verify
+        ]
+        jobs += [
+            functools.partial(self._fetch, run, blob)
+            for blob, _ in sorted(to_fetch, key=lambda bp: -bp[0].size)
+        ]
+        try:
+            await self._run_jobs(jobs)
+        finally:
+            if run.record_changed:
+                try:
+                    await self._runner.run(_fs.save_record, model_dir, dict(run.record))
+                except Exception:
+                    self.log.failure(
+                        "Could not save the verification record of {model_dir}",
+                        model_dir=model_dir,
+                    )
+
+        snapshots_changed = 0
+        for snap in manifest.snapshots:
+            outcome = await self._runner.run(
+                _fs.install_snapshot, model_dir, snap.commit, snap.links
+            )
+            snapshots_changed += outcome != "kept"
+        refs_changed = 0
+        for ref in manifest.refs:
+            refs_changed += bool(
+                await self._runner.run(_fs.write_ref, model_dir, ref.name, ref.commit)
+            )
+
+        duration = self._reactor.seconds() - started
+        result = self._result(run, duration, snapshots_changed, refs_changed)
+        progress.report(
+            f"Model {label} ready: {run.fetched_count} files downloaded "
+            f"({_size(run.fetched_bytes)}), {run.reused_count} reused, "
+            f"{run.verified_count} verified",
+            force=True,
+            pct=100.0,
+        )
+        self.log.info(
+            "Model sync of {model_dir} done in {duration:.1f}s: {fetched} fetched "
+            "({fetched_bytes} bytes), {reused} reused, {verified} verified, {retries} retries",
+            model_dir=manifest.model_dir_name,
+            duration=duration,
+            fetched=run.fetched_count,
+            fetched_bytes=run.fetched_bytes,
+            reused=run.reused_count,
+            verified=run.verified_count,
+            retries=run.retries,
+        )
+        return result
+
+    def _result(
+        self, run: _Run, duration: float, snapshots_changed: int, refs_changed: int
+    ) -> dict[str, Any]:
+        m = run.manifest
+        return {
+            "model_id": m.model_id,
+            "hf_repo_id": m.hf_repo_id,
+            "model_dir_name": m.model_dir_name,
+            "path": run.model_dir,
+            "commits": [s.commit for s in m.snapshots],
+            "refs": {r.name: r.commit for r in m.refs},
+            "blobs_total": len(m.blobs),
+            "bytes_total": m.total_size,
+            "fetched": {"count": run.fetched_count, "bytes": run.fetched_bytes},
+            "reused": {"count": run.reused_count, "bytes": run.reused_bytes},
+            "verified": {"count": run.verified_count, "bytes": run.verified_bytes},
+            "resumed": run.resumed,
+            "retries": run.retries,
+            "range_ignored": run.range_ignored,
+            "snapshots_changed": snapshots_changed,
+            "refs_changed": refs_changed,
+            "duration_s": round(duration, 3),
+        }
+
+    async def _run_jobs(self, jobs: list[Callable[[], Awaitable[None]]]) -> None:
+        """
+        Run C{jobs} on at most C{concurrency} workers. The first failure cancels the other
+        workers (their clean-up still runs) and is raised once all have stopped.
+        """
+        queue = deque(jobs)
+        workers: list[Deferred[None]] = []
+        first: list[Failure] = []
+
+        def failed(f: Failure) -> Failure:
+            if not first and not f.check(CancelledError):
+                first.append(f)
+                for w in workers:
+                    if not w.called:
+                        w.cancel()
+            return f
+
+        async def worker() -> None:
+            while queue and not first:
+                await queue.popleft()()
+
+        for _ in range(min(self._concurrency, len(queue))):
+            d = Deferred.fromCoroutine(worker())
+            workers.append(d)
+            d.addErrback(failed)
+        results = await DeferredList(workers, consumeErrors=True)
+        if first:
+            first[0].raiseException()
+        for ok, value in results:
+            if not ok and isinstance(value, Failure):
+                value.raiseException()
+
+    async def _verify_or_fetch(self, run: _Run, blob: BlobSpec) -> None:
+        ok, mtime_ns = await self._runner.run(_fs.verify_blob, run.model_dir, blob)
+        if ok:
+            run.remember(blob, mtime_ns)
+            run.verified_count += 1
+            run.verified_bytes += blob.size
+            return
+        self.log.warn(
+            "Cached blob {blob} of {model_dir} failed verification; fetching it again",
+            blob=blob.hash,
+            model_dir=run.manifest.model_dir_name,
+        )
+        run.forget(blob)
+        run.progress.total += blob.size
+        run.progress.files_total += 1
+        await self._fetch(run, blob)
+
+    # -- downloading one blob ----------------------------------------------------------------
+
+    def _url(self, model_id: str, *parts: str) -> str:
+        tail = "/".join(quote(p, safe="") for p in parts)
+        return f"{self._backend_url}/api/node-files/models/{quote(model_id, safe='')}/{tail}"
+
+    def _headers(self) -> dict[bytes | str, bytes | str]:
+        try:
+            credential = self._credential()
+        except Exception:
+            raise CommandFailed(INTERNAL_ERROR, "The node credential could not be read.") from None
+        if not isinstance(credential, str) or not credential:
+            raise CommandFailed(
+                CREDENTIAL_REJECTED,
+                "This node has no credential yet: enroll it before syncing models.",
+            )
+        return {"Authorization": "Bearer " + credential}
+
+    def _backoff(self, failures: int) -> float:
+        base = min(self._retry_initial_delay * 2 ** (failures - 1), self._retry_max_delay)
+        return float(base * (0.5 + self._rng.random() / 2))
+
+    async def _get(self, url: str, headers: dict[bytes | str, bytes | str]) -> Any:
+        d = self._http.get(
+            url,
+            headers=headers,
+            unbuffered=True,
+            allow_redirects=False,
+            reactor=self._reactor,
+        )
+        d.addTimeout(self._request_timeout, self._reactor)
+        try:
+            return await d
+        except _NETWORK_ERRORS as e:
+            raise _Retry(describe_error(e)) from None
+
+    async def _refuse(self, response: Any, what: str) -> None:
+        """Turn a non-success status into L{_Retry} (transient) or L{CommandFailed}."""
+        code = response.code
+        body = await read_small(response).addTimeout(self._request_timeout, self._reactor)
+        detail = detail_of(body)
+        suffix = f": {detail}" if detail else ""
+        if code in (401, 403):
+            raise CommandFailed(
+                CREDENTIAL_REJECTED,
+                f"The backend rejected this node's credential (HTTP {code}{suffix}) while "
+                f"fetching {what}. The node needs a new enrollment token.",
+            )
+        if code in (408, 425, 429) or code >= 500:
+            raise _Retry(f"HTTP {code}{suffix}")
+        if code == 404:
+            raise CommandFailed(DOWNLOAD_FAILED, f"The backend has no {what} (HTTP 404{suffix}).")
+        raise CommandFailed(
+            DOWNLOAD_FAILED, f"The backend answered HTTP {code} for {what}{suffix}."
+        )
+
+    async def _pause(self, failures: int, what: str, reason: str) -> None:
+        if failures > self._retry_max:
+            raise CommandFailed(
+                DOWNLOAD_FAILED,
+                f"Could not fetch {what} after {failures} attempts; last error: {reason}.",
+            )
+        delay = self._backoff(failures)
+        self.log.info(
+            "Fetching {what} failed ({reason}); retry {attempt} in {delay:.1f}s",
+            what=what,
+            reason=reason,
+            attempt=failures,
+            delay=delay,
+        )
+        await deferLater(self._reactor, delay)
+
+    async def _fetch_manifest(self, model_id: str) -> Manifest:
+        url = self._url(model_id, "manifest")
+        what = f"the manifest of model {model_id}"
+        failures = 0
+        while True:
+            try:
+                response = await self._get(url, self._headers())
+                if response.code != 200:
+                    await self._refuse(response, what)
+                body = await read_limited(response, MAX_MANIFEST_BYTES + 1).addTimeout(
+                    self._request_timeout, self._reactor
+                )
+                break
+            except _RETRYABLE as e:
+                failures += 1
+                await self._pause(
+                    failures, what, str(e) if isinstance(e, _Retry) else describe_error(e)
+                )
+        if len(body) > MAX_MANIFEST_BYTES:
+            raise CommandFailed(DOWNLOAD_FAILED, f"The backend sent {what} larger than 64 MiB.")
+        try:
+            data = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise CommandFailed(
+                DOWNLOAD_FAILED, f"The backend sent {what} that is not valid JSON."
+            ) from None
+        return parse_manifest(data, "manifest")
+
+    async def _fetch(self, run: _Run, blob: BlobSpec) -> None:
+        """Download one blob into C{blobs/<hash>}, resuming, retrying and verifying."""
+        serial = SerialRunner(self._runner)
+        part = await serial.run(_fs.open_part, run.model_dir, blob)
+        url = self._url(run.manifest.model_id, "blob", blob.hash)
+        what = f"blob {blob.hash} of {run.label}"
+        if part.resumed_bytes:
+            run.resumed += 1
+        spliced = part.resumed_bytes > 0  # content comes from more than one response
+        restarted = False
+        failures = 0
+        try:
+            while True:
+                if part.offset < blob.size:
+                    before = part.offset
+                    try:
+                        spliced |= await self._transfer(run, blob, part, serial, url, what)
+                        if part.offset < blob.size and part.offset == before:
+                            raise _Retry("the response ended before the blob was complete")
+                        continue
+                    except _Retry as e:
+                        run.retries += 1
+                        failures = 1 if part.offset > before else failures + 1
+                        await self._pause(failures, what, str(e))
+                        continue
+                ok, found, mtime_ns = await serial.run(_fs.finish_part, part)
+                if ok:
+                    run.remember(blob, mtime_ns)
+                    run.fetched_count += 1
+                    run.fetched_bytes += blob.size
+                    run.progress.files_done += 1
+                    run.progress.report()
+                    return
+                run.progress.rewind(blob.size)
+                if spliced and not restarted:
+                    # A resumed download may have joined two different contents: once more
+                    # from the start before calling the blob bad.
+                    self.log.warn(
+                        "Resumed download of {blob} failed verification; starting over",
+                        blob=blob.hash,
+                    )
+                    restarted = True
+                    spliced = False
+                    part = await serial.run(_fs.open_part, run.model_dir, blob)
+                    continue
+                raise CommandFailed(
+                    CHECKSUM_MISMATCH,
+                    f"Blob {blob.hash} of {run.label} failed verification: expected "
+                    f"{blob.size} bytes with that hash, got {found}. The download was discarded.",
+                    {"blob": blob.hash},
+                )
+        finally:
+            await serial.run(_fs.close_part, part)
+
+    async def _restart_part(self, run: _Run, part: _fs.PartFile, serial: SerialRunner) -> None:
+        run.progress.rewind(part.offset)
+        await serial.run(_fs.reset_part, part)
+
+    async def _transfer(
+        self,
+        run: _Run,
+        blob: BlobSpec,
+        part: _fs.PartFile,
+        serial: SerialRunner,
+        url: str,
+        what: str,
+    ) -> bool:
+        """
+        One GET of the rest of a blob into its part file.
+
+        @return: whether the content was appended to earlier content (a resume).
+        @raise _Retry: for transient failures (the part file keeps what arrived).
+        """
+        headers = self._headers()
+        offset = part.offset
+        ranged = offset > 0
+        if ranged:
+            headers["Range"] = f"bytes={offset}-"
+        response = await self._get(url, headers)
+        code = response.code
+        limit = blob.size - offset
+        if code == 200:
+            if ranged:
+                self.log.info(
+                    "The backend ignored Range for {blob}; downloading it from the start",
+                    blob=blob.hash,
+                )
+                run.range_ignored += 1
+                await self._restart_part(run, part, serial)
+                limit = blob.size
+            length = response.length
+            if isinstance(length, int) and length != blob.size:
+                abandon(response)
+                raise CommandFailed(
+                    CHECKSUM_MISMATCH,
+                    f"The backend serves {length} bytes for {what}, but the manifest says "
+                    f"{blob.size}.",
+                    {"blob": blob.hash},
+                )
+        elif code == 206 and ranged:
+            header = response.headers.getRawHeaders("content-range") or [None]
+            cr = parse_content_range(header[0])
+            if (
+                cr is None
+                or cr.start != offset
+                or cr.end >= blob.size
+                or (cr.total is not None and cr.total != blob.size)
+            ):
+                self.log.info(
+                    "Unusable Content-Range {value!r} for {blob}; downloading it from the start",
+                    value=header[0],
+                    blob=blob.hash,
+                )
+                abandon(response)
+                await self._restart_part(run, part, serial)
+                return False
+            limit = cr.end + 1 - offset
+        elif code == 416 and ranged:
+            abandon(response)
+            await self._restart_part(run, part, serial)
+            return False
+        else:
+            await self._refuse(response, what)
+
+        receiver = BlobBodyReceiver(
+            self._reactor,
+            serial,
+            part,
+            limit,
+            run.progress.add,
+            idle_timeout=self._idle_timeout,
+        )
+        response.deliverBody(receiver)
+        try:
+            await receiver.done
+        except TransferInterrupted as e:
+            raise _Retry(str(e)) from None
+        except BodyTooLong:
+            await self._restart_part(run, part, serial)
+            raise CommandFailed(
+                CHECKSUM_MISMATCH,
+                f"The backend sent more than {blob.size} bytes for {what}.",
+                {"blob": blob.hash},
+            ) from None
+        return ranged and code == 206

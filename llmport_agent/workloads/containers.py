@@ -1,0 +1,287 @@
+"""
+Thread functions on the Docker engine for containers.
+
+Each takes the docker-py client first and returns plain data (dicts, strings): they run on
+the L{DockerEngine} pools, never on the reactor thread, and nothing lazy crosses back.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import docker
+from docker.errors import NotFound
+
+from .spec import (
+    LABEL_CONTAINER_PORT,
+    LABEL_HOST_PORT,
+    LABEL_MANAGED,
+    LABEL_NAME,
+    LABEL_RUNTIME_ID,
+    MANAGED_VALUE,
+)
+
+_EXITED_RE = re.compile(r"\((-?\d+)\)")
+
+
+def _int(value: Any, default: int = 0) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def snapshot(info: dict[str, Any]) -> dict[str, Any]:
+    """The parts of C{docker inspect} the agent uses, as plain data."""
+    state = info.get("State") or {}
+    config = info.get("Config") or {}
+    host_config = info.get("HostConfig") or {}
+    labels = dict(config.get("Labels") or {})
+    env = config.get("Env") or []
+    ports: dict[int, int] = {}
+    for key, bindings in ((info.get("NetworkSettings") or {}).get("Ports") or {}).items():
+        if not bindings or not key.endswith("/tcp"):
+            continue
+        for binding in bindings:
+            hp = _int(binding.get("HostPort"))
+            if hp:
+                ports[_int(key.split("/")[0])] = hp
+                break
+    health = state.get("Health") or {}
+    env_runtime = ""
+    for item in env:
+        if isinstance(item, str) and item.startswith("LLM_PORT_RUNTIME_ID="):
+            env_runtime = item.split("=", 1)[1]
+    return {
+        "id": str(info.get("Id", "")),
+        "name": str(info.get("Name", "")).lstrip("/"),
+        "status": str(state.get("Status", "")),
+        "running": bool(state.get("Running")),
+        "restarting": bool(state.get("Restarting")),
+        "exit_code": _int(state.get("ExitCode")),
+        "error": str(state.get("Error") or ""),
+        "oom_killed": bool(state.get("OOMKilled")),
+        "restart_count": _int(info.get("RestartCount")),
+        "health": str(health.get("Status") or "") or None,
+        "started_at": str(state.get("StartedAt") or ""),
+        "finished_at": str(state.get("FinishedAt") or ""),
+        "labels": labels,
+        "managed": labels.get(LABEL_MANAGED) == MANAGED_VALUE,
+        "runtime_id": labels.get(LABEL_RUNTIME_ID) or env_runtime,
+        "image": str(config.get("Image", "")),
+        "image_id": str(info.get("Image", "")),
+        "network_mode": str(host_config.get("NetworkMode", "")),
+        "ports": ports,
+        "restart_policy": str((host_config.get("RestartPolicy") or {}).get("Name", "")),
+    }
+
+
+def host_port_of(snap: dict[str, Any], container_port: int | None = None) -> int | None:
+    """The host port a workload is reachable on: published binding, else the label."""
+    labels = snap.get("labels") or {}
+    cport = container_port or _int(labels.get(LABEL_CONTAINER_PORT)) or None
+    ports: dict[int, int] = snap.get("ports") or {}
+    if cport and cport in ports:
+        return ports[cport]
+    label = _int(labels.get(LABEL_HOST_PORT))
+    if label:
+        return label
+    if ports:
+        return next(iter(ports.values()))
+    return None
+
+
+def inspect(client: docker.DockerClient, ident: str) -> dict[str, Any] | None:
+    """Snapshot of one container by id or name, or C{None} when it does not exist."""
+    try:
+        return snapshot(client.api.inspect_container(ident))
+    except NotFound:
+        return None
+
+
+def find_runtime(
+    client: docker.DockerClient, runtime_id: str, container_name: str | None
+) -> list[dict[str, Any]]:
+    """
+    Every container of a runtime: those labelled with its id, plus the one named
+    C{container_name} if it exists. Each snapshot gets C{foreign: True} when it belongs
+    to neither this runtime's labels nor (older agents) its C{LLM_PORT_RUNTIME_ID}.
+    Canonically named containers come first.
+    """
+    found: dict[str, dict[str, Any]] = {}
+    rows = client.api.containers(all=True, filters={"label": f"{LABEL_RUNTIME_ID}={runtime_id}"})
+    for row in rows:
+        snap = inspect(client, row["Id"])
+        if snap is not None:
+            found[snap["id"]] = snap
+    if container_name and not any(s["name"] == container_name for s in found.values()):
+        snap = inspect(client, container_name)
+        if snap is not None and snap["name"] == container_name:
+            found[snap["id"]] = snap
+    out = []
+    for snap in found.values():
+        snap["foreign"] = snap["runtime_id"] != runtime_id
+        canonical = (snap["labels"].get(LABEL_NAME) or container_name or snap["name"]) == snap["name"]
+        snap["canonical"] = canonical
+        out.append(snap)
+    out.sort(key=lambda s: (not s["canonical"], s["name"]))
+    return out
+
+
+def find_runtime_light(
+    client: docker.DockerClient, runtime_id: str, container_name: str | None
+) -> dict[str, Any] | None:
+    """
+    One cheap lookup for reads (logs): the labelled container (canonical name first),
+    else the container called C{container_name}. Returns C{{"id", "name"}} or C{None}.
+    """
+    rows = client.api.containers(all=True, filters={"label": f"{LABEL_RUNTIME_ID}={runtime_id}"})
+    best = None
+    for row in rows:
+        name = (row.get("Names") or ["/"])[0].lstrip("/")
+        labels = row.get("Labels") or {}
+        entry = {"id": row["Id"], "name": name}
+        if labels.get(LABEL_NAME, name) == name:
+            return entry
+        best = best or entry
+    if best is not None:
+        return best
+    if container_name:
+        try:
+            info = client.api.inspect_container(container_name)
+        except NotFound:
+            return None
+        return {"id": info["Id"], "name": str(info.get("Name", "")).lstrip("/")}
+    return None
+
+
+def list_managed(client: docker.DockerClient) -> list[dict[str, Any]]:
+    """
+    Summaries (one engine call) of every container this agent manages: id, name, state,
+    status text, labels, exit code parsed from the status, health from the status.
+    """
+    rows = client.api.containers(all=True, filters={"label": f"{LABEL_MANAGED}={MANAGED_VALUE}"})
+    out = []
+    for row in rows:
+        status = str(row.get("Status", ""))
+        m = _EXITED_RE.search(status)
+        health = None
+        if "(healthy)" in status:
+            health = "healthy"
+        elif "(unhealthy)" in status:
+            health = "unhealthy"
+        elif "(health: starting)" in status:
+            health = "starting"
+        out.append(
+            {
+                "id": row["Id"],
+                "name": (row.get("Names") or ["/"])[0].lstrip("/"),
+                "state": str(row.get("State", "")),
+                "status_text": status,
+                "labels": dict(row.get("Labels") or {}),
+                "exit_code": _int(m.group(1)) if m and row.get("State") != "running" else None,
+                "health": health,
+                "image": str(row.get("Image", "")),
+                "image_id": str(row.get("ImageID", "")),
+                "ports": [
+                    {"container_port": p.get("PrivatePort"), "host_port": p.get("PublicPort")}
+                    for p in (row.get("Ports") or [])
+                    if p.get("PublicPort")
+                ],
+            }
+        )
+    return out
+
+
+def create_and_start(client: docker.DockerClient, args: dict[str, Any]) -> dict[str, Any]:
+    """
+    Create the container from L{spec.render} output and start it. A container that was
+    created but failed to start is removed again, and the engine's error re-raised.
+    """
+    api = client.api
+    host_config = api.create_host_config(**args["host_config"])
+    created = api.create_container(host_config=host_config, **args["create"])
+    cid = created["Id"]
+    try:
+        api.start(cid)
+    except Exception:
+        try:
+            api.remove_container(cid, force=True)
+        except Exception:  # noqa: BLE001 - the start error is the one to report
+            pass
+        raise
+    return {"id": cid, "warnings": created.get("Warnings") or []}
+
+
+def start(client: docker.DockerClient, ident: str) -> None:
+    """Start a stopped container."""
+    client.api.start(ident)
+
+
+def restart(client: docker.DockerClient, ident: str, grace: int) -> None:
+    """Restart (SIGTERM, C{grace} seconds, SIGKILL, start)."""
+    client.api.restart(ident, timeout=grace)
+
+
+def stop(client: docker.DockerClient, ident: str, grace: int) -> bool:
+    """
+    Stop: SIGTERM (the container's stop signal), wait C{grace} seconds, then SIGKILL.
+    Returns C{False} when the container does not exist.
+    """
+    try:
+        client.api.stop(ident, timeout=grace)
+    except NotFound:
+        return False
+    return True
+
+
+def remove(client: docker.DockerClient, ident: str) -> bool:
+    """Remove (forcefully). Returns C{False} when it did not exist."""
+    try:
+        client.api.remove_container(ident, force=True)
+    except NotFound:
+        return False
+    except docker.errors.APIError as exc:
+        if exc.status_code == 409 and "already in progress" in str(exc.explanation or ""):
+            return True
+        raise
+    return True
+
+
+def rename(client: docker.DockerClient, ident: str, name: str) -> None:
+    """Rename a container."""
+    client.api.rename(ident, name)
+
+
+def logs(client: docker.DockerClient, ident: str, tail: int) -> bytes | None:
+    """The last C{tail} lines (stdout and stderr, with timestamps), or C{None} if gone."""
+    try:
+        out = client.api.logs(ident, stdout=True, stderr=True, timestamps=True, tail=tail)
+    except NotFound:
+        return None
+    return out if isinstance(out, bytes) else bytes(out)
+
+
+def exit_info(client: docker.DockerClient, ident: str, tail: int = 20) -> dict[str, Any] | None:
+    """
+    C{None} while the container runs and has never restarted; otherwise its state and
+    last log lines (for a container that stopped or restarted during startup).
+    """
+    snap = inspect(client, ident)
+    if snap is None:
+        return {"status": "missing", "exit_code": -1, "restart_count": 0, "logs": "", "error": "the container was removed"}
+    if snap["running"] and not snap["restarting"] and snap["restart_count"] == 0:
+        return None
+    text = b""
+    try:
+        text = client.api.logs(ident, stdout=True, stderr=True, timestamps=False, tail=tail) or b""
+    except NotFound:
+        pass
+    return {
+        "status": snap["status"],
+        "exit_code": snap["exit_code"],
+        "restart_count": snap["restart_count"],
+        "logs": text.decode("utf-8", "replace")[-4000:],
+        "error": snap["error"] or ("out of memory (OOM killed)" if snap["oom_killed"] else ""),
+    }

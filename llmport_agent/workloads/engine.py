@@ -1,0 +1,502 @@
+"""
+The Docker executor: docker-py on bounded thread pools, never on the reactor thread.
+
+L{DockerEngine} owns two docker-py clients and two L{PoolService}s:
+
+ - the I{short} pool runs ordinary API calls (inspect, create, start, stop, logs...) with a
+   socket timeout so a hung daemon cannot pin a thread for ever;
+ - the I{stream} pool runs calls that hold a connection open for long (image pull and
+   load, the event stream), so they cannot starve short calls.
+
+It tracks whether the engine answers (C{available}, C{last_error}, C{address}): a ping at
+start, and while the engine is down a ping with exponential backoff until it answers again.
+While it is up nothing polls it; a call that fails to connect marks it down.
+
+Every failure leaves as a L{EngineError} (a L{CommandFailed} with code C{runtime_error})
+whose message names what was attempted, the engine address and the cause.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import docker
+import requests
+from docker.errors import APIError, DockerException
+from twisted.application.service import Service
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.logger import Logger
+
+from ..commands.base import RUNTIME_ERROR, CommandFailed
+from ..threads import PoolService
+
+T = TypeVar("T")
+
+DEFAULT_ADDRESS = "unix:///var/run/docker.sock"
+
+
+class EngineError(CommandFailed):
+    """
+    A Docker engine call failed.
+
+    @ivar unreachable: the engine did not answer at all (connection refused, socket gone).
+    @ivar status_code: the HTTP status the engine answered with, when it answered.
+    @ivar explanation: the engine's own words, when it answered.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        unreachable: bool = False,
+        status_code: int | None = None,
+        explanation: str = "",
+        error_code: str = RUNTIME_ERROR,
+    ) -> None:
+        super().__init__(error_code, message)
+        self.unreachable = unreachable
+        self.status_code = status_code
+        self.explanation = explanation
+
+
+class StreamClosed(Exception):
+    """The stream was closed from the reactor side (cancel, stall, stop)."""
+
+
+class StreamControl:
+    """
+    A thread-safe handle on a streaming engine call.
+
+    The thread running the stream L{attach}es the docker-py stream (anything with a
+    C{close()} that unblocks a reader in another thread, such as
+    L{docker.types.CancellableStream}); the reactor side calls L{close} to end it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[Any] = []
+        self.closed = False
+        self.reason = ""
+
+    def attach(self, closeable: Any) -> None:
+        """
+        Register C{closeable}; close it at once (and raise L{StreamClosed}) when this
+        control is already closed. Called from the stream's thread.
+        """
+        with self._lock:
+            if not self.closed:
+                self._items.append(closeable)
+                return
+        _close_quietly(closeable)
+        raise StreamClosed(self.reason)
+
+    def close(self, reason: str = "closed") -> None:
+        """Close everything attached, now and later. Safe from any thread; idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.reason = reason
+            items, self._items = self._items, []
+        for item in items:
+            _close_quietly(item)
+
+    def check(self) -> None:
+        """Raise L{StreamClosed} when closed (for loops in the stream's thread)."""
+        if self.closed:
+            raise StreamClosed(self.reason)
+
+
+def _close_quietly(closeable: Any) -> None:
+    try:
+        closeable.close()
+    except Exception:  # noqa: BLE001 - closing a dead stream may fail in many ways
+        pass
+
+
+def _find_cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, kinds):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def _short_cause(exc: BaseException) -> str:
+    """A one-line cause without URLs (which may carry query strings) or tracebacks."""
+    if isinstance(exc, APIError):
+        text = str(exc.explanation or "") or f"HTTP {exc.status_code}"
+    else:
+        # requests wraps urllib3 errors whose text repeats the pool; keep the innermost.
+        inner: BaseException = exc
+        while True:
+            nxt = inner.__cause__ or inner.__context__
+            if nxt is None or nxt is inner:
+                break
+            inner = nxt
+        text = str(inner) or type(inner).__name__
+        if isinstance(inner, FileNotFoundError):
+            text = "the socket does not exist (is dockerd running?)"
+        elif isinstance(inner, ConnectionRefusedError):
+            text = "connection refused (is dockerd running?)"
+        elif "Max retries exceeded" in text or "HTTPConnectionPool" in text:
+            text = type(inner).__name__
+    text = " ".join(text.split())
+    return text[:500]
+
+
+def translate_error(what: str, address: str, exc: BaseException, timeout: float | None) -> EngineError:
+    """Turn a docker-py / requests exception into an L{EngineError} a person can read."""
+    if isinstance(exc, APIError):
+        explanation = " ".join(str(exc.explanation or "").split())[:1000]
+        return EngineError(
+            f"{what} failed: Docker engine at {address} answered: "
+            f"{explanation or f'HTTP {exc.status_code}'}",
+            status_code=exc.status_code,
+            explanation=explanation,
+        )
+    if _find_cause(exc, (requests.exceptions.Timeout,)):
+        return EngineError(
+            f"{what} failed: Docker engine at {address} did not answer within "
+            f"{timeout if timeout is not None else '?'} s"
+        )
+    if _find_cause(
+        exc, (requests.exceptions.ConnectionError, ConnectionError, FileNotFoundError)
+    ) or (isinstance(exc, DockerException) and "fetching server API version" in str(exc)):
+        return EngineError(
+            f"{what} failed: Docker engine at {address} is unreachable: {_short_cause(exc)}",
+            unreachable=True,
+        )
+    if isinstance(exc, DockerException):
+        return EngineError(f"{what} failed: Docker engine at {address}: {_short_cause(exc)}")
+    return EngineError(
+        f"{what} failed: unexpected error talking to the Docker engine at {address}: "
+        f"{type(exc).__name__}: {_short_cause(exc)}"
+    )
+
+
+class DockerEngine(Service):
+    """
+    The docker-py executor service.
+
+    @ivar available: the engine answered the last call or ping.
+    @ivar last_error: why the engine is unavailable ("" when it is available).
+    @ivar address: the engine address (C{DOCKER_HOST} or the default socket).
+    @ivar calls: the number of HTTP requests made to the engine (for benchmarks).
+    @ivar version: the engine version once known ("" before).
+    @ivar runtimes: the container runtimes the engine offers (names).
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        *,
+        environ: Mapping[str, str] | None = None,
+        call_timeout: float = 60.0,
+        stream_timeout: float = 600.0,
+        max_threads: int = 8,
+        stream_threads: int = 6,
+        probe_initial: float = 1.0,
+        probe_max: float = 30.0,
+        client_factory: Callable[..., docker.DockerClient] | None = None,
+    ) -> None:
+        self.setName("docker-engine")
+        self._reactor = reactor
+        env = dict(os.environ if environ is None else environ)
+        self._client_kwargs: dict[str, Any] = docker.utils.kwargs_from_env(environment=env)
+        self.address: str = str(self._client_kwargs.get("base_url") or DEFAULT_ADDRESS)
+        self.call_timeout = call_timeout
+        self.stream_timeout = stream_timeout
+        self._max_threads = max(1, min(max_threads, 10))
+        self._stream_threads = max(2, min(stream_threads, 10))
+        self._short = PoolService(reactor, "docker", self._max_threads)
+        self._streams = PoolService(reactor, "docker-stream", self._stream_threads)
+        self._clients: dict[str, docker.DockerClient] = {}
+        self._client_lock = threading.Lock()
+        self._client_factory = client_factory or docker.DockerClient
+        self._controls: set[StreamControl] = set()
+        self._counter = itertools.count(1)
+        self._calls = 0
+        self._listeners: list[Callable[[bool], None]] = []
+        self._probe_initial = probe_initial
+        self._probe_max = probe_max
+        self._probe_delay = probe_initial
+        self._probe_call: Any = None
+        self._probing: Deferred[Any] | None = None
+        self.available = False
+        self.last_error = "not checked yet"
+        self.version = ""
+        self.api_version = ""
+        self.runtimes: tuple[str, ...] = ()
+        self.default_runtime = ""
+        self.info: dict[str, Any] = {}
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        self._short.startService()
+        self._streams.startService()
+        self._probe_delay = self._probe_initial
+        self._scheduleProbe(0)
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        if self._probe_call is not None and self._probe_call.active():
+            self._probe_call.cancel()
+        self._probe_call = None
+        for control in list(self._controls):
+            control.close("agent stopping")
+        self._controls.clear()
+        d1 = self._streams.stopService(drainTimeout=5.0)
+        d2 = self._short.stopService(drainTimeout=10.0)
+
+        def _closeClients(_: object) -> None:
+            with self._client_lock:
+                clients, self._clients = list(self._clients.values()), {}
+            for client in clients:
+                _close_quietly(client)
+
+        from twisted.internet.defer import gatherResults
+
+        return gatherResults([d1, d2], consumeErrors=True).addBoth(_closeClients)
+
+    # -- availability -----------------------------------------------------------------
+
+    def onAvailability(self, listener: Callable[[bool], None]) -> None:
+        """Call C{listener(available)} on every change of availability (reactor thread)."""
+        self._listeners.append(listener)
+
+    def _setAvailable(self, available: bool, error: str = "") -> None:
+        changed = available != self.available
+        self.available = available
+        self.last_error = "" if available else error
+        if not changed:
+            return
+        if available:
+            self.log.info(
+                "Docker engine at {address} is available (version {version})",
+                address=self.address,
+                version=self.version,
+            )
+        else:
+            self.log.warn(
+                "Docker engine at {address} is unavailable: {error}",
+                address=self.address,
+                error=error,
+            )
+        for listener in list(self._listeners):
+            try:
+                listener(available)
+            except Exception:
+                self.log.failure("availability listener failed")
+
+    def _scheduleProbe(self, delay: float) -> None:
+        if not self.running:
+            return
+        if self._probe_call is not None and self._probe_call.active():
+            if delay >= self._probe_call.getTime() - self._reactor.seconds():
+                return
+            self._probe_call.cancel()
+        self._probe_call = self._reactor.callLater(delay, self._probe)
+
+    def _probe(self) -> None:
+        self._probe_call = None
+        if self._probing is not None or not self.running:
+            return
+        d = self._short.run(self._invoke, "short", _probe_engine, ())
+        self._probing = d
+
+        def _ok(facts: dict[str, Any]) -> None:
+            self._probing = None
+            self.version = str(facts.get("version", ""))
+            self.api_version = str(facts.get("api_version", ""))
+            self.runtimes = tuple(facts.get("runtimes", ()))
+            self.default_runtime = str(facts.get("default_runtime", ""))
+            self.info = facts
+            self._probe_delay = self._probe_initial
+            self._setAvailable(True)
+
+        def _bad(failure: Any) -> None:
+            self._probing = None
+            if failure.check(CancelledError):
+                return
+            err = translate_error("ping", self.address, failure.value, self.call_timeout)
+            self._setAvailable(False, err.error_message)
+            delay = self._probe_delay
+            self._probe_delay = min(self._probe_delay * 2, self._probe_max)
+            self._scheduleProbe(delay)
+
+        d.addCallbacks(_ok, _bad)
+
+    def checkNow(self) -> None:
+        """Ping the engine soon (e.g. after a call failed to connect)."""
+        self._scheduleProbe(0)
+
+    # -- facts ------------------------------------------------------------------------
+
+    @property
+    def calls(self) -> int:
+        """HTTP requests made to the engine so far."""
+        return self._calls
+
+    @property
+    def nvidia_runtime(self) -> bool:
+        """Whether the engine lists an C{nvidia} runtime."""
+        return any("nvidia" in name for name in self.runtimes)
+
+    def facts(self) -> dict[str, Any]:
+        """Cheap static facts for heartbeat and inventory (no engine call)."""
+        return {
+            "docker_available": self.available,
+            "container_runtime": f"docker {self.version}" if self.version else "docker",
+            "docker_nvidia_runtime": self.nvidia_runtime,
+            "docker_address": self.address,
+            "docker_error": self.last_error,
+        }
+
+    # -- calls --------------------------------------------------------------------------
+
+    def _countRequest(self, response: Any, *args: Any, **kwargs: Any) -> Any:
+        # Runs in pool threads; the GIL makes the increment safe enough for a counter.
+        self._calls += 1
+        return response
+
+    def _client(self, kind: str) -> docker.DockerClient:
+        with self._client_lock:
+            client = self._clients.get(kind)
+            if client is not None:
+                return client
+        kwargs = dict(self._client_kwargs)
+        kwargs.setdefault("base_url", self.address)
+        kwargs["version"] = "auto"
+        kwargs["timeout"] = self.call_timeout if kind == "short" else self.stream_timeout
+        kwargs["max_pool_size"] = self._max_threads if kind == "short" else self._stream_threads
+        self._calls += 1  # version negotiation
+        client = self._client_factory(**kwargs)
+        try:
+            client.api.hooks["response"].append(self._countRequest)
+        except (AttributeError, KeyError, TypeError):
+            pass
+        with self._client_lock:
+            existing = self._clients.get(kind)
+            if existing is not None:
+                _close_quietly(client)
+                return existing
+            self._clients[kind] = client
+        return client
+
+    def _invoke(self, kind: str, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        return fn(self._client(kind), *args)
+
+    def _failed(self, what: str, exc: BaseException, timeout: float) -> EngineError:
+        if isinstance(exc, EngineError):
+            return exc
+        err = translate_error(what, self.address, exc, timeout)
+        if err.unreachable:
+            self._setAvailable(False, err.error_message)
+            self._scheduleProbe(self._probe_delay)
+        return err
+
+    async def call(self, fn: Callable[..., T], *args: Any, what: str | None = None) -> T:
+        """
+        Run C{fn(client, *args)} on the short pool and return its (plain data) result.
+
+        @raise EngineError: the engine failed or could not be reached.
+        @raise CommandFailed: raised by C{fn} itself, passed through.
+        """
+        label = str(what or getattr(fn, "__name__", "docker call"))
+        if not self.running:
+            raise EngineError(f"{label} failed: the Docker executor is not running")
+        try:
+            result = await self._short.run(self._invoke, "short", fn, args)
+        except CancelledError:
+            raise
+        except CommandFailed:
+            raise
+        except Exception as exc:
+            raise self._failed(label, exc, self.call_timeout) from None
+        if not self.available and self._probing is None:
+            self.checkNow()
+        return result
+
+    async def stream(
+        self,
+        fn: Callable[..., T],
+        control: StreamControl,
+        *args: Any,
+        what: str | None = None,
+    ) -> T:
+        """
+        Run C{fn(client, control, *args)} on the stream pool. C{fn} attaches its docker
+        stream to C{control}; cancelling the caller (or C{control.close()}) ends it.
+
+        @raise StreamClosed: the stream was closed from the reactor side.
+        @raise EngineError: the engine failed or could not be reached.
+        """
+        label = str(what or getattr(fn, "__name__", "docker stream"))
+        if not self.running:
+            raise EngineError(f"{label} failed: the Docker executor is not running")
+        self._controls.add(control)
+        try:
+            return await self._streams.run(self._invoke, "stream", fn, (control, *args))
+        except CancelledError:
+            control.close("cancelled")
+            raise
+        except (StreamClosed, CommandFailed):
+            raise
+        except Exception as exc:
+            if control.closed:
+                raise StreamClosed(control.reason) from None
+            raise self._failed(label, exc, self.stream_timeout) from None
+        finally:
+            self._controls.discard(control)
+
+    def callFromThread(self, fn: Callable[..., Any], *args: Any) -> None:
+        """For thread functions: run C{fn(*args)} on the reactor thread."""
+        self._reactor.callFromThread(fn, *args)
+
+    def whenAvailable(self) -> Deferred[None]:
+        """A Deferred that fires once the engine is available (now if it is)."""
+        if self.available:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+
+        def _once(up: bool) -> None:
+            if up and _once in self._listeners:
+                self._listeners.remove(_once)
+                if not d.called:
+                    d.callback(None)
+
+        self._listeners.append(_once)
+        return d
+
+
+def _probe_engine(client: docker.DockerClient) -> dict[str, Any]:
+    """Thread function: ping and read the engine's version and runtimes."""
+    api = client.api
+    api.ping()
+    version = api.version()
+    info = api.info()
+    runtimes = sorted((info.get("Runtimes") or {}).keys())
+    return {
+        "version": str(version.get("Version", "")),
+        "api_version": str(version.get("ApiVersion", "")),
+        "os": str(info.get("OperatingSystem", "")),
+        "kernel": str(info.get("KernelVersion", "")),
+        "runtimes": runtimes,
+        "default_runtime": str(info.get("DefaultRuntime", "")),
+        "storage_driver": str(info.get("Driver", "")),
+        "cgroup_driver": str(info.get("CgroupDriver", "")),
+        "containers_running": int(info.get("ContainersRunning") or 0),
+        "images": int(info.get("Images") or 0),
+    }

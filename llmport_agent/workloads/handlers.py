@@ -1,0 +1,812 @@
+"""
+The workload command handlers: deploy, start, restart, update (with rollback), stop,
+remove and fetch_container_logs, per protocol 4, 4.1 and 4.2.
+
+L{WorkloadManager} holds the collaborators; L{workload_handler_specs} gives the command
+pipeline one L{HandlerSpec} per command type.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.logger import Logger
+
+from ..commands.base import (
+    INVALID_COMMAND,
+    RUNTIME_ERROR,
+    CommandContext,
+    CommandFailed,
+    HandlerSpec,
+)
+from . import containers as ops
+from .engine import DockerEngine, EngineError
+from .images import ImageManager
+from .policy import (
+    PolicyError,
+    check_container_name,
+    check_image,
+    check_runtime_id,
+    is_blank,
+    parse_allowlist,
+)
+from .ports import PORT_CONFLICT, choose_host_port, port_is_free
+from .readiness import ContainerExit, make_treq_probe, probe_url, wait_ready
+from .settings import WorkloadSettings
+from .spec import (
+    LABEL_CONTAINER_PORT,
+    LABEL_HEALTH_PATH,
+    LABEL_HOST_PORT,
+    LABEL_IMAGE,
+    LABEL_RUNTIME_ID,
+    WorkloadSpec,
+    build_spec,
+    endpoint_url,
+    render,
+    slug_container_name,
+)
+
+__all__ = ["WorkloadManager", "WorkloadSettings", "workload_handler_specs"]
+
+#: sync_model(model_sync, progress) -> result; progress(message, **extra)
+SyncModel = Callable[[dict[str, Any], Callable[..., None]], Awaitable[dict[str, Any]]]
+
+ROLLED_BACK = "update_rolled_back"
+_STOP_EXTRA_SEC = 60.0
+
+
+class HealthHooks(Protocol):
+    """What the handlers tell the health watcher (see L{health.HealthWatcher})."""
+
+    def hold(self, runtime_id: str) -> None: ...
+
+    def release(self, runtime_id: str, *, announce: bool = False) -> None: ...
+
+    def forget(self, runtime_id: str) -> None: ...
+
+
+class _NoHealth:
+    def hold(self, runtime_id: str) -> None:
+        pass
+
+    def release(self, runtime_id: str, *, announce: bool = False) -> None:
+        pass
+
+    def forget(self, runtime_id: str) -> None:
+        pass
+
+
+def _ids(payload: Mapping[str, Any]) -> tuple[str, str]:
+    """(runtime_id, container_name) from a stop/remove/logs payload."""
+    if not isinstance(payload, Mapping):
+        raise CommandFailed(INVALID_COMMAND, "the payload must be an object")
+    try:
+        runtime_id = check_runtime_id(payload.get("runtime_id"))
+        raw = payload.get("container_name")
+        name = (
+            slug_container_name(payload.get("runtime_name"))
+            if is_blank(raw)
+            else check_container_name(raw)
+        )
+    except PolicyError as exc:
+        raise CommandFailed(INVALID_COMMAND, str(exc)) from None
+    return runtime_id, name
+
+
+def parse_tail(value: object) -> int:
+    """C{tail}: an integer 1..10000, default 300."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return 300
+    if isinstance(value, bool):
+        raise CommandFailed(INVALID_COMMAND, "tail must be an integer from 1 to 10000")
+    if isinstance(value, int):
+        tail = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        tail = int(value.strip())
+    elif isinstance(value, float) and value.is_integer():
+        tail = int(value)
+    else:
+        raise CommandFailed(
+            INVALID_COMMAND, f"tail must be an integer from 1 to 10000, not {str(value)[:40]!r}"
+        )
+    if not 1 <= tail <= 10000:
+        raise CommandFailed(INVALID_COMMAND, f"tail {tail} is out of range (1 to 10000)")
+    return tail
+
+
+_TS_RE = re.compile(rb"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z?)\s")
+
+
+def merge_log_lines(raw: bytes, max_bytes: int) -> tuple[str, int, bool]:
+    """
+    Order timestamped lines by time (stdout and stderr interleaved; lines without a
+    timestamp stay after their predecessor) and keep the newest C{max_bytes}.
+    Returns (text, line count, truncated).
+    """
+    lines = raw.splitlines()
+    keyed: list[tuple[bytes, int, bytes]] = []
+    last = b""
+    for i, line in enumerate(lines):
+        m = _TS_RE.match(line)
+        if m:
+            # Pad fractional seconds so they sort as text.
+            stamp = m.group(1).rstrip(b"Z")
+            if b"." in stamp:
+                head, frac = stamp.split(b".", 1)
+                stamp = head + b"." + frac.ljust(9, b"0")
+            else:
+                stamp += b".000000000"
+            last = stamp
+        keyed.append((last, i, line))
+    keyed.sort()
+    out: list[bytes] = []
+    size = 0
+    truncated = False
+    for _, _, line in reversed(keyed):
+        if size + len(line) + 1 > max_bytes:
+            truncated = True
+            break
+        out.append(line)
+        size += len(line) + 1
+    out.reverse()
+    text = b"\n".join(out).decode("utf-8", "replace")
+    if truncated:
+        text = f"[... older output truncated to the last {max_bytes} bytes ...]\n" + text
+    return text, len(out), truncated
+
+
+def _port_error(exc: EngineError) -> CommandFailed:
+    text = exc.explanation.lower()
+    if "port is already allocated" in text or "address already in use" in text:
+        return CommandFailed(
+            PORT_CONFLICT,
+            f"The host port is already in use: {exc.explanation}",
+        )
+    if "could not select device driver" in text or ("nvidia" in text and "not found" in text):
+        return CommandFailed(
+            RUNTIME_ERROR,
+            f"{exc.error_message} (GPUs were requested but the engine has no NVIDIA container "
+            "runtime/toolkit configured)",
+        )
+    return exc
+
+
+class WorkloadManager:
+    """
+    Runs workload commands against the Docker engine.
+
+    @param http: a treq C{HTTPClient} (readiness probes and image transfers).
+    @param credential: returns the node credential (image transfers).
+    @param sync_model: fetches a C{sync_from_server} model into the model store.
+    @param profile: returns the node profile (for registry credentials), or C{None}.
+    @param health: the health watcher's hooks (hold/release/forget).
+    @param probe: overrides the readiness probe (C{url -> Deferred[status]}).
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        engine: DockerEngine,
+        settings: WorkloadSettings,
+        *,
+        http: Any = None,
+        backend_url: str = "",
+        credential: Callable[[], str] | None = None,
+        sync_model: SyncModel | None = None,
+        profile: Callable[[], Mapping[str, Any] | None] | None = None,
+        health: HealthHooks | None = None,
+        probe: Callable[[str], Deferred[int]] | None = None,
+        port_free: Callable[[int], bool] = port_is_free,
+    ) -> None:
+        self._reactor = reactor
+        self.engine = engine
+        self.settings = settings
+        self.allowlist = parse_allowlist(settings.image_allowlist)
+        self.images = ImageManager(
+            reactor,
+            engine,
+            stall_sec=settings.pull_stall_sec,
+            http=http,
+            backend_url=backend_url,
+            credential=credential,
+        )
+        self._sync_model = sync_model
+        self._profile = profile or (lambda: None)
+        self.health: HealthHooks = health or _NoHealth()
+        if probe is None:
+            if http is None:
+                raise ValueError("WorkloadManager needs an HTTP client (http=) or a probe")
+            probe = make_treq_probe(http)
+        self._probe = probe
+        self._port_free = port_free
+        self._claimed: set[int] = set()
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _spec(self, ctx: CommandContext) -> WorkloadSpec:
+        profile = self._profile()
+        return build_spec(ctx.command.payload, self.settings, self.allowlist, profile)
+
+    async def _find(self, runtime_id: str, name: str | None) -> list[dict[str, Any]]:
+        return await self.engine.call(ops.find_runtime, runtime_id, name, what="looking up the workload")
+
+    @staticmethod
+    def _primary(found: list[dict[str, Any]]) -> dict[str, Any] | None:
+        for snap in found:
+            if not snap["foreign"] and snap["canonical"]:
+                return snap
+        return None
+
+    def _check_foreign(self, found: list[dict[str, Any]], runtime_id: str) -> None:
+        for snap in found:
+            if snap["foreign"]:
+                raise CommandFailed(
+                    RUNTIME_ERROR,
+                    f"A container named {snap['name']} already exists on this node and does not "
+                    f"belong to runtime {runtime_id}; remove or rename it, or choose another "
+                    "container name.",
+                )
+
+    async def _reserved_ports(self, runtime_id: str) -> set[int]:
+        rows = await self.engine.call(ops.list_managed, what="listing managed workloads")
+        ports: set[int] = set(self._claimed)
+        for row in rows:
+            labels = row["labels"]
+            if labels.get(LABEL_RUNTIME_ID) == runtime_id:
+                continue
+            try:
+                ports.add(int(labels.get(LABEL_HOST_PORT, "0")))
+            except ValueError:
+                pass
+            for p in row["ports"]:
+                if p.get("host_port"):
+                    ports.add(int(p["host_port"]))
+        ports.discard(0)
+        return ports
+
+    async def _exit_info(self, cid: str) -> ContainerExit | None:
+        info = await self.engine.call(ops.exit_info, cid, what="checking the container")
+        if info is None:
+            return None
+        return ContainerExit(
+            status=info["status"],
+            exit_code=info["exit_code"],
+            restart_count=info["restart_count"],
+            logs_tail=info["logs"],
+            error=info["error"],
+        )
+
+    async def _await_ready(
+        self, ctx: CommandContext, cid: str, name: str, host_port: int, health_path: str
+    ) -> float:
+        url = probe_url(host_port, health_path)
+        endpoint = endpoint_url(self.settings, host_port)
+
+        def progress(elapsed: float) -> None:
+            ctx.progress(
+                "waiting_for_ready",
+                f"Waiting for {name} to answer on {health_path} ({elapsed:.0f} s so far)",
+                elapsed_sec=round(elapsed, 1),
+                endpoint_url=endpoint,
+            )
+
+        ctx.progress(
+            "waiting_for_ready",
+            f"Waiting for {name} to answer on {health_path}",
+            elapsed_sec=0,
+            endpoint_url=endpoint,
+        )
+        try:
+            return await wait_ready(
+                self._reactor,
+                url=url,
+                container_name=name,
+                probe=self._probe,
+                check_exit=lambda: self._exit_info(cid),
+                progress=progress,
+                timeout=self.settings.readiness_timeout_sec,
+                interval=self.settings.readiness_interval_sec,
+                progress_every=self.settings.readiness_progress_sec,
+            )
+        except CommandFailed as exc:
+            if exc.error_code == "container_exited":
+                # Stop the crash loop the restart policy would otherwise keep going.
+                try:
+                    await self.engine.call(ops.stop, cid, 1, what="stopping the failed container")
+                except EngineError:
+                    pass
+            raise
+
+    def _sync_progress(self, ctx: CommandContext) -> Callable[..., None]:
+        def progress(*args: Any, **extra: Any) -> None:
+            if len(args) >= 2:
+                if args[0] != "sync_model":
+                    extra.setdefault("step", str(args[0]))
+                message = str(args[1])
+            elif args:
+                message = str(args[0])
+            else:
+                message = str(extra.pop("message", "Syncing the model"))
+            extra.pop("phase", None)
+            ctx.progress("sync_model", message, **extra)
+
+        return progress
+
+    async def _prepare(self, ctx: CommandContext, spec: WorkloadSpec) -> dict[str, Any]:
+        """sync_model then pull_image/transfer_image."""
+        if spec.model_source == "sync_from_server" and spec.model_sync:
+            if self._sync_model is None:
+                raise CommandFailed(
+                    RUNTIME_ERROR,
+                    "The runtime needs its model synced from the backend, but model sync is "
+                    "not available on this node.",
+                )
+            repo = spec.model_sync.get("hf_repo_id") or spec.model_sync.get("model_id") or "the model"
+            ctx.progress("sync_model", f"Syncing {repo} from the backend")
+            await self._sync_model(dict(spec.model_sync), self._sync_progress(ctx))
+            ctx.progress("sync_model", f"Model {repo} is in the model store", progress_pct=100)
+        elif spec.model_source == "download_from_hf":
+            ctx.progress("sync_model", "The container downloads the model itself (download_from_hf)")
+        else:
+            ctx.progress("sync_model", "No model sync needed")
+        return await self.images.ensure(
+            spec.image, spec.image_source, ctx.progress, spec.registry_auth
+        )
+
+    async def _launch(
+        self,
+        ctx: CommandContext,
+        spec: WorkloadSpec,
+        *,
+        preferred_port: int | None = None,
+    ) -> dict[str, Any]:
+        """start_container, resolve_endpoint, waiting_for_ready, ready."""
+        reserved = await self._reserved_ports(spec.runtime_id)
+        requested = spec.requested_host_port
+        if requested is None and preferred_port is not None and preferred_port not in reserved and self._port_free(preferred_port):
+            requested = preferred_port
+        host_port = choose_host_port(
+            spec.container_port, requested, reserved, is_free=self._port_free
+        )
+        self._claimed.add(host_port)
+        try:
+            args = render(
+                spec,
+                host_port=host_port,
+                command_id=ctx.command.id,
+                agent_id=self.settings.agent_id,
+                publish_host_ip=self.settings.publish_host_ip,
+            )
+            ctx.progress(
+                "start_container",
+                f"Starting {spec.container_name} from {spec.image.canonical} "
+                f"(host port {host_port}, {spec.network_mode} network)",
+                host_port=host_port,
+                container_port=spec.container_port,
+            )
+            try:
+                created = await self.engine.call(
+                    ops.create_and_start, args, what=f"starting container {spec.container_name}"
+                )
+            except EngineError as exc:
+                raise _port_error(exc) from None
+            cid = created["id"]
+            snap = await self.engine.call(ops.inspect, cid, what="inspecting the container")
+            real_port = (ops.host_port_of(snap, spec.container_port) if snap else None) or host_port
+            url = endpoint_url(self.settings, real_port)
+            ctx.progress(
+                "resolve_endpoint", f"Endpoint {url}", endpoint_url=url, host_port=real_port
+            )
+        finally:
+            self._claimed.discard(host_port)
+        elapsed = await self._await_ready(
+            ctx, cid, spec.container_name, real_port, spec.health_path
+        )
+        ctx.progress(
+            "ready",
+            f"{spec.container_name} is ready at {url} after {elapsed:.1f} s",
+            endpoint_url=url,
+            progress_pct=100,
+        )
+        return {
+            "runtime_id": spec.runtime_id,
+            "container_name": spec.container_name,
+            "container_id": cid,
+            "endpoint_url": url,
+            "host_port": real_port,
+            "container_port": spec.container_port,
+            "image": spec.image.canonical,
+            "ready_after_sec": round(elapsed, 2),
+        }
+
+    def _event(self, ctx: CommandContext, event_type: str, payload: dict[str, Any], severity: str = "info") -> None:
+        try:
+            ctx.emit_event(event_type, payload, severity, ctx.command.reply_correlation_id)
+        except Exception:
+            self.log.failure("emitting {event} failed", event=event_type)
+
+    async def _remove_all(self, found: list[dict[str, Any]], grace: int) -> int:
+        removed = 0
+        for snap in found:
+            if snap["running"] or snap["restarting"]:
+                await self.engine.call(ops.stop, snap["id"], grace, what=f"stopping {snap['name']}")
+            if await self.engine.call(ops.remove, snap["id"], what=f"removing {snap['name']}"):
+                removed += 1
+        return removed
+
+    @property
+    def _grace(self) -> int:
+        return max(0, int(round(self.settings.stop_grace_sec)))
+
+    # -- deploy -----------------------------------------------------------------------
+
+    async def deploy(self, ctx: CommandContext) -> dict[str, Any]:
+        """C{deploy_workload}."""
+        spec = self._spec(ctx)
+        self.health.hold(spec.runtime_id)
+        try:
+            result = await self._deploy(ctx, spec)
+        finally:
+            self.health.release(spec.runtime_id)
+        self._event(ctx, "workload.deployed", self._eventPayload(result))
+        return result
+
+    async def _deploy(self, ctx: CommandContext, spec: WorkloadSpec) -> dict[str, Any]:
+        ctx.progress(
+            "validate",
+            f"Validated {spec.provider_type} workload {spec.container_name} "
+            f"(image {spec.image.canonical})",
+            image=spec.image.canonical,
+            container_name=spec.container_name,
+        )
+        found = await self._find(spec.runtime_id, spec.container_name)
+        self._check_foreign(found, spec.runtime_id)
+        removed = await self._remove_all(found, self._grace)
+        ctx.progress(
+            "remove_stale",
+            f"Removed {removed} stale container(s)" if removed else "No stale container",
+        )
+        image = await self._prepare(ctx, spec)
+        result = await self._launch(ctx, spec)
+        if image.get("image_id"):
+            result["image_id"] = image["image_id"]
+        return result
+
+    @staticmethod
+    def _eventPayload(result: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            k: result[k]
+            for k in ("runtime_id", "container_name", "container_id", "endpoint_url", "image")
+            if k in result
+        }
+
+    # -- start / restart --------------------------------------------------------------
+
+    async def start(self, ctx: CommandContext) -> dict[str, Any]:
+        """C{start_workload}: start the labelled container; deploy when it is missing."""
+        return await self._startOrRestart(ctx, restart=False)
+
+    async def restart(self, ctx: CommandContext) -> dict[str, Any]:
+        """C{restart_workload}: restart the labelled container; deploy when it is missing."""
+        return await self._startOrRestart(ctx, restart=True)
+
+    async def _startOrRestart(self, ctx: CommandContext, *, restart: bool) -> dict[str, Any]:
+        payload = ctx.command.payload
+        runtime_id, name = _ids(payload)
+        self.health.hold(runtime_id)
+        try:
+            found = await self._find(runtime_id, name)
+            primary = self._primary(found)
+            if primary is None:
+                spec = self._spec(ctx)
+                ctx.progress(
+                    "validate",
+                    f"No container for runtime {runtime_id} on this node; deploying it",
+                )
+                result = await self._deploy(ctx, spec)
+                event = "workload.deployed"
+            else:
+                result = await self._startExisting(ctx, runtime_id, primary, restart=restart)
+                event = "workload.restarted" if restart else "workload.started"
+        finally:
+            self.health.release(runtime_id)
+        self._event(ctx, event, self._eventPayload(result))
+        return result
+
+    async def _startExisting(
+        self, ctx: CommandContext, runtime_id: str, snap: dict[str, Any], *, restart: bool
+    ) -> dict[str, Any]:
+        labels = snap["labels"]
+        name = snap["name"]
+        image_label = labels.get(LABEL_IMAGE) or snap["image"]
+        if image_label and not image_label.startswith("sha256:"):
+            check_image(image_label, self.allowlist, "the container's image")
+        try:
+            container_port = int(labels.get(LABEL_CONTAINER_PORT) or 0) or None
+        except ValueError:
+            container_port = None
+        host_port = ops.host_port_of(snap, container_port)
+        if host_port is None:
+            raise CommandFailed(
+                RUNTIME_ERROR,
+                f"Container {name} publishes no port; remove the runtime's container and deploy again.",
+            )
+        health_path = labels.get(LABEL_HEALTH_PATH) or "/health"
+        ctx.progress(
+            "validate",
+            f"{'Restarting' if restart else 'Starting'} the existing container {name} "
+            f"(host port {host_port})",
+            container_name=name,
+            host_port=host_port,
+        )
+        running = snap["running"] and not snap["restarting"]
+        if not running:
+            reserved = await self._reserved_ports(runtime_id)
+            if host_port in reserved or not self._port_free(host_port):
+                raise CommandFailed(
+                    PORT_CONFLICT,
+                    f"Host port {host_port}, recorded for {name}, is now in use by something "
+                    "else on this node; stop that, or remove the runtime's container and deploy "
+                    "again to get a free port.",
+                )
+        ctx.progress("start_container", f"{'Restarting' if restart else 'Starting'} {name}")
+        try:
+            if restart and running:
+                await self.engine.call(ops.restart, snap["id"], self._grace, what=f"restarting {name}")
+            elif not running or restart:
+                if snap["restarting"]:
+                    await self.engine.call(ops.stop, snap["id"], self._grace, what=f"stopping {name}")
+                await self.engine.call(ops.start, snap["id"], what=f"starting {name}")
+        except EngineError as exc:
+            raise _port_error(exc) from None
+        url = endpoint_url(self.settings, host_port)
+        ctx.progress("resolve_endpoint", f"Endpoint {url}", endpoint_url=url, host_port=host_port)
+        elapsed = await self._await_ready(ctx, snap["id"], name, host_port, health_path)
+        ctx.progress(
+            "ready", f"{name} is ready at {url} after {elapsed:.1f} s", endpoint_url=url, progress_pct=100
+        )
+        return {
+            "runtime_id": runtime_id,
+            "container_name": name,
+            "container_id": snap["id"],
+            "endpoint_url": url,
+            "host_port": host_port,
+            "container_port": container_port,
+            "image": image_label,
+            "ready_after_sec": round(elapsed, 2),
+        }
+
+    # -- update -----------------------------------------------------------------------
+
+    async def update(self, ctx: CommandContext) -> dict[str, Any]:
+        """
+        C{update_workload}: prepare the new image first, then replace the container; if
+        the new one does not become ready, remove it and bring the old one back.
+        """
+        spec = self._spec(ctx)
+        self.health.hold(spec.runtime_id)
+        announce = False
+        try:
+            result = await self._update(ctx, spec)
+            announce = True
+        except CommandFailed as exc:
+            announce = bool(exc.result.get("rolled_back"))
+            raise
+        finally:
+            self.health.release(spec.runtime_id, announce=announce)
+        self._event(ctx, "workload.updated", self._eventPayload(result))
+        return result
+
+    async def _update(self, ctx: CommandContext, spec: WorkloadSpec) -> dict[str, Any]:
+        ctx.progress(
+            "validate",
+            f"Validated the update of {spec.container_name} (image {spec.image.canonical})",
+            image=spec.image.canonical,
+        )
+        found = await self._find(spec.runtime_id, spec.container_name)
+        self._check_foreign(found, spec.runtime_id)
+        old = self._primary(found)
+        leftovers = [s for s in found if s is not old]
+        removed = await self._remove_all(leftovers, self._grace)
+        image = await self._prepare(ctx, spec)
+        if old is None:
+            ctx.progress(
+                "remove_stale",
+                f"No current container (removed {removed} stale); deploying fresh",
+            )
+            result = await self._launch(ctx, spec)
+            result["image_id"] = image.get("image_id", "")
+            return result
+        old_port = ops.host_port_of(old, None)
+        old_running = old["running"] or old["restarting"]
+        backup = f"{spec.container_name}-prev-{old['id'][:12]}"[:128]
+        ctx.progress(
+            "remove_stale",
+            f"Stopping the current container {old['name']} (kept as {backup} until the new one is ready)",
+        )
+        if old_running:
+            await self.engine.call(ops.stop, old["id"], self._grace, what=f"stopping {old['name']}")
+        await self.engine.call(ops.rename, old["id"], backup, what=f"renaming {old['name']}")
+        try:
+            result = await self._launch(ctx, spec, preferred_port=old_port)
+        except CancelledError:
+            self._rollbackLater(spec, old, backup, old_running)
+            raise
+        except CommandFailed as exc:
+            raise await self._rollback(ctx, spec, old, backup, old_running, exc) from None
+        await self.engine.call(ops.remove, old["id"], what=f"removing the previous container {backup}")
+        result["image_id"] = image.get("image_id", "")
+        result["replaced_container_id"] = old["id"]
+        return result
+
+    async def _rollback(
+        self,
+        ctx: CommandContext,
+        spec: WorkloadSpec,
+        old: dict[str, Any],
+        backup: str,
+        old_running: bool,
+        cause: CommandFailed,
+    ) -> CommandFailed:
+        ctx.progress("rollback", f"The new container failed ({cause.error_code}); rolling back")
+        try:
+            await self._removeNew(spec)
+            await self.engine.call(ops.rename, old["id"], spec.container_name, what="restoring the previous container's name")
+            url = ""
+            if old_running:
+                await self.engine.call(ops.start, old["id"], what="starting the previous container")
+                port = ops.host_port_of(old, None)
+                if port:
+                    url = endpoint_url(self.settings, port)
+                    health_path = old["labels"].get(LABEL_HEALTH_PATH) or spec.health_path
+                    await self._await_ready(ctx, old["id"], spec.container_name, port, health_path)
+        except CancelledError:
+            raise
+        except CommandFailed as rb:
+            return CommandFailed(
+                cause.error_code,
+                f"Update of {spec.container_name} failed: {cause.error_message} Rolling back "
+                f"also failed: {rb.error_message}",
+                {**cause.result, "rolled_back": False},
+            )
+        state = f"is running again at {url}" if url else "is back (it was not running before)"
+        ctx.progress("rollback", f"Rolled back: the previous container {state}", endpoint_url=url)
+        return CommandFailed(
+            cause.error_code,
+            f"Update of {spec.container_name} failed and was rolled back: the previous container "
+            f"(image {old['labels'].get(LABEL_IMAGE) or old['image']}) {state}. "
+            f"Cause: {cause.error_message}",
+            {**cause.result, "rolled_back": True, "endpoint_url": url},
+        )
+
+    async def _removeNew(self, spec: WorkloadSpec) -> None:
+        snap = await self.engine.call(ops.inspect, spec.container_name, what="finding the new container")
+        if snap is not None and snap["labels"].get(LABEL_RUNTIME_ID) == spec.runtime_id:
+            await self.engine.call(ops.remove, snap["id"], what="removing the new container")
+
+    def _rollbackLater(self, spec: WorkloadSpec, old: dict[str, Any], backup: str, old_running: bool) -> None:
+        """Best effort after a cancel (deadline): put the previous container back."""
+
+        async def restore() -> None:
+            await self._removeNew(spec)
+            await self.engine.call(ops.rename, old["id"], spec.container_name, what="restoring the previous container")
+            if old_running:
+                await self.engine.call(ops.start, old["id"], what="starting the previous container")
+
+        d = Deferred.fromCoroutine(restore())
+        d.addErrback(lambda f: self.log.failure("rollback after cancel failed", f))
+
+    # -- stop / remove ----------------------------------------------------------------
+
+    async def stop(self, ctx: CommandContext) -> dict[str, Any]:
+        """C{stop_workload}: SIGTERM, C{stop_grace_sec}, SIGKILL. Missing is success."""
+        runtime_id, name = _ids(ctx.command.payload)
+        self.health.hold(runtime_id)
+        try:
+            found = [s for s in await self._find(runtime_id, name) if not s["foreign"]]
+            if not found:
+                return {
+                    "runtime_id": runtime_id,
+                    "container_name": name,
+                    "stopped": False,
+                    "message": f"No container for runtime {runtime_id} on this node; nothing to stop.",
+                }
+            stopped = []
+            for snap in found:
+                if snap["running"] or snap["restarting"]:
+                    ctx.progress("stop", f"Stopping {snap['name']} (grace {self._grace} s)")
+                    await self.engine.call(ops.stop, snap["id"], self._grace, what=f"stopping {snap['name']}")
+                    stopped.append(snap["name"])
+        finally:
+            self.health.release(runtime_id)
+        primary = self._primary(found) or found[0]
+        self._event(ctx, "workload.stopped", {"runtime_id": runtime_id, "container_name": primary["name"]})
+        return {
+            "runtime_id": runtime_id,
+            "container_name": primary["name"],
+            "stopped": True,
+            "was_running": bool(stopped),
+        }
+
+    async def remove(self, ctx: CommandContext) -> dict[str, Any]:
+        """C{remove_workload}: idempotent; a missing container is success."""
+        runtime_id, name = _ids(ctx.command.payload)
+        self.health.hold(runtime_id)
+        try:
+            found = [s for s in await self._find(runtime_id, name) if not s["foreign"]]
+            removed = await self._remove_all(found, self._grace)
+            self.health.forget(runtime_id)
+        finally:
+            self.health.release(runtime_id)
+        self._event(ctx, "workload.removed", {"runtime_id": runtime_id, "container_name": name})
+        return {
+            "runtime_id": runtime_id,
+            "container_name": name,
+            "removed": removed,
+            "message": (
+                f"Removed {removed} container(s)."
+                if removed
+                else f"No container for runtime {runtime_id} on this node; nothing to remove."
+            ),
+        }
+
+    # -- logs -------------------------------------------------------------------------
+
+    async def logs(self, ctx: CommandContext) -> dict[str, Any]:
+        """C{fetch_container_logs}: fast, read-only, missing container is success."""
+        payload = ctx.command.payload
+        runtime_id, name = _ids(payload)
+        tail = parse_tail(payload.get("tail"))
+        target = await self.engine.call(ops.find_runtime_light, runtime_id, name, what="finding the container")
+        missing = {
+            "runtime_id": runtime_id,
+            "container_name": name,
+            "logs": (
+                f"No container for runtime {runtime_id} (expected name {name}) exists on this "
+                "node, so there are no logs. Deploy or start the runtime to create it."
+            ),
+            "found": False,
+        }
+        if target is None:
+            return missing
+        raw = await self.engine.call(ops.logs, target["id"], tail, what=f"reading the logs of {target['name']}")
+        if raw is None:
+            return missing
+        text, count, truncated = merge_log_lines(raw, self.settings.logs_max_bytes)
+        return {
+            "runtime_id": runtime_id,
+            "container_name": target["name"],
+            "logs": text,
+            "lines": count,
+            "truncated": truncated,
+            "found": True,
+        }
+
+
+def workload_handler_specs(manager: WorkloadManager) -> dict[str, HandlerSpec]:
+    """The command types this module handles, for the command pipeline's registry."""
+    settings = manager.settings
+    deadline = settings.deploy_deadline_sec
+    stop_deadline = settings.stop_grace_sec * 3 + _STOP_EXTRA_SEC
+    return {
+        "deploy_workload": HandlerSpec(
+            manager.deploy, "runtime", True, deadline, blocked_by_maintenance=True, blocked_by_draining=True
+        ),
+        "start_workload": HandlerSpec(
+            manager.start, "runtime", True, deadline, blocked_by_maintenance=True, blocked_by_draining=True
+        ),
+        "restart_workload": HandlerSpec(
+            manager.restart, "runtime", True, deadline, blocked_by_maintenance=True, blocked_by_draining=True
+        ),
+        "update_workload": HandlerSpec(
+            manager.update, "runtime", False, deadline, blocked_by_maintenance=True, blocked_by_draining=False
+        ),
+        "stop_workload": HandlerSpec(manager.stop, "runtime", True, stop_deadline),
+        "remove_workload": HandlerSpec(manager.remove, "runtime", True, stop_deadline),
+        "fetch_container_logs": HandlerSpec(manager.logs, "read", True, 10.0, keep_result=False),
+    }

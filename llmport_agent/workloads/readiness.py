@@ -1,0 +1,139 @@
+"""
+Readiness: probe the workload's health path on C{127.0.0.1:<host port>} until it answers.
+
+The advertised address may not be reachable from the host itself, so probes always go to
+loopback. Success is an HTTP answer with a 2xx or 3xx status from the endpoint (llama.cpp
+and TGI answer 503 while the model loads). If the container exits while we wait, the wait
+fails at once with its exit code and last log lines; on timeout it fails with
+C{readiness_timeout} and leaves the container for inspection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from attrs import frozen
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+
+from ..commands.base import CommandFailed
+
+READINESS_TIMEOUT = "readiness_timeout"
+CONTAINER_EXITED = "container_exited"
+
+log = Logger()
+
+
+@frozen
+class ContainerExit:
+    """A container that stopped (or is restarting) while we waited for it."""
+
+    status: str
+    exit_code: int
+    restart_count: int
+    logs_tail: str
+    error: str = ""
+
+
+def probe_url(host_port: int, path: str) -> str:
+    """C{http://127.0.0.1:<port><path>}."""
+    if not path.startswith("/"):
+        path = "/" + path
+    return f"http://127.0.0.1:{host_port}{path}"
+
+
+def make_treq_probe(http: Any, timeout: float = 5.0) -> Callable[[str], Deferred[int]]:
+    """
+    A probe on a treq C{HTTPClient}: GET the URL, read (and drop) the body, fire with the
+    status code. Redirects are not followed: a 3xx is an answer.
+    """
+
+    async def _probe(url: str) -> int:
+        response = await http.get(url, timeout=timeout, allow_redirects=False)
+        try:
+            await response.content()
+        except Exception:  # noqa: BLE001 - the status is what counts
+            pass
+        return int(response.code)
+
+    def probe(url: str) -> Deferred[int]:
+        return Deferred.fromCoroutine(_probe(url))
+
+    return probe
+
+
+def describe_exit(container_name: str, exit_info: ContainerExit) -> str:
+    """One readable sentence (plus log tail) for a container that exited during startup."""
+    text = (
+        f"Container {container_name} stopped while starting up "
+        f"(status {exit_info.status}, exit code {exit_info.exit_code}"
+    )
+    if exit_info.restart_count:
+        text += f", restarted {exit_info.restart_count} times"
+    text += ")"
+    if exit_info.error:
+        text += f": {exit_info.error}"
+    text += "."
+    if exit_info.logs_tail.strip():
+        text += " Last log lines:\n" + exit_info.logs_tail.rstrip()
+    return text
+
+
+async def wait_ready(
+    reactor: Any,
+    *,
+    url: str,
+    container_name: str,
+    probe: Callable[[str], Deferred[int]],
+    check_exit: Callable[[], Awaitable[ContainerExit | None]],
+    progress: Callable[[float], None],
+    timeout: float,
+    interval: float = 1.0,
+    progress_every: float = 15.0,
+) -> float:
+    """
+    Probe C{url} until it answers 2xx/3xx; return the seconds it took.
+
+    @param check_exit: returns a L{ContainerExit} once the container has stopped.
+    @param progress: called with the elapsed seconds about every C{progress_every}.
+    @raise CommandFailed: C{container_exited} (exit code and last log lines) or
+        C{readiness_timeout}.
+    """
+    start = reactor.seconds()
+    last_progress = start
+    last_problem = "no answer yet"
+    while True:
+        try:
+            status = await probe(url)
+        except CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure to answer is "not ready"
+            status = None
+            last_problem = f"{type(exc).__name__}"
+        if status is not None:
+            if 200 <= status < 400:
+                return reactor.seconds() - start
+            last_problem = f"HTTP {status}"
+        exited = await check_exit()
+        if exited is not None:
+            raise CommandFailed(
+                CONTAINER_EXITED,
+                describe_exit(container_name, exited),
+                {"exit_code": exited.exit_code, "status": exited.status},
+            )
+        now = reactor.seconds()
+        elapsed = now - start
+        if elapsed >= timeout:
+            raise CommandFailed(
+                READINESS_TIMEOUT,
+                f"Container {container_name} did not become ready within {timeout:g} s "
+                f"({url} last gave: {last_problem}). The container was left running for "
+                "inspection; check its logs.",
+                {"elapsed_sec": round(elapsed, 1)},
+            )
+        if now - last_progress >= progress_every:
+            last_progress = now
+            progress(elapsed)
+        await deferLater(reactor, min(interval, max(0.0, timeout - elapsed)), lambda: None)
