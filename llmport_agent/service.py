@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from twisted.application.service import MultiService
+from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.logger import Logger
 
@@ -157,7 +157,7 @@ class AgentService(MultiService):
         self.session.subscribe(self.outbox)
         if self.health is not None:
             self.session.subscribe(_Announcer(self.health))
-        self._ordered = [self.io_pool, self.host_pool, self.hash_pool]
+        self._ordered: list[Service] = [self.io_pool, self.host_pool, self.hash_pool]
         if self.engine is not None:
             self._ordered.append(self.engine)
         self._ordered += [self.outbox, self.pipeline, self.heartbeat, self.inventory]
@@ -187,7 +187,7 @@ class AgentService(MultiService):
             advertise_scheme=c.advertise_scheme,
             advertise_host=c.advertise_host,
             model_store=c.model_store,
-            image_allowlist=c.image_allowlist,
+            image_allowlist=c.image_allowlist,  # type: ignore[arg-type]
             network_mode=c.workload_network,  # type: ignore[arg-type]
             stop_grace_sec=c.stop_grace_sec,
             readiness_timeout_sec=c.readiness_timeout_sec,
@@ -198,7 +198,7 @@ class AgentService(MultiService):
             self.reactor,
             self.engine,
             settings,
-            lambda event_type, payload, severity="info": self.outbox.emit(event_type, payload, severity),
+            self._emit_event,
         )
         self.workloads = WorkloadManager(
             self.reactor,
@@ -213,6 +213,9 @@ class AgentService(MultiService):
             profile=lambda: self.modes.profile,
             health=self.health,
         )
+
+    def _emit_event(self, event_type: str, payload: dict[str, Any], severity: str = "info") -> None:
+        self.outbox.emit(event_type, payload, severity)
 
     def _workload_specs(self) -> dict[str, HandlerSpec]:
         from llmport_agent.workloads.handlers import workload_handler_specs
@@ -258,7 +261,12 @@ class AgentService(MultiService):
         if self._started is None:
             return succeed(None)
         d: Deferred[None] = Deferred()
-        self._started.addBoth(lambda r: (d.callback(None), r)[1])
+
+        def done(result: object) -> object:
+            d.callback(None)
+            return result
+
+        self._started.addBoth(done)
         return d
 
     def stopService(self) -> Deferred[None]:

@@ -16,6 +16,7 @@ from typing import Any
 from attrs import define, field
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from llmport_agent.storage import atomic_write, ensure_private_dir, move_aside
 from llmport_agent.threads import BlockingRunner
@@ -146,13 +147,18 @@ class StateStore:
         def write(_: object) -> Deferred[None]:
             return self.runner.run(self._write, payload)
 
-        def failed(f: Any) -> None:
+        result: Deferred[None] = Deferred()
+
+        def written(_: object) -> None:
+            result.callback(None)
+
+        def failed(f: Failure) -> None:
             log.failure("Could not write the state file {path}", failure=f, path=self.path)
+            result.errback(f)
 
         d = self._chain.addCallback(write)
-        result: Deferred[None] = Deferred()
-        d.addCallbacks(lambda _: result.callback(None), lambda f: (failed(f), result.errback(f)))
-        self._chain = d.addErrback(lambda _: None)
+        d.addCallbacks(written, failed)
+        self._chain = d
         return result
 
     def _write(self, payload: bytes) -> None:
@@ -161,7 +167,12 @@ class StateStore:
         self.writes += 1
 
     def flush(self) -> Deferred[None]:
-        """Fires when every write requested so far is on disk."""
+        """Fires when every write requested so far is on disk (or has failed)."""
         d: Deferred[None] = Deferred()
-        self._chain.addBoth(lambda r: (d.callback(None), r)[1])
+
+        def done(result: object) -> object:
+            d.callback(None)
+            return result
+
+        self._chain.addBoth(done)
         return d

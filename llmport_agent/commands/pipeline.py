@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from twisted.application.service import Service
 from twisted.internet.defer import (
@@ -60,11 +60,14 @@ from llmport_agent.session.protocol import ConnectionGone
 READ_CONCURRENCY = 16
 
 
-class NodeModes:
+class NodeModes(Protocol):
     """What the pipeline needs to know about node modes (maintenance, draining)."""
 
-    maintenance: bool
-    draining: bool
+    @property
+    def maintenance(self) -> bool: ...
+
+    @property
+    def draining(self) -> bool: ...
 
 
 class _Context:

@@ -14,7 +14,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
@@ -52,13 +52,15 @@ def make_event(
     }
 
 
-class Sender:
+class Sender(Protocol):
     """What the outbox needs from the session."""
 
-    connected: bool
+    @property
+    def connected(self) -> bool: ...
 
-    def send(self, frame: dict[str, Any]) -> bool: ...  # pragma: no cover
-    def confirm(self) -> Deferred[None] | None: ...  # pragma: no cover
+    def send(self, frame: dict[str, Any]) -> bool: ...
+
+    def confirm(self) -> Deferred[None] | None: ...
 
 
 class EventOutbox(Service):
@@ -69,7 +71,7 @@ class EventOutbox(Service):
         reactor: Any,
         runner: BlockingRunner,
         path: str,
-        session: Any,
+        session: Sender,
         *,
         capacity: int = 10000,
         flush_interval: float = 0.5,

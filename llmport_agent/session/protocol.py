@@ -173,7 +173,7 @@ class AgentClientProtocol(WebSocketClientProtocol):
 class AgentClientFactory(WebSocketClientFactory):
     """Builds L{AgentClientProtocol}s for one L{SessionService}."""
 
-    protocol = AgentClientProtocol
+    protocol = AgentClientProtocol  # type: ignore[assignment]
 
     def __init__(
         self,

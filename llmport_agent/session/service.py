@@ -167,7 +167,9 @@ class SessionService(Service):
         return self.state.credential or ""
 
     def _default_endpoint(self, host: str, port: int, tls: bool) -> Any:
-        endpoint = HostnameEndpoint(self._reactor, host, port, timeout=self.config.request_timeout_sec)
+        endpoint: Any = HostnameEndpoint(
+            self._reactor, host, port, timeout=self.config.request_timeout_sec
+        )
         if tls:
             if not self.config.verify_tls:
                 self.log.warn(
