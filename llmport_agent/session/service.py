@@ -171,11 +171,6 @@ class SessionService(Service):
             self._reactor, host, port, timeout=self.config.request_timeout_sec
         )
         if tls:
-            if not self.config.verify_tls:
-                self.log.warn(
-                    "TLS verification is OFF (LLM_PORT_NODE_AGENT_VERIFY_TLS=false): the backend "
-                    "connection is open to interception"
-                )
             endpoint = wrapClientTLS(
                 client_tls_options(host, self.config.verify_tls, self.config.ca_bundle), endpoint
             )
@@ -351,6 +346,11 @@ class SessionService(Service):
             self._revoked = False
         self._last_sent_at = self._reactor.seconds()
         self.log.info("Connected to the backend stream at {url}", url=stream_url(self.config.backend_url))
+        if self.config.backend_url.startswith("https:") and not self.config.verify_tls:
+            self.log.warn(
+                "TLS verification is OFF (LLM_PORT_NODE_AGENT_VERIFY_TLS=false): this connection "
+                "to the backend is open to interception"
+            )
         for listener in list(self._listeners):
             try:
                 listener.session_opened()
