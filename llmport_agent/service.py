@@ -155,6 +155,7 @@ class AgentService(MultiService):
         self.session.subscribe(self.pipeline)
         self.session.subscribe(self.inventory)
         self.session.subscribe(self.outbox)
+        self.session.subscribe(_ProfileFromHello(self.modes))
         if self.health is not None:
             self.session.subscribe(_Announcer(self.health))
         self._ordered: list[Service] = [self.io_pool, self.host_pool, self.hash_pool]
@@ -426,3 +427,26 @@ class _Announcer:
 
     def frame_received(self, frame: dict[str, Any]) -> None:
         pass
+
+
+class _ProfileFromHello:
+    """C{hello_ack.profile} is the node's current profile: keep it like C{sync_node_profile}."""
+
+    log = Logger()
+
+    def __init__(self, modes: PersistentModes) -> None:
+        self.modes = modes
+
+    def session_opened(self) -> None:
+        pass
+
+    def session_closed(self) -> None:
+        pass
+
+    def frame_received(self, frame: dict[str, Any]) -> None:
+        if frame.get("type") != "hello_ack":
+            return
+        profile = frame.get("profile")
+        if isinstance(profile, dict) and profile != self.modes.profile:
+            d = Deferred.fromCoroutine(self.modes.set(profile=profile))
+            d.addErrback(lambda f: self.log.failure("Storing the profile failed", failure=f))
