@@ -446,7 +446,13 @@ class _ProfileFromHello:
     def frame_received(self, frame: dict[str, Any]) -> None:
         if frame.get("type") != "hello_ack":
             return
+        if "profile" not in frame:
+            return
         profile = frame.get("profile")
-        if isinstance(profile, dict) and profile != self.modes.profile:
+        if profile is not None and not isinstance(profile, dict):
+            self.log.warn("Ignored a hello_ack profile that is not an object")
+            return
+        if profile != self.modes.profile:
+            # None clears it: no profile is assigned to this node any more.
             d = Deferred.fromCoroutine(self.modes.set(profile=profile))
             d.addErrback(lambda f: self.log.failure("Storing the profile failed", failure=f))

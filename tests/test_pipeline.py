@@ -105,6 +105,11 @@ class Harness:
             wallclock=self.clock.seconds,
         )
         self.pipeline.startService()
+        case.addCleanup(self._stop)
+
+    def _stop(self) -> None:
+        if self.pipeline.running:
+            self.pipeline.stopService()
 
     async def _refresh(self) -> bool:
         self.inventory_sent += 1
@@ -430,7 +435,7 @@ class DeliveryTests(SynchronousTestCase):
 class RecoveryTests(SynchronousTestCase):
     def _restart(self, h: Harness) -> Harness:
         """Simulate a crash: drop the pipeline without stopping it, start a new one on the same dir."""
-        h.pipeline._stopping = True  # the old process is gone
+        h.pipeline.stopService()  # like a crash: running commands keep no result
         return Harness(self, directory=h.dir)
 
     def test_idempotent_rerun_after_crash(self) -> None:
@@ -576,3 +581,43 @@ class StaleListTests(SynchronousTestCase):
         h.session.connected = True
         h.pipeline.session_opened()
         self.assertEqual(h.kinds_for(c["id"]).count("command_ack"), 2)
+
+
+class ReviewFixTests(SynchronousTestCase):
+    def test_null_signature_is_absent(self) -> None:
+        """A "signature": null field is treated as no signature."""
+        h = Harness(self)
+        c = command("noop", signature=None)
+        h.deliver(c)
+        self.assertTrue(h.frames_for(c["id"])[-1]["success"])
+
+    def test_relisted_in_hello_after_delivery_resends_result(self) -> None:
+        """A delivered command listed again in hello_ack gets its stored result again."""
+        h = Harness(self)
+        c = command("noop")
+        h.deliver(c)
+        self.assertEqual(h.kinds_for(c["id"]).count("command_result"), 1)
+        h.deliver(c)  # a stale list on the same connection: ignored
+        self.assertEqual(h.kinds_for(c["id"]).count("command_result"), 1)
+        h.pipeline.frame_received({"type": "hello_ack", "commands": [c], "profile": None})
+        self.assertEqual(h.kinds_for(c["id"]).count("command_result"), 2)
+        self.assertEqual(len(h.calls), 1)
+
+    def test_node_lane_not_behind_deploy_slots(self) -> None:
+        """Node commands do not wait for the runtime lanes' concurrency slots."""
+        h = Harness(self, max_concurrent=1)
+        h.deliver(command("gated", {"runtime_id": "a"}), command("gated", {"runtime_id": "b"}))
+        c = command("drain_node")
+        h.deliver(c)
+        self.assertTrue(h.frames_for(c["id"])[-1]["success"])
+
+    def test_never_started_unsafe_command_runs_after_restart(self) -> None:
+        """A non-idempotent command that never started (queued behind its lane) is run after a restart."""
+        h = Harness(self)
+        first = command("gated_unsafe", {"runtime_id": "r"})
+        second = command("gated_unsafe", {"runtime_id": "r"})
+        h.deliver(first, second)
+        h.pipeline.stopService()
+        h2 = Harness(self, directory=h.dir)
+        self.assertEqual(h2.frames_for(first["id"])[-1]["error_code"], "agent_restarted")
+        self.assertIn(("gated_unsafe", second["id"]), h2.calls)

@@ -332,7 +332,7 @@ class SessionServiceTests(SynchronousTestCase):
         new = "33333333-2222-3333-4444-555555555555." + "r" * 43
         self.backend.rotations[0].callback(("n1", new))
         self.assertEqual(self.state.credential, new)
-        self.assertEqual(self.state.get("previous_credential"), CRED)
+        self.assertIsNone(self.state.get("previous_credential"))
 
     def test_rotation_unknown_outcome_keeps_old(self) -> None:
         """A lost rotation reply keeps the current credential (both are kept when the new one arrived)."""
@@ -342,13 +342,33 @@ class SessionServiceTests(SynchronousTestCase):
         self.backend.rotations[0].errback(Transient("no answer within 10 s"))
         self.assertFalse(self.successResultOf(d))
         self.assertEqual(self.state.credential, CRED)
-    def test_previous_credential_tried_once(self) -> None:
-        """After a rotation whose new credential is refused, the previous one is tried once."""
+    def test_two_credentials_alternate(self) -> None:
+        """With two credentials in doubt, each refusal tries the other; an open keeps the working one."""
         svc = self.make(credential=CRED)
         self.successResultOf(self.state.update(previous_credential="old.cred"))
         svc.startService()
         self.refuse(svc, 1, 1)
         self.assertEqual(self.state.credential, "old.cred")
-        self.assertEqual(self.state.get("previous_credential"), CRED)
         self.refuse(svc, 1, 1)
-        self.assertEqual(self.state.credential, "old.cred")
+        self.assertEqual(self.state.credential, CRED)
+        svc.connection_opened(FakeProto(self.reactor.seconds()))  # type: ignore[arg-type]
+        self.assertIsNone(self.state.get("previous_credential"))
+
+    def test_confirmed_rotation_forgets_old(self) -> None:
+        """After a confirmed rotation the old (revoked) credential is not kept."""
+        svc = self.make(credential=CRED)
+        svc.startService()
+        d = Deferred.fromCoroutine(svc.rotate())
+        new = "44444444-2222-3333-4444-555555555555." + "q" * 43
+        self.backend.rotations[0].callback(("n1", new))
+        self.assertTrue(self.successResultOf(d))
+        self.assertIsNone(self.state.get("previous_credential"))
+
+    def test_enroll_422_keeps_token(self) -> None:
+        """A 422 at enrollment stops the agent but does not mark the token as used."""
+        svc = self.make(token="tok-422")
+        svc.startService()
+        self.backend.enrolls[0].errback(Rejected(422, "field required"))
+        self.assertEqual(self.fatal[0][0], EXIT_NEEDS_OPERATOR)
+        self.assertIn("malformed", self.fatal[0][1])
+        self.assertNotIn(token_fingerprint("tok-422"), self.state.get("used_tokens", []))

@@ -151,7 +151,8 @@ class CommandPipeline(Service):
             raw = rec.command
             parsed = parse_command(raw) if raw is not None else None
             spec = self.registry.get(rec.command_type)
-            if isinstance(parsed, Command) and spec is not None and spec.idempotent:
+            never_started = rec.state == RECEIVED
+            if isinstance(parsed, Command) and spec is not None and (spec.idempotent or never_started):
                 self.log.info(
                     "Re-running command {id} ({type}) interrupted by the last agent stop",
                     id=rec.id,
@@ -245,13 +246,18 @@ class CommandPipeline(Service):
             return
         for obj in items:
             try:
-                self.receive(obj)
+                self.receive(obj, fresh=(kind == "hello_ack"))
             except Exception:
                 self.log.failure("Could not receive a command")
 
     # -- receipt ---------------------------------------------------------------------------
 
-    def receive(self, obj: Any) -> None:
+    def receive(self, obj: Any, fresh: bool = False) -> None:
+        """
+        Take one command object. C{fresh} is true for the list in C{hello_ack}, which the
+        backend computes after our previous connection's frames: a command listed there has
+        had neither ack nor result processed, whatever we believed.
+        """
         parsed = parse_command(obj)
         cid = parsed.command_id if isinstance(parsed, Malformed) else parsed.id
         if cid is None:
@@ -266,7 +272,12 @@ class CommandPipeline(Service):
         if known is not None:
             self.stats["duplicates"] += 1
             # Still listed by the backend: it has not seen our ack (or result) yet.
-            if known.state == FINISHED:
+            if fresh and known.state == DELIVERED and known.result_frame is not None:
+                known.state = FINISHED
+                self.journal.update(known.id, state=FINISHED)
+                self.stats["results_resent"] += 1
+                self._send_result(known)
+            elif known.state == FINISHED:
                 self._send_result(known)
             elif not known.finished and not known.acked:
                 self._send_ack(known)
@@ -315,7 +326,9 @@ class CommandPipeline(Service):
     # -- execution -------------------------------------------------------------------------
 
     def _refusal(self, command: Command, spec: HandlerSpec | None) -> tuple[str, str] | None:
-        if "signature" in command.raw and not signature_ok(command.raw, self._credential()):
+        if command.raw.get("signature") not in (None, "") and not signature_ok(
+            command.raw, self._credential()
+        ):
             return SIGNATURE_INVALID, "The command's signature does not match; it was not run."
         if spec is None:
             return INVALID_COMMAND, f"unsupported command type: {command.command_type}"
@@ -355,7 +368,9 @@ class CommandPipeline(Service):
         assert spec is not None
         key = self._lane_key(command, spec)
         lock = self._locks.setdefault(key, DeferredLock()) if key is not None else None
-        semaphore = self._reads if key is None else self._global
+        # Reads and node-state commands never wait for deploy slots (the node lane is
+        # serialized by its own lock).
+        semaphore = self._global if spec.lane == "runtime" else self._reads
         if lock is not None:
             await lock.acquire()
         try:
@@ -376,7 +391,9 @@ class CommandPipeline(Service):
         self, rec: JournalRecord, command: Command, spec: HandlerSpec, resumed: bool
     ) -> None:
         rec.state = RUNNING
-        self.journal.update(rec.id, state=RUNNING)
+        # Durable before the handler starts: at the next start, "running" means the command may
+        # have had effects; "received" means it never started and can always be run.
+        await self.journal.update(rec.id, state=RUNNING)
         ctx = _Context(self, command, rec)
         if resumed:
             ctx.progress("resumed", "Re-running after an agent restart interrupted this command")

@@ -34,6 +34,16 @@ class ConnectionGone(Exception):
     """The connection closed before a frame's delivery was confirmed."""
 
 
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def parse_http_status(status_line: str | None) -> int | None:
     if not status_line:
         return None
@@ -125,7 +135,11 @@ class AgentClientProtocol(WebSocketClientProtocol):
         """Stamp the next C{seq} on C{frame} and send it as one text frame."""
         self.seq += 1
         frame["seq"] = self.seq
-        data = json.dumps(frame, separators=(",", ":"), default=str).encode()
+        try:
+            data = json.dumps(frame, separators=(",", ":"), default=str, allow_nan=False).encode()
+        except ValueError:
+            # NaN/Infinity are not JSON and break the backend's insert: send null instead.
+            data = json.dumps(_finite(frame), separators=(",", ":"), default=str).encode()
         self.sendMessage(data, isBinary=False)
         self.frames_sent += 1
         return self.seq

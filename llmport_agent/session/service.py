@@ -143,7 +143,6 @@ class SessionService(Service):
         self._refusals = 0
         self._first_refusal_at: float | None = None
         self._revoked = False
-        self._swapped = False
         self._sleeping: Deferred[None] | None = None
         # When repeated refusals mean "revoked" (instance attributes so tests can shorten them).
         self.revoked_after_refusals = REVOKED_AFTER_REFUSALS
@@ -229,6 +228,15 @@ class SessionService(Service):
                         token, self.config.agent_id, self.config.host, capabilities, self.version
                     )
                 except Rejected as e:
+                    if e.status == 422:
+                        # A malformed request does not consume the token: do not remember it.
+                        self._fatal(
+                            EXIT_NEEDS_OPERATOR,
+                            f"The backend rejected the enrollment request as malformed (HTTP 422: "
+                            f"{e.detail[:300]}); check LLM_PORT_NODE_AGENT_AGENT_ID (<= 128 "
+                            "characters) and that BACKEND_URL points at an llm-port backend",
+                        )
+                        return False
                     await self._remember_token(token)
                     self._fatal(
                         EXIT_NEEDS_OPERATOR,
@@ -341,7 +349,9 @@ class SessionService(Service):
         self.stats.last_open_at = self._wallclock()
         self._refusals = 0
         self._first_refusal_at = None
-        self._swapped = False
+        if self.state.get("previous_credential"):
+            # The current credential works: stop alternating.
+            self.state.update(previous_credential=None)
         if self._revoked:
             self._revoked = False
         self._last_sent_at = self._reactor.seconds()
@@ -423,21 +433,15 @@ class SessionService(Service):
         now = self._reactor.seconds()
         self._refusals += 1
         previous = self.state.get("previous_credential")
-        if (
-            not self._swapped
-            and isinstance(previous, str)
-            and previous
-            and previous != self.state.credential
-        ):
-            # After a rotation in doubt (or a re-enrollment) the other credential may be the
-            # valid one: try it once before counting towards "revoked".
-            self._swapped = True
+        if isinstance(previous, str) and previous and previous != self.state.credential:
+            # Two credentials are kept only while it is unknown which one the backend honours
+            # (a rotation whose reply was lost, a re-enrollment): alternate between them.
             self.log.warn(
-                "The backend refused the current credential (HTTP {status}); trying the previous one",
+                "The backend refused the current credential (HTTP {status}); trying the other "
+                "stored one",
                 status=http_status,
             )
             self.state.update(credential=previous, previous_credential=self.state.credential)
-            return
         if self._first_refusal_at is None:
             self._first_refusal_at = now
         span = now - self._first_refusal_at
@@ -556,8 +560,9 @@ class SessionService(Service):
                 )
                 await self.state.update(last_rotation_at=self._wallclock())
                 return False
+            # The backend revoked the old credential before replying: it is useless now.
             await self.state.update(
-                credential=new, previous_credential=old, last_rotation_at=self._wallclock()
+                credential=new, previous_credential=None, last_rotation_at=self._wallclock()
             )
             self.stats.rotations += 1
             self.log.info("Credential rotated; the new one is stored in {path}", path=self.state.path)
