@@ -131,7 +131,17 @@ class AgentService(MultiService):
         )
         self.inventory = InventoryReporter(reactor, self.session, config.inventory_interval_sec, self.collector)
         registry: dict[str, HandlerSpec] = {}
-        registry.update(node_handler_specs(self.modes, self._refresh_inventory, self.diagnostics))
+        from llmport_agent.commands.system_updates import check_system_updates, process_runner
+
+        run_process = process_runner(reactor)
+        registry.update(
+            node_handler_specs(
+                self.modes,
+                self._refresh_inventory,
+                self.diagnostics,
+                lambda: check_system_updates(run_process),
+            )
+        )
         from llmport_agent.models.handler import sync_model_handler_spec
 
         registry["sync_model"] = sync_model_handler_spec(self.models)

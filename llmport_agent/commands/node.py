@@ -77,6 +77,7 @@ def node_handler_specs(
     modes: PersistentModes,
     refresh_inventory: Callable[[], Awaitable[bool]],
     diagnostics: Callable[[], Awaitable[dict[str, Any]]],
+    check_updates: Callable[[], Awaitable[dict[str, Any]]] | None = None,
 ) -> dict[str, HandlerSpec]:
     async def set_maintenance_mode(ctx: CommandContext) -> dict[str, Any]:
         if "enabled" not in ctx.command.payload:
@@ -125,11 +126,17 @@ def node_handler_specs(
             "host_op is refused: this agent defines no host operations, so none can be run remotely.",
         )
 
-    async def system_updates(ctx: CommandContext) -> dict[str, Any]:
+    async def check_system_updates(ctx: CommandContext) -> dict[str, Any]:
+        if check_updates is None:
+            raise CommandFailed("unsupported", "Checking for system updates is not available here.")
+        ctx.progress("check", "Listing pending package and firmware updates")
+        return await check_updates()
+
+    async def apply_system_updates(ctx: CommandContext) -> dict[str, Any]:
         raise CommandFailed(
-            "unsupported",
-            f"{ctx.command.command_type} is not supported by llmport-agent: the node's operator "
-            "manages OS and firmware updates.",
+            POLICY_VIOLATION,
+            "apply_system_updates is refused: llmport-agent does not upgrade the host's packages or "
+            "firmware remotely. The node's operator applies them (check_system_updates lists them).",
         )
 
     node = dict(lane="node", idempotent=True)
@@ -142,6 +149,8 @@ def node_handler_specs(
         "collect_diagnostics": HandlerSpec(collect, lane="read", idempotent=True, deadline=60,
                                            keep_result=False),
         "host_op": HandlerSpec(host_op, lane="read", idempotent=True, deadline=10),
-        "check_system_updates": HandlerSpec(system_updates, lane="read", idempotent=True, deadline=10),
-        "apply_system_updates": HandlerSpec(system_updates, lane="read", idempotent=True, deadline=10),
+        "check_system_updates": HandlerSpec(check_system_updates, lane="read", idempotent=True,
+                                            deadline=300),
+        "apply_system_updates": HandlerSpec(apply_system_updates, lane="read", idempotent=True,
+                                            deadline=10),
     }
