@@ -302,7 +302,7 @@ class SessionServiceTests(SynchronousTestCase):
         self.assertFalse(svc._revoked)
 
     def test_poll_frames(self) -> None:
-        """While connected and idle, a small poll frame goes out every poll interval."""
+        """While connected and idle, a poll frame goes out one interval after the last frame."""
         svc = self.make(credential=CRED)
         svc.startService()
         proto = FakeProto(self.reactor.seconds())
@@ -310,13 +310,33 @@ class SessionServiceTests(SynchronousTestCase):
         for _ in range(5):
             self.reactor.advance(2)
         self.assertEqual([f["type"] for f in proto.sent], ["poll"] * 5)
-        self.reactor.advance(1)
+        self.reactor.advance(1.5)
         svc.send({"type": "heartbeat"})
-        self.reactor.advance(1)
-        # The tick right after another frame sends no poll: the heartbeat already polled.
+        self.reactor.advance(1.9)
+        # No poll yet: the heartbeat already asked for commands.
         self.assertEqual(proto.sent[-1]["type"], "heartbeat")
-        self.reactor.advance(2)
+        self.reactor.advance(0.1)
         self.assertEqual(proto.sent[-1]["type"], "poll")
+        # Never more than one interval without a frame.
+        gaps = []
+        last = self.reactor.seconds()
+        for _ in range(10):
+            self.reactor.advance(0.5)
+            if proto.sent[-1].get("_t") is None:
+                proto.sent[-1]["_t"] = self.reactor.seconds()
+                gaps.append(self.reactor.seconds() - last)
+                last = self.reactor.seconds()
+        self.assertTrue(all(g <= 2.0 for g in gaps))
+
+    def test_no_poll_when_disconnected(self) -> None:
+        """After the connection closes no poll timer is left."""
+        svc = self.make(credential=CRED)
+        svc.startService()
+        proto = FakeProto(self.reactor.seconds())
+        svc.connection_opened(proto)  # type: ignore[arg-type]
+        svc.connection_closed(proto, True, 1000, "", None)  # type: ignore[arg-type]
+        self.reactor.advance(10)
+        self.assertEqual(proto.sent, [])
 
     def test_rotation_every_12h(self) -> None:
         """Rotation runs after 12 h of wall-clock time over a healthy session; success stores the new one."""

@@ -137,7 +137,7 @@ class SessionService(Service):
         self.session_id: str | None = None
         self._listeners: list[SessionListener] = []
         self._client: ClientService | None = None
-        self._poll: LoopingCall | None = None
+        self._poll: Any = None  # IDelayedCall: the next poll frame, pushed back by every frame sent
         self._rotation_loop: LoopingCall | None = None
         self._last_sent_at = 0.0
         self._refusals = 0
@@ -331,9 +331,6 @@ class SessionService(Service):
         self._policy = policy
         self._client = ClientService(endpoint, factory, retryPolicy=policy, clock=self._reactor)
         self._client.startService()
-        self._poll = LoopingCall(self._poll_tick)
-        self._poll.clock = self._reactor
-        self._poll.start(self.config.command_poll_interval_sec, now=False)
         self._rotation_loop = LoopingCall(self._rotation_tick)
         self._rotation_loop.clock = self._reactor
         self._rotation_loop.start(ROTATION_CHECK, now=False)
@@ -355,6 +352,7 @@ class SessionService(Service):
         if self._revoked:
             self._revoked = False
         self._last_sent_at = self._reactor.seconds()
+        self._schedule_poll()
         self.log.info("Connected to the backend stream at {url}", url=stream_url(self.config.backend_url))
         if self.config.backend_url.startswith("https:") and not self.config.verify_tls:
             self.log.warn(
@@ -406,6 +404,7 @@ class SessionService(Service):
         }
         if proto is self.proto:
             self.proto = None
+            self._cancel_poll()
             for listener in list(self._listeners):
                 try:
                     listener.session_closed()
@@ -493,6 +492,7 @@ class SessionService(Service):
             self.log.failure("Could not send a {type} frame", type=frame.get("type"))
             return False
         self._last_sent_at = self._reactor.seconds()
+        self._schedule_poll()
         return True
 
     def confirm(self) -> Deferred[None] | None:
@@ -505,11 +505,23 @@ class SessionService(Service):
         except Disconnected:
             return None
 
-    def _poll_tick(self) -> None:
-        if self.proto is None:
-            return
-        if self._reactor.seconds() - self._last_sent_at >= self.config.command_poll_interval_sec * 0.9:
-            self.send({"type": "poll"})
+    def _schedule_poll(self) -> None:
+        """(Re)arm the poll: the next frame leaves at most one poll interval after the last one."""
+        interval = self.config.command_poll_interval_sec
+        if self._poll is not None and self._poll.active():
+            self._poll.reset(interval)
+        elif self.proto is not None and not self._stopping:
+            self._poll = self._reactor.callLater(interval, self._poll_now)
+
+    def _cancel_poll(self) -> None:
+        poll, self._poll = self._poll, None
+        if poll is not None and poll.active():
+            poll.cancel()
+
+    def _poll_now(self) -> None:
+        self._poll = None
+        if self.proto is not None and not self.send({"type": "poll"}):
+            self._schedule_poll()
 
     # -- rotation --------------------------------------------------------------------------
 
@@ -577,7 +589,8 @@ class SessionService(Service):
         self._stopping = True
         if self._sleeping is not None:
             self._sleeping.cancel()
-        for loop_name in ("_poll", "_rotation_loop"):
+        self._cancel_poll()
+        for loop_name in ("_rotation_loop",):
             loop = getattr(self, loop_name)
             if loop is not None and loop.running:
                 loop.stop()
