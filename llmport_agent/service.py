@@ -46,7 +46,7 @@ def make_http_client(reactor: Any, config: AgentConfig) -> Any:
 
     pool = HTTPConnectionPool(reactor, persistent=True)
     pool._factory.noisy = False
-    pool.maxPersistentPerHost = 4
+    pool.maxPersistentPerHost = max(4, config.model_sync_concurrency + 2)
     pool.cachedConnectionTimeout = 60
     agent = Agent(
         reactor,
@@ -175,6 +175,12 @@ class AgentService(MultiService):
         if self.health is not None:
             self._ordered.append(self.health)
         self._ordered.append(self.session)
+        self.loki: Any = None
+        self.journald: Any = None
+        self.log_observer: Any = None
+        self.loki_pool: Any = None
+        if config.loki_url:
+            self._build_log_shipping(state_dir)
         self.ops: Any = None
         if config.ops_port:
             from llmport_agent.ops import OpsService
@@ -183,6 +189,50 @@ class AgentService(MultiService):
             self._ordered.insert(len(self._ordered) - 1, self.ops)
         self.recent_errors: list[dict[str, Any]] = []
         self._started: Deferred[None] | None = None
+
+    # -- logs to Loki (optional) -------------------------------------------------------------
+
+    def _build_log_shipping(self, state_dir: str) -> None:
+        from llmport_agent.logs.agent_source import AgentLogObserver, node_labels
+        from llmport_agent.logs.journald import JournaldSource
+        from llmport_agent.logs.loki import LokiShipper, loki_http_client
+        from llmport_agent.logsetup import LEVELS
+        from llmport_agent.tls import https_policy
+
+        c = self.config
+        assert c.loki_url is not None
+        http, self.loki_pool = loki_http_client(
+            self.reactor,
+            tls_policy=https_policy(c.verify_tls, c.ca_bundle),
+            connect_timeout=c.request_timeout_sec,
+        )
+        self.loki = LokiShipper(
+            self.reactor,
+            http,
+            c.loki_url,
+            batch_size=c.log_batch_size,
+            flush_interval=c.log_flush_interval_sec,
+            runner=self.io_pool,
+        )
+        # The host label must equal the host the backend stores for this node.
+        labels = node_labels(c.agent_id, lambda: self.state.get("backend_host") or c.advertise_host)
+        self.log_observer = AgentLogObserver(
+            self.loki, labels, secrets=self._secrets, min_level=LEVELS.get(c.log_level)
+        )
+        self.journald = JournaldSource(
+            self.reactor, self.loki, labels, self.io_pool, state_dir=state_dir, secrets=self._secrets
+        )
+        # After the pools: stopped before them, the journal reader before the shipper.
+        self._ordered[3:3] = [self.loki, self.journald]
+
+    def _secrets(self) -> list[str]:
+        values = [
+            self.config.enrollment_token,
+            self.state.credential,
+            self.state.get("pending_credential"),
+            self.state.get("previous_credential"),
+        ]
+        return [v for v in values if isinstance(v, str) and v]
 
     # -- workloads (optional: the Docker executor) ------------------------------------------
 
@@ -260,6 +310,10 @@ class AgentService(MultiService):
         await self.outbox.load()
         for svc in self._ordered[3:]:
             svc.setServiceParent(self)
+        if self.log_observer is not None:
+            from twisted.logger import globalLogPublisher
+
+            globalLogPublisher.addObserver(self.log_observer)
         self.log.info(
             "llmport-agent {version} started (agent id {agent_id}, backend {url}, state {path})",
             version=VERSION,
@@ -291,6 +345,15 @@ class AgentService(MultiService):
             if svc in pools or not getattr(svc, "running", False):
                 continue
             await self._stop_one(svc)
+        if self.log_observer is not None:
+            from twisted.logger import globalLogPublisher
+
+            globalLogPublisher.removeObserver(self.log_observer)
+        if self.loki_pool is not None:
+            try:
+                await self.loki_pool.closeCachedConnections()
+            except Exception:
+                self.log.failure("Closing Loki connections failed")
         await self.state.flush()
         try:
             await self.collector.close()  # nvmlShutdown, on the host pool
@@ -394,6 +457,7 @@ class AgentService(MultiService):
             },
             "commands": self.pipeline.describe(),
             "events": {"outbox_depth": self.outbox.depth, "dropped": self.outbox.dropped, "sent": self.outbox.sent},
+            "logs": self.loki.describe() if self.loki is not None else {"shipping": "off (no LOKI_URL)"},
             "reports": {"heartbeats_sent": self.heartbeat.sent, "inventories_sent": self.inventory.sent,
                         "inventory_error": self.inventory.last_error},
             "gpu": gpu,

@@ -176,3 +176,31 @@ class TLSTests(AgentTestCase):
         await sleep(2.0)
         self.assertIsNone(agent.session.node_id)
         self.assertEqual(backend.nodes(), [])
+
+
+class LokiTests(AgentTestCase):
+    async def test_agent_logs_reach_loki_with_node_labels(self) -> None:
+        """With LOKI_URL set, the agent's log lines reach Loki labelled as protocol 8 says; no secret."""
+        from twisted.internet.endpoints import TCP4ServerEndpoint
+        from twisted.web.server import Site
+
+        from llmport_agent.logs.testing import FakeLoki
+
+        loki = FakeLoki()
+        site = Site(loki)
+        port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(site)
+        self.addCleanup(port.stopListening)
+        backend = await self.start_backend()
+        agent = self.start_agent(backend, LOKI_URL=f"http://127.0.0.1:{port.getHost().port}",
+                                 LOG_FLUSH_INTERVAL_SEC="0.2")
+        await self.wait_connected(backend, agent)
+        agent_id = agent.config.agent_id
+        await backend.wait_for(
+            lambda: any("Connected to the backend stream" in line
+                        for line in loki.lines(job="node-agent", container=f"node-{agent_id}")), 10)
+        entries = loki.entries(job="node-agent")
+        self.assertTrue(all(e.labels["host"] == "127.0.0.1" for e in entries))
+        self.assertTrue(all("level" in e.labels for e in entries))
+        text = "\n".join(loki.lines())
+        self.assertNotIn(agent.state.credential.split(".")[1], text)
+        await agent.stopService()

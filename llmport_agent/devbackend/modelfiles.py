@@ -264,9 +264,8 @@ class _BlobProducer:
             self._close()
             self._request.unregisterProducer()
             channel: Any = self._request.channel
-            transport: Any = channel.transport if channel is not None else None
-            if transport is not None:
-                transport.loseConnection()
+            if channel is not None:
+                channel.loseConnection()  # flushes what was written, then closes
             return
         if self._left <= 0 or not data:
             self._close()

@@ -139,6 +139,8 @@ class BlobBodyReceiver(Protocol):
     """
     Receives one response body into a part file.
 
+    C{on_bytes(n)} is called as bytes reach the file (progress counts only what is on disk).
+
     L{done} fires with the number of bytes written when the body ended cleanly; it fails
     with L{TransferInterrupted} when the body was cut off or stalled (everything received
     before that is written first, so a resume continues from there), with L{BodyTooLong}
@@ -178,7 +180,13 @@ class BlobBodyReceiver(Protocol):
         self._idle_call: DelayedCall | None = None
         self._ended: Failure | None = None
         self._error: Failure | None = None
+        self._stalled: str | None = None
         self.done: Deferred[int] = Deferred(self._cancel)
+
+    @property
+    def _producer(self) -> Any:
+        """The body transport: an L{IPushProducer} (C{TransportProxyProducer})."""
+        return self.transport
 
     # -- IProtocol ---------------------------------------------------------------------------
 
@@ -195,13 +203,12 @@ class BlobBodyReceiver(Protocol):
         self._last_data = self._reactor.seconds()
         self._pending.append(data)
         self._pending_len += len(data)
-        self._on_bytes(len(data))
         if self._pending_len >= self._write_size:
             self._flush()
         if not self._paused and self._pending_len + self._inflight_len >= self._high_water:
             self._paused = True
             assert self.transport is not None
-            self.transport.pauseProducing()
+            self._producer.pauseProducing()
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
         self._cancel_idle()
@@ -225,7 +232,8 @@ class BlobBodyReceiver(Protocol):
     def _written(self, _offset: int) -> None:
         self._writing = False
         self._bytes_written += self._inflight_len
-        self._inflight_len = 0
+        written, self._inflight_len = self._inflight_len, 0
+        self._on_bytes(written)
         if self._pending_len >= self._write_size or (self._ended is not None and self._pending):
             self._flush()
         # Resume once what is not yet handed to the disk is small again; the batch being
@@ -239,7 +247,7 @@ class BlobBodyReceiver(Protocol):
             self._paused = False
             self._last_data = self._reactor.seconds()
             assert self.transport is not None
-            self.transport.resumeProducing()
+            self._producer.resumeProducing()
         self._maybe_finish()
 
     def _write_failed(self, failure: Failure) -> None:
@@ -255,7 +263,7 @@ class BlobBodyReceiver(Protocol):
         self._pending_len = 0
         self._cancel_idle()
         if self._ended is None and self.transport is not None:
-            self.transport.stopProducing()
+            self._producer.stopProducing()
         self._maybe_finish()
 
     def _maybe_finish(self) -> None:
@@ -267,7 +275,9 @@ class BlobBodyReceiver(Protocol):
             return
         if self._ended is None or self._pending:
             return
-        if self._ended.check(ResponseDone, PotentialDataLoss):
+        if self._stalled is not None:
+            self.done.errback(Failure(TransferInterrupted(self._stalled)))
+        elif self._ended.check(ResponseDone, PotentialDataLoss):
             self.done.callback(self._bytes_written)
         else:
             self.done.errback(
@@ -283,7 +293,7 @@ class BlobBodyReceiver(Protocol):
         self._pending = []
         self._cancel_idle()
         if self._ended is None and self.transport is not None:
-            self.transport.stopProducing()
+            self._producer.stopProducing()
 
     def _schedule_idle(self, delay: float) -> None:
         self._idle_call = self._reactor.callLater(delay, self._idle_check)
@@ -305,7 +315,10 @@ class BlobBodyReceiver(Protocol):
         if quiet < self._idle_timeout:
             self._schedule_idle(self._idle_timeout - quiet)
             return
-        self._fail(Failure(TransferInterrupted(f"no data for {self._idle_timeout:g} seconds")))
+        # Keep what arrived (it is written before done fires) and drop the connection.
+        self._stalled = f"no data for {self._idle_timeout:g} seconds"
+        if self.transport is not None:
+            self._producer.stopProducing()
 
 
 def _describe(exc: BaseException) -> str:
@@ -349,8 +362,9 @@ class _Limited(Protocol):
 
     def _stop(self) -> None:
         self._stopped = True
-        if self.transport is not None:
-            self.transport.stopProducing()
+        transport: Any = self.transport
+        if transport is not None:
+            transport.stopProducing()
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
         if self.done.called:

@@ -200,6 +200,7 @@ class _Operation:
     manifest: Manifest
     deferred: Deferred[dict[str, Any]] | None = None
     finished: bool = False
+    cancelled: bool = False
     outcome: dict[str, Any] | Failure | None = None
     _listeners: list[tuple[Deferred[dict[str, Any]], ProgressCallback]] = field(factory=list)
     _waiters: list[Deferred[None]] = field(factory=list)
@@ -219,6 +220,7 @@ class _Operation:
     def _unsubscribe(self, d: Deferred[dict[str, Any]]) -> None:
         self._listeners = [(x, p) for x, p in self._listeners if x is not d]
         if not self._listeners and not self.finished and self.deferred is not None:
+            self.cancelled = True  # nobody may join it now; it is winding down
             self.deferred.cancel()
 
     def emit(self, *args: Any, **kwargs: Any) -> None:
@@ -360,15 +362,18 @@ class ModelSyncer:
     def _join(self, manifest: Manifest, progress: ProgressCallback) -> Deferred[dict[str, Any]]:
         key = manifest.model_dir_name
         op = self._ops.get(key)
-        if op is not None and op.manifest == manifest:
+        if op is not None and op.manifest == manifest and not op.cancelled:
             self.log.info("Model sync of {model_dir} already running; joining it", model_dir=key)
             return op.subscribe(progress)
         previous = op
         op = _Operation(manifest)
         self._ops[key] = op
+        # Subscribe before starting, so the first progress report and a result produced
+        # without waiting both reach the caller.
+        result = op.subscribe(progress)
         op.deferred = Deferred.fromCoroutine(self._run(op, previous))
         op.deferred.addBoth(self._finished, key, op)
-        return op.subscribe(progress)
+        return result
 
     def _finished(self, outcome: object, key: str, op: _Operation) -> None:
         if self._ops.get(key) is op:

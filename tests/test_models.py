@@ -1,0 +1,921 @@
+"""
+Tests for air-gapped model delivery (L{llmport_agent.models}) and the stand-in backend's
+model files (L{llmport_agent.devbackend.modelfiles}).
+
+Unit tests are synchronous (C{Clock}, C{StubTreq}, a synchronous runner). The integration
+tests serve L{model_files_resource} from a real twisted.web C{Site} on 127.0.0.1 and sync
+through a real treq client and a real thread pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import threading
+from collections.abc import Callable
+from typing import Any, cast
+
+from treq.client import HTTPClient
+from treq.testing import StubTreq
+from twisted.internet import reactor as _global_reactor
+from twisted.internet.defer import (
+    CancelledError,
+    Deferred,
+    DeferredList,
+    ensureDeferred,
+    fail,
+    gatherResults,
+    succeed,
+)
+from twisted.internet.task import Clock, LoopingCall
+from twisted.internet.testing import StringTransport
+from twisted.protocols.policies import WrappingFactory
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.iweb import IRequest
+from twisted.web.resource import Resource
+from twisted.web.server import Site
+
+from llmport_agent.commands.base import CommandFailed, HandlerSpec
+from llmport_agent.devbackend.modelfiles import ModelRepository, model_files_resource
+from llmport_agent.models import ModelSyncer, _fs, parse_manifest, sync_model_handler_spec
+from llmport_agent.models._http import BlobBodyReceiver, SerialRunner, parse_content_range
+from llmport_agent.models.manifest import link_target
+from llmport_agent.threads import PoolService
+
+reactor: Any = _global_reactor
+
+SECRET = "0c7e7c1e-3a6b-4a57-9d43-1b1f5bd5e3c1.s3cr3t-n0de-credential-value-xxxxxxxxxxxxxx"
+MODEL_ID = "5b1f0f5e-8d4c-4e35-9a0e-3e3f7c2b9b11"
+REPO_ID = "acme/tiny-llm"
+DIR_NAME = "models--acme--tiny-llm"
+
+
+def _authorize(request: IRequest) -> bool:
+    return request.getHeader(b"authorization") == b"Bearer " + SECRET.encode()
+
+
+def _backend_root(repo: ModelRepository, base: tuple[bytes, ...] = ()) -> Resource:
+    root = Resource()
+    node = root
+    for segment in (*base, b"api", b"node-files"):
+        child = Resource()
+        node.putChild(segment, child)
+        node = child
+    node.putChild(b"models", cast(Resource, model_files_resource(repo, _authorize)))
+    return root
+
+
+def _files(big_mb: int = 3, seed: int = 7) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    return {
+        "config.json": json.dumps({"model_type": "llama", "hidden_size": 64}).encode(),
+        "tokenizer.json": rng.randbytes(50_000),
+        "model.safetensors": rng.randbytes(big_mb * 1024 * 1024),
+        "nested/deeper/generation_config.json": b'{"temperature": 0.7}',
+        "copy-of-config.json": json.dumps({"model_type": "llama", "hidden_size": 64}).encode(),
+    }
+
+
+class SyncRunner:
+    """A BlockingRunner that runs calls at once, on the calling thread (unit tests only)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Deferred[Any]:
+        self.calls.append(getattr(fn, "__name__", repr(fn)))
+        try:
+            return succeed(fn(*args, **kwargs))
+        except BaseException:
+            return fail()
+
+
+class RecordingRunner:
+    """Wraps a real runner; records which functions ran and on which thread."""
+
+    def __init__(self, inner: PoolService) -> None:
+        self._inner = inner
+        self.calls: list[tuple[str, bool]] = []
+        self._main = threading.get_ident()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Deferred[Any]:
+        name = getattr(fn, "__name__", repr(fn))
+
+        def traced(*a: Any, **kw: Any) -> Any:
+            self.calls.append((name, threading.get_ident() == self._main))
+            return fn(*a, **kw)
+
+        return self._inner.run(traced, *args, **kwargs)
+
+    def names(self) -> list[str]:
+        return [n for n, _ in self.calls]
+
+
+def _progress_sink(into: list[tuple[str, str, dict[str, Any]]]) -> Callable[..., None]:
+    def progress(phase: str, message: str, **extra: Any) -> None:
+        into.append((phase, message, extra))
+
+    return progress
+
+
+# --- manifest validation --------------------------------------------------------------------
+
+
+def _good_manifest() -> dict[str, Any]:
+    repo = ModelRepository()
+    return repo.add_model(MODEL_ID, REPO_ID, {"config.json": b"{}", "a/b/w.bin": b"x" * 10})
+
+
+class ManifestValidationTests(SynchronousTestCase):
+    """Every name and path of a manifest is checked before anything touches the disk."""
+
+    def assertInvalid(self, manifest: object, field: str) -> None:
+        with self.assertRaises(CommandFailed) as cm:
+            parse_manifest(manifest)
+        self.assertEqual(cm.exception.error_code, "invalid_command")
+        self.assertIn(field, cm.exception.error_message)
+
+    def test_good_manifest(self) -> None:
+        """A manifest from the stand-in backend parses, with sha256 names recognised."""
+        m = parse_manifest(_good_manifest())
+        self.assertEqual(m.model_dir_name, DIR_NAME)
+        self.assertEqual(len(m.blobs), 2)
+        self.assertTrue(all(b.sha256 == b.hash for b in m.blobs))
+        self.assertEqual(m.refs[0].name, "main")
+
+    def test_link_targets(self) -> None:
+        """Symlink targets climb one level per directory of the path."""
+        self.assertEqual(link_target("config.json", "h"), "../../blobs/h")
+        self.assertEqual(link_target("a/b/c.json", "h"), "../../../../blobs/h")
+
+    def test_traversal_everywhere(self) -> None:
+        """Path traversal in each field is refused, naming that field."""
+        cases: list[tuple[Callable[[dict[str, Any]], None], str]] = [
+            (lambda m: m.update(model_dir_name="../etc"), "model_sync.model_dir_name"),
+            (lambda m: m.update(model_dir_name="models--a/../../x"), "model_sync.model_dir_name"),
+            (lambda m: m.update(model_dir_name="/abs"), "model_sync.model_dir_name"),
+            (lambda m: m.update(model_dir_name="datasets--a--b"), "model_sync.model_dir_name"),
+            (lambda m: m.update(model_dir_name=".."), "model_sync.model_dir_name"),
+            (lambda m: m["blobs"][0].update(hash="../../x"), "model_sync.blobs[0].hash"),
+            (lambda m: m["blobs"][0].update(hash="abc.part"), "model_sync.blobs[0].hash"),
+            (lambda m: m["blobs"][0].update(hash=".."), "model_sync.blobs[0].hash"),
+            (lambda m: m["blobs"][0].update(size=-1), "model_sync.blobs[0].size"),
+            (lambda m: m["blobs"][0].update(size=True), "model_sync.blobs[0].size"),
+            (lambda m: m["refs"][0].update(name="../../../etc/passwd"), "model_sync.refs[0].name"),
+            (lambda m: m["refs"][0].update(name="/main"), "model_sync.refs[0].name"),
+            (lambda m: m["refs"][0].update(name="a//b"), "model_sync.refs[0].name"),
+            (lambda m: m["refs"][0].update(commit="../x"), "model_sync.refs[0].commit"),
+            (
+                lambda m: m["snapshots"][0].update(commit="../../x"),
+                "model_sync.snapshots[0].commit",
+            ),
+            (
+                lambda m: m["snapshots"][0]["links"][0].update(path="../../../escape"),
+                "model_sync.snapshots[0].links[0].path",
+            ),
+            (
+                lambda m: m["snapshots"][0]["links"][0].update(path="/etc/passwd"),
+                "model_sync.snapshots[0].links[0].path",
+            ),
+            (
+                lambda m: m["snapshots"][0]["links"][0].update(path="a//b"),
+                "model_sync.snapshots[0].links[0].path",
+            ),
+            (
+                lambda m: m["snapshots"][0]["links"][0].update(path="a/./b"),
+                "model_sync.snapshots[0].links[0].path",
+            ),
+            (
+                lambda m: m["snapshots"][0]["links"][0].update(path="a\\..\\b"),
+                "model_sync.snapshots[0].links[0].path",
+            ),
+            (
+                lambda m: m["snapshots"][0]["links"][0].update(path="a\x00b"),
+                "model_sync.snapshots[0].links[0].path",
+            ),
+            (
+                lambda m: m["snapshots"][0]["links"][0].update(blob_hash="0" * 64),
+                "model_sync.snapshots[0].links[0].blob_hash",
+            ),
+            (
+                lambda m: m["snapshots"][0]["links"][0].update(blob_hash="../../../x"),
+                "model_sync.snapshots[0].links[0].blob_hash",
+            ),
+        ]
+        for mutate, field in cases:
+            manifest = _good_manifest()
+            mutate(manifest)
+            self.assertInvalid(manifest, field)
+
+    def test_shapes(self) -> None:
+        """Wrong types and file/directory conflicts get a clear message naming the field."""
+        m = _good_manifest()
+        m["blobs"] = "nope"
+        self.assertInvalid(m, "model_sync.blobs")
+        m = _good_manifest()
+        m["snapshots"][0]["links"].append(
+            {"path": "config.json/x", "blob_hash": m["blobs"][0]["hash"]}
+        )
+        self.assertInvalid(m, "model_sync.snapshots[0].links[2].path")
+        m = _good_manifest()
+        m["snapshots"][0]["links"].append(dict(m["snapshots"][0]["links"][0]))
+        self.assertInvalid(m, "model_sync.snapshots[0].links[2].path")
+        self.assertInvalid([], "model_sync")
+
+
+class ContentRangeTests(SynchronousTestCase):
+    """C{Content-Range} parsing."""
+
+    def test_parse(self) -> None:
+        """Well-formed values parse; malformed or inconsistent ones do not."""
+        cr = parse_content_range("bytes 10-99/100")
+        assert cr is not None
+        self.assertEqual((cr.start, cr.end, cr.total), (10, 99, 100))
+        star = parse_content_range(b"bytes 0-4/*")
+        assert star is not None
+        self.assertIsNone(star.total)
+        for bad in (None, "bytes */100", "bytes 5-4/100", "bytes 0-100/100", "items 0-1/2", "x"):
+            self.assertIsNone(parse_content_range(bad), bad)
+
+
+# --- the body receiver ----------------------------------------------------------------------
+
+
+class _ManualRunner:
+    """A runner whose jobs finish only when the test says so."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[Callable[..., Any], tuple[Any, ...], Deferred[Any]]] = []
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Deferred[Any]:
+        d: Deferred[Any] = Deferred()
+        self.jobs.append((fn, args, d))
+        return d
+
+    def finish_one(self) -> None:
+        fn, args, d = self.jobs.pop(0)
+        d.callback(fn(*args))
+
+
+class BodyReceiverTests(SynchronousTestCase):
+    """Back-pressure and writes of the streaming receiver."""
+
+    def test_pause_until_disk_catches_up(self) -> None:
+        """
+        When more than the high-water mark waits for the disk, the transport is paused; it
+        resumes when the writes drain, and every byte lands in the part file in order.
+        """
+        clock = Clock()
+        runner = _ManualRunner()
+        path = self.mktemp()
+        os.makedirs(path)
+        blob = _good_blob(b"")
+        with open(os.path.join(path, "p"), "w+b") as fh:
+            part = _fs.PartFile(
+                path=fh.name, final_path="", size=10**9, expected_sha256=None, fh=fh
+            )
+            got: list[int] = []
+            recv = BlobBodyReceiver(
+                clock,
+                SerialRunner(runner),
+                part,
+                10**9,
+                got.append,
+                write_size=4,
+                high_water=16,
+            )
+            transport = StringTransport()
+            recv.makeConnection(transport)
+            recv.dataReceived(b"a" * 8)
+            self.assertEqual(len(runner.jobs), 1)
+            recv.dataReceived(b"b" * 10)
+            self.assertEqual(transport.producerState, "paused")
+            runner.finish_one()  # first write done; the 10 waiting bytes go next
+            self.assertEqual(transport.producerState, "producing")
+            recv.connectionLost()
+            runner.finish_one()
+            self.assertEqual(self.successResultOf(recv.done), 18)
+            fh.seek(0)
+            self.assertEqual(fh.read(), b"a" * 8 + b"b" * 10)
+            self.assertEqual(sum(got), 18)
+        del blob
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_stall_is_interrupted(self) -> None:
+        """A body that stops flowing is aborted after the idle timeout (resumable error)."""
+        clock = Clock()
+        path = os.path.join(self.mktemp())
+        with open(path, "w+b") as fh:
+            part = _fs.PartFile(path=path, final_path="", size=100, expected_sha256=None, fh=fh)
+            recv = BlobBodyReceiver(
+                clock, SerialRunner(SyncRunner()), part, 100, lambda n: None, idle_timeout=10
+            )
+            transport = StringTransport()
+            recv.makeConnection(transport)
+            recv.dataReceived(b"x" * 5)
+            clock.advance(5)
+            recv.dataReceived(b"x" * 5)
+            clock.advance(9)
+            self.assertNoResult(recv.done)
+            clock.advance(2)
+            self.assertTrue(transport.disconnecting or transport.producerState == "stopped")
+            from twisted.internet.error import ConnectionAborted
+            from twisted.python.failure import Failure
+
+            recv.connectionLost(Failure(ConnectionAborted()))
+            f = self.failureResultOf(recv.done)
+            self.assertIn("no data for 10 seconds", str(f.value))
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+
+def _good_blob(data: bytes) -> Any:
+    from llmport_agent.models.manifest import BlobSpec
+
+    return BlobSpec(hashlib.sha256(data).hexdigest(), len(data))
+
+
+# --- the stand-in backend's model files ------------------------------------------------------
+
+
+class ModelFilesResourceTests(SynchronousTestCase):
+    """The stand-in backend serves manifests and blobs the way protocol 4.3 says."""
+
+    def setUp(self) -> None:
+        self.repo = ModelRepository()
+        self.manifest = self.repo.add_model(MODEL_ID, REPO_ID, {"w.bin": bytes(range(256)) * 40})
+        self.blob = self.manifest["blobs"][0]["hash"]
+        self.stub: Any = StubTreq(_backend_root(self.repo))
+        self.base = f"http://b.invalid/api/node-files/models/{MODEL_ID}"
+
+    def get(self, path: str, **headers: str) -> tuple[int, dict[str, list[str]], bytes]:
+        hdrs = {"Authorization": "Bearer " + SECRET, **headers}
+        d = self.stub.get(self.base + path, headers=hdrs)
+        self.stub.flush()
+        response = self.successResultOf(d)
+        body = self.stub.content(response)
+        self.stub.flush()
+        raw = {
+            k.decode().lower(): [v.decode() for v in vs]
+            for k, vs in response.headers.getAllRawHeaders()
+        }
+        raw["length"] = [str(response.length)]
+        return response.code, raw, self.successResultOf(body)
+
+    def test_manifest_and_blob(self) -> None:
+        """The manifest round-trips; a blob is served whole with its length."""
+        code, _, body = self.get("/manifest")
+        self.assertEqual((code, json.loads(body)), (200, self.manifest))
+        self.assertEqual(self.manifest["model_dir_name"], DIR_NAME)
+        code, headers, body = self.get(f"/blob/{self.blob}")
+        self.assertEqual(code, 200)
+        self.assertEqual(hashlib.sha256(body).hexdigest(), self.blob)
+        self.assertEqual(headers["length"], [str(len(body))])
+        self.assertEqual(headers["accept-ranges"], ["bytes"])
+
+    def test_ranges(self) -> None:
+        """bytes=N- gives 206 with Content-Range; suffix and unsatisfiable ranges give 416."""
+        code, headers, body = self.get(f"/blob/{self.blob}", Range="bytes=10000-")
+        self.assertEqual(code, 206)
+        self.assertEqual(headers["content-range"], ["bytes 10000-10239/10240"])
+        self.assertEqual(body, (bytes(range(256)) * 40)[10000:])
+        code, headers, _ = self.get(f"/blob/{self.blob}", Range="bytes=-100")
+        self.assertEqual((code, headers["content-range"]), (416, ["bytes */10240"]))
+        code, _, _ = self.get(f"/blob/{self.blob}", Range="bytes=99999-")
+        self.assertEqual(code, 416)
+
+    def test_refusals(self) -> None:
+        """No credential is 401 (before anything else); unknown blobs and models are 404."""
+        d = self.stub.get(self.base + "/manifest")
+        self.stub.flush()
+        self.assertEqual(self.successResultOf(d).code, 401)
+        self.assertEqual(self.get("/blob/" + "0" * 64)[0], 404)
+        self.assertEqual(self.get("/../other/manifest")[0], 404)
+        self.assertEqual([r.status for r in self.repo.requests], [401, 404, 404])
+
+
+# --- deterministic syncs through StubTreq -----------------------------------------------------
+
+
+class StubSyncTests(SynchronousTestCase):
+    """Retries, backoff, progress pacing and refusals, driven by a Clock."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.repo = ModelRepository()
+        self.manifest = self.repo.add_model(MODEL_ID, REPO_ID, _files(big_mb=1))
+        self.stub = StubTreq(_backend_root(self.repo))
+        self.store = self.mktemp()
+        self.runner = SyncRunner()
+        self.free = 10**12
+
+    def syncer(self, credential: str = SECRET, **kw: Any) -> ModelSyncer:
+        return ModelSyncer(
+            self.clock,
+            cast(HTTPClient, self.stub),
+            self.runner,
+            store_dir=self.store,
+            backend_url="http://backend.invalid:8000/",
+            credential=lambda: credential,
+            free_space=lambda path: self.free,
+            rng=random.Random(1),
+            **kw,
+        )
+
+    def drive(self, d: Deferred[Any], rounds: int = 40, step: float = 1.0) -> None:
+        for _ in range(rounds):
+            self.stub.flush()
+            if d.called:
+                return
+            self.clock.advance(step)
+
+    def test_5xx_is_retried_with_backoff(self) -> None:
+        """Two 503s, then success: the sync backs off on the clock and completes."""
+        self.repo.faults.fail_5xx_times = 2
+        events: list[tuple[str, str, dict[str, Any]]] = []
+        d = Deferred.fromCoroutine(self.syncer().sync(self.manifest, _progress_sink(events)))
+        self.stub.flush()
+        self.assertNoResult(d)
+        self.drive(d, step=30)
+        result = self.successResultOf(d)
+        self.assertEqual(result["retries"], 2)
+        self.assertEqual(result["fetched"]["count"], len(self.manifest["blobs"]))
+        statuses = [r.status for r in self.repo.requests]
+        self.assertEqual(statuses.count(503), 2)
+        self.assertTrue(all(e[0] == "sync_model" for e in events))
+        self.assertEqual(events[-1][2]["progress_pct"], 100.0)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_gives_up_after_retry_max(self) -> None:
+        """A backend that keeps failing ends in download_failed after retry_max retries."""
+        self.repo.faults.fail_5xx_times = 1000
+        d = Deferred.fromCoroutine(
+            self.syncer(retry_max=3, concurrency=1).sync(self.manifest, lambda *a, **k: None)
+        )
+        self.drive(d, rounds=200, step=120)
+        f = self.failureResultOf(d, CommandFailed)
+        self.assertEqual(f.value.error_code, "download_failed")
+        self.assertIn("after 4 attempts", f.value.error_message)
+        self.assertIn("HTTP 503", f.value.error_message)
+
+    def test_401_stops_at_once(self) -> None:
+        """A rejected credential fails the sync with a clear message, no retry, no secret."""
+        d = Deferred.fromCoroutine(
+            self.syncer(credential="wrong-secret-value").sync(self.manifest, lambda *a, **k: None)
+        )
+        self.drive(d)
+        f = self.failureResultOf(d, CommandFailed)
+        self.assertEqual(f.value.error_code, "credential_rejected")
+        self.assertIn("HTTP 401", f.value.error_message)
+        self.assertNotIn("wrong-secret-value", f.value.error_message)
+        self.assertNotIn("wrong-secret-value", repr(f.value.result))
+        self.assertLessEqual(len(self.repo.requests), 4)  # one per worker, none retried
+
+    def test_progress_is_paced(self) -> None:
+        """Progress reports come at most about once per second of the clock."""
+        events: list[tuple[str, str, dict[str, Any]]] = []
+        d = Deferred.fromCoroutine(self.syncer().sync(self.manifest, _progress_sink(events)))
+        self.drive(d)
+        self.successResultOf(d)
+        # All bytes arrive within one clock instant: the first report, then the forced
+        # final one; none of the per-chunk updates in between.
+        self.assertLessEqual(len(events), 3)
+        self.assertIn("ready", events[-1][1])
+        self.assertEqual(events[-1][2]["bytes_total"], events[-1][2]["bytes_done"])
+
+    def test_manifest_fetched_with_base_path(self) -> None:
+        """With only model_id, the manifest is fetched from the backend (base path kept)."""
+        self.stub = StubTreq(_backend_root(self.repo, base=(b"base",)))
+        syncer = ModelSyncer(
+            self.clock,
+            cast(HTTPClient, self.stub),
+            self.runner,
+            store_dir=self.store,
+            backend_url="http://backend.invalid:8000/base",
+            credential=lambda: SECRET,
+            free_space=lambda path: self.free,
+        )
+        d = Deferred.fromCoroutine(
+            syncer.sync({"model_id": MODEL_ID, "source": "sync_from_server"}, lambda *a, **k: None)
+        )
+        self.drive(d)
+        result = self.successResultOf(d)
+        self.assertEqual(result["model_dir_name"], DIR_NAME)
+        self.assertEqual(self.repo.requests[0].kind, "manifest")
+
+    def test_invalid_manifest_touches_nothing(self) -> None:
+        """A traversal attempt is refused before the store is created or anything fetched."""
+        bad = dict(self.manifest, model_dir_name="../../outside")
+        d = Deferred.fromCoroutine(self.syncer().sync(bad, lambda *a, **k: None))
+        f = self.failureResultOf(d, CommandFailed)
+        self.assertEqual(f.value.error_code, "invalid_command")
+        self.assertFalse(os.path.exists(self.store))
+        self.assertEqual(self.repo.requests, [])
+
+    def test_download_from_hf_is_skipped(self) -> None:
+        """source download_from_hf needs nothing from the agent."""
+        d = Deferred.fromCoroutine(
+            self.syncer().sync({"source": "download_from_hf"}, lambda *a, **k: None)
+        )
+        self.assertTrue(self.successResultOf(d)["skipped"])
+
+    def test_handler_spec(self) -> None:
+        """The sync_model handler reads payload.model_sync and refuses other payloads."""
+        spec = sync_model_handler_spec(self.syncer())
+        self.assertIsInstance(spec, HandlerSpec)
+        self.assertTrue(spec.idempotent)
+        self.assertFalse(spec.blocked_by_maintenance)
+
+        class Ctx:
+            def __init__(self, payload: dict[str, Any]) -> None:
+                from llmport_agent.commands.base import Command
+
+                self.command = Command(id="c1", command_type="sync_model", payload=payload)
+                self.reactor = None
+                self.events: list[Any] = []
+
+            def progress(self, phase: str, message: str, **extra: Any) -> None:
+                self.events.append((phase, message, extra))
+
+            def emit_event(self, *a: Any, **k: Any) -> None:
+                pass
+
+        bad: Deferred[dict[str, Any]] = ensureDeferred(
+            cast(Any, spec.handler(cast(Any, Ctx({"model_sync": "x"}))))
+        )
+        self.assertEqual(
+            self.failureResultOf(bad, CommandFailed).value.error_code, "invalid_command"
+        )
+        ctx = Ctx({"model_sync": self.manifest})
+        d: Deferred[dict[str, Any]] = ensureDeferred(cast(Any, spec.handler(cast(Any, ctx))))
+        self.drive(d)
+        self.assertEqual(self.successResultOf(d)["blobs_total"], len(self.manifest["blobs"]))
+        self.assertTrue(ctx.events)
+
+
+# --- real loopback ----------------------------------------------------------------------------
+
+
+class _TrackingFactory(WrappingFactory):
+    """Wraps a Site; knows its open connections so teardown can close and wait for them."""
+
+    def __init__(self, site: Site) -> None:
+        super().__init__(site)
+        self._waiters: list[Deferred[None]] = []
+
+    def unregisterProtocol(self, p: Any) -> None:
+        super().unregisterProtocol(p)
+        if not self.protocols:
+            waiters, self._waiters = self._waiters, []
+            for w in waiters:
+                w.callback(None)
+
+    def close_all(self) -> Deferred[None]:
+        if not self.protocols:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._waiters.append(d)
+        for p in list(self.protocols):
+            p.transport.loseConnection()
+        return d
+
+
+class LoopbackSyncTests(TestCase):
+    """Syncs against the stand-in backend on 127.0.0.1, with real threads and sockets."""
+
+    timeout = 120
+
+    def setUp(self) -> None:
+        self.repo = ModelRepository()
+        site = Site(_backend_root(self.repo))
+        site.displayTracebacks = False
+        self.factory = _TrackingFactory(site)
+        self.port = reactor.listenTCP(0, self.factory, interface="127.0.0.1")
+        self.pool = PoolService(reactor, "models-test", 6)
+        self.pool.startService()
+        self.http_pool = HTTPConnectionPool(reactor, persistent=True)
+        self.http_pool.maxPersistentPerHost = 8
+        self.http = HTTPClient(Agent(reactor, pool=self.http_pool))
+        self.runner = RecordingRunner(self.pool)
+        self.store = os.path.abspath(self.mktemp())
+        self.free: int | None = None
+        self.addCleanup(self._teardown)
+
+    async def _teardown(self) -> None:
+        await self.http_pool.closeCachedConnections()
+        await self.pool.stopService()
+        await self.port.stopListening()
+        await self.factory.close_all()
+
+    def syncer(self, **kw: Any) -> ModelSyncer:
+        free = self.free
+        kw.setdefault("retry_initial_delay", 0.01)
+        kw.setdefault("retry_max_delay", 0.05)
+        return ModelSyncer(
+            reactor,
+            self.http,
+            self.runner,
+            store_dir=self.store,
+            backend_url=f"http://127.0.0.1:{self.port.getHost().port}",
+            credential=lambda: SECRET,
+            free_space=(lambda path: free) if free is not None else None,
+            **kw,
+        )
+
+    def assertValidCache(self, manifest: dict[str, Any], files: dict[str, bytes]) -> str:
+        """
+        Check the HF cache layout: verified blobs, no leftovers, refs without newline, every
+        snapshot link relative and resolving to the blob of its hash, and the ref's snapshot
+        holding C{files}.
+        """
+        model_dir = os.path.join(self.store, manifest["model_dir_name"])
+        blobs_dir = os.path.realpath(os.path.join(model_dir, "blobs"))
+        for blob in manifest["blobs"]:
+            path = os.path.join(model_dir, "blobs", blob["hash"])
+            self.assertTrue(os.path.isfile(path) and not os.path.islink(path))
+            self.assertEqual(os.path.getsize(path), blob["size"])
+        leftovers = [n for n in os.listdir(os.path.join(model_dir, "blobs")) if n.endswith(".part")]
+        self.assertEqual(leftovers, [])
+        for ref in manifest["refs"]:
+            with open(os.path.join(model_dir, "refs", ref["name"]), "rb") as f:
+                self.assertEqual(f.read(), ref["commit"].encode())  # no trailing newline
+        for snap in manifest["snapshots"]:
+            root = os.path.join(model_dir, "snapshots", snap["commit"])
+            for link in snap["links"]:
+                path = os.path.join(root, *link["path"].split("/"))
+                self.assertTrue(os.path.islink(path), link["path"])
+                target = os.readlink(path)
+                self.assertFalse(os.path.isabs(target))
+                self.assertEqual(
+                    target, "../" * (link["path"].count("/") + 2) + "blobs/" + link["blob_hash"]
+                )
+                real = os.path.realpath(path)
+                self.assertEqual(os.path.dirname(real), blobs_dir)
+                with open(path, "rb") as f:
+                    self.assertEqual(hashlib.sha256(f.read()).hexdigest(), link["blob_hash"])
+        main = os.path.join(model_dir, "snapshots", manifest["refs"][0]["commit"])
+        for rel, data in files.items():
+            with open(os.path.join(main, *rel.split("/")), "rb") as f:
+                self.assertEqual(f.read(), data, rel)
+        self.assertEqual(os.listdir(os.path.join(model_dir, ".llmport-tmp")), [])
+        return model_dir
+
+    async def test_fresh_sync(self) -> None:
+        """A fresh sync builds a valid HF cache: blobs, refs without newline, relative links."""
+        files = _files()
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        events: list[tuple[str, str, dict[str, Any]]] = []
+        result = await self.syncer().sync(manifest, _progress_sink(events))
+        self.assertValidCache(manifest, files)
+        self.assertEqual(result["fetched"]["count"], len(manifest["blobs"]))
+        self.assertEqual(result["fetched"]["bytes"], manifest["total_size"])
+        self.assertEqual(result["reused"]["count"], 0)
+        self.assertEqual(result["refs"], {"main": manifest["refs"][0]["commit"]})
+        self.assertTrue(events)
+        self.assertEqual(events[-1][2]["progress_pct"], 100.0)
+        file_work = [
+            c for c in self.runner.calls if c[0] in ("write_chunks", "finish_part", "open_part")
+        ]
+        self.assertTrue(file_work)
+        self.assertFalse(
+            [c for c in self.runner.calls if c[1]], "file work ran on the reactor thread"
+        )
+        self.assertEqual(len(self.repo.blob_requests()), len(manifest["blobs"]))
+
+    async def test_resume_after_drop(self) -> None:
+        """A connection dropped mid-blob is resumed with Range from where it stopped."""
+        files = _files(big_mb=4)
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        big = hashlib.sha256(files["model.safetensors"]).hexdigest()
+        self.repo.faults.cut_after_bytes = 1_000_000
+        result = await self.syncer(concurrency=1).sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, files)
+        reqs = self.repo.blob_requests(big)
+        self.assertEqual([r.status for r in reqs], [200, 206])
+        self.assertEqual(reqs[1].range_header, "bytes=1000000-")
+        self.assertEqual(reqs[1].start, 1_000_000)
+        self.assertEqual(result["retries"], 1)
+        self.assertEqual(result["range_ignored"], 0)
+
+    async def test_resume_partial_from_previous_run(self) -> None:
+        """A .part left by an interrupted run is hashed once and resumed, not restarted."""
+        files = _files(big_mb=2)
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        big = hashlib.sha256(files["model.safetensors"]).hexdigest()
+        blobs = os.path.join(self.store, DIR_NAME, "blobs")
+        os.makedirs(blobs)
+        with open(os.path.join(blobs, big + ".part"), "wb") as f:
+            f.write(files["model.safetensors"][:777_777])
+        result = await self.syncer().sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, files)
+        self.assertEqual(result["resumed"], 1)
+        self.assertEqual(self.repo.blob_requests(big)[0].range_header, "bytes=777777-")
+
+    async def test_wrong_hash(self) -> None:
+        """A blob whose content does not match its sha256 name fails the sync and is discarded."""
+        files = _files()
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        bad = hashlib.sha256(files["tokenizer.json"]).hexdigest()
+        self.repo.faults.corrupt_blob = bad
+        with self.assertRaises(CommandFailed) as cm:
+            await self.syncer().sync(manifest, lambda *a, **k: None)
+        self.assertEqual(cm.exception.error_code, "checksum_mismatch")
+        self.assertIn(bad, cm.exception.error_message)
+        blobs = os.path.join(self.store, DIR_NAME, "blobs")
+        self.assertFalse(os.path.exists(os.path.join(blobs, bad)))
+        self.assertFalse(os.path.exists(os.path.join(blobs, bad + ".part")))
+        self.assertFalse(
+            os.path.exists(
+                os.path.join(self.store, DIR_NAME, "snapshots", manifest["snapshots"][0]["commit"])
+            )
+        )
+
+    async def test_server_ignores_range(self) -> None:
+        """A server answering a ranged request with 200 makes the client start over cleanly."""
+        files = _files(big_mb=4)
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        big = hashlib.sha256(files["model.safetensors"]).hexdigest()
+        self.repo.faults.ignore_range = True
+        self.repo.faults.cut_after_bytes = 1_500_000
+        result = await self.syncer(concurrency=1).sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, files)
+        reqs = self.repo.blob_requests(big)
+        self.assertEqual([r.status for r in reqs], [200, 200])
+        self.assertEqual(reqs[1].range_header, "bytes=1500000-")
+        self.assertEqual(result["range_ignored"], 1)
+
+    async def test_insufficient_disk(self) -> None:
+        """Too little free space fails before any download, with the numbers."""
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, _files())
+        self.free = 1000
+        with self.assertRaises(CommandFailed) as cm:
+            await self.syncer().sync(manifest, lambda *a, **k: None)
+        e = cm.exception
+        self.assertEqual(e.error_code, "insufficient_disk")
+        self.assertEqual(e.result["needed_bytes"], manifest["total_size"])
+        self.assertEqual(e.result["free_bytes"], 1000)
+        self.assertEqual(e.result["path"], os.path.join(self.store, DIR_NAME))
+        self.assertIn(os.path.join(self.store, DIR_NAME), e.error_message)
+        self.assertEqual(self.repo.blob_requests(), [])
+
+    async def test_concurrent_syncs_share_one_download(self) -> None:
+        """Two syncs of one model at once download each blob once and both succeed."""
+        files = _files()
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        syncer = self.syncer()
+        a: list[Any] = []
+        b: list[Any] = []
+        d1 = Deferred.fromCoroutine(syncer.sync(manifest, _progress_sink(a)))
+        d2 = Deferred.fromCoroutine(
+            syncer.sync(json.loads(json.dumps(manifest)), _progress_sink(b))
+        )
+        r1, r2 = await gatherResults([d1, d2])
+        self.assertEqual(r1, r2)
+        self.assertEqual(len(self.repo.blob_requests()), len(manifest["blobs"]))
+        self.assertValidCache(manifest, files)
+
+    async def test_different_revisions_run_one_after_another(self) -> None:
+        """Two manifests for one model dir do not race: the second waits, then adds its snapshot."""
+        files1 = _files(big_mb=1, seed=1)
+        m1 = self.repo.add_model(MODEL_ID, REPO_ID, files1, commit="1" * 40)
+        files2 = dict(files1, **{"extra.txt": b"second revision"})
+        m2 = self.repo.add_model(MODEL_ID, REPO_ID, files2, commit="2" * 40)
+        syncer = self.syncer()
+        d1 = Deferred.fromCoroutine(syncer.sync(m1, lambda *a, **k: None))
+        d2 = Deferred.fromCoroutine(syncer.sync(m2, lambda *a, **k: None))
+        results = await DeferredList([d1, d2], consumeErrors=True)
+        self.assertTrue(all(ok for ok, _ in results), results)
+        self.assertValidCache(m2, files2)
+
+    async def test_repeat_sync_reuses_without_hashing(self) -> None:
+        """A second sync stats the blobs, trusts the record, hashes nothing, fetches nothing."""
+        files = _files()
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        syncer = self.syncer()
+        await syncer.sync(manifest, lambda *a, **k: None)
+        requests_before = len(self.repo.requests)
+        self.runner.calls.clear()
+        result = await syncer.sync(manifest, lambda *a, **k: None)
+        self.assertEqual(result["fetched"]["count"], 0)
+        self.assertEqual(result["verified"]["count"], 0)
+        self.assertEqual(result["reused"]["count"], len(manifest["blobs"]))
+        self.assertEqual(len(self.repo.requests), requests_before)
+        names = self.runner.names()
+        for hashing in ("verify_blob", "hash_file", "open_part", "write_chunks"):
+            self.assertNotIn(hashing, names)
+        self.assertValidCache(manifest, files)
+
+    async def test_unrecorded_blobs_are_verified_once(self) -> None:
+        """Blobs present without a record are hashed once, then reused on the next sync."""
+        files = _files()
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        syncer = self.syncer()
+        await syncer.sync(manifest, lambda *a, **k: None)
+        os.unlink(os.path.join(self.store, DIR_NAME, ".llmport-verified.json"))
+        result = await syncer.sync(manifest, lambda *a, **k: None)
+        self.assertEqual(result["verified"]["count"], len(manifest["blobs"]))
+        self.assertEqual(result["fetched"]["count"], 0)
+        result = await syncer.sync(manifest, lambda *a, **k: None)
+        self.assertEqual(result["reused"]["count"], len(manifest["blobs"]))
+
+    async def test_damaged_blob_is_fetched_again(self) -> None:
+        """A cached blob changed on disk (new mtime) is re-verified, found bad, and re-fetched."""
+        files = _files()
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        syncer = self.syncer()
+        await syncer.sync(manifest, lambda *a, **k: None)
+        tok = hashlib.sha256(files["tokenizer.json"]).hexdigest()
+        path = os.path.join(self.store, DIR_NAME, "blobs", tok)
+        with open(path, "r+b") as f:
+            f.write(b"\0\0\0\0")
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        result = await syncer.sync(manifest, lambda *a, **k: None)
+        self.assertEqual(result["fetched"]["count"], 1)
+        self.assertEqual(result["reused"]["count"], len(manifest["blobs"]) - 1)
+        self.assertValidCache(manifest, files)
+
+    async def test_5xx_then_success(self) -> None:
+        """Transient 503s are retried (real clock, short backoff)."""
+        files = _files(big_mb=1)
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        self.repo.faults.fail_5xx_times = 3
+        result = await self.syncer().sync(manifest, lambda *a, **k: None)
+        self.assertEqual(result["retries"], 3)
+        self.assertValidCache(manifest, files)
+
+    async def test_reactor_stays_responsive(self) -> None:
+        """
+        While a 64 MB blob is streamed, written and hashed, a 50 ms LoopingCall keeps
+        ticking (the bound on lateness is deliberately generous: this is not a timing test).
+        """
+        files = {"model.safetensors": random.Random(3).randbytes(64 * 1024 * 1024)}
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        lateness: list[float] = []
+        expected = [reactor.seconds()]
+
+        def tick() -> None:
+            now = reactor.seconds()
+            lateness.append(max(0.0, now - expected[0]))
+            expected[0] = now + 0.05
+
+        loop = LoopingCall(tick)
+        loop.clock = reactor
+        loop.start(0.05, now=True)
+        try:
+            await self.syncer().sync(manifest, lambda *a, **k: None)
+        finally:
+            loop.stop()
+        self.assertGreater(len(lateness), 1)
+        self.assertLess(max(lateness), 5.0)
+        self.assertFalse([c for c in self.runner.calls if c[1]])
+        self.assertValidCache(manifest, files)
+
+    async def test_cancelled_sync_resumes_later(self) -> None:
+        """
+        A sync cancelled mid-blob (e.g. at its deadline) keeps the partial file; the next
+        sync does not join the cancelled one, waits for it to wind down, then resumes with
+        Range.
+        """
+        files = {"model.safetensors": random.Random(5).randbytes(48 * 1024 * 1024)}
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        big = manifest["blobs"][0]["hash"]
+        syncer = self.syncer(progress_interval=0)
+        holder: list[Deferred[dict[str, Any]]] = []
+
+        def progress(phase: str, message: str, **extra: Any) -> None:
+            if extra["bytes_done"] > 0 and len(holder) == 1:
+                holder.append(holder[0])
+                reactor.callLater(0, holder[0].cancel)
+
+        d: Deferred[dict[str, Any]] = Deferred.fromCoroutine(syncer.sync(manifest, progress))
+        holder.append(d)
+        with self.assertRaises(CancelledError):
+            await d
+        result = await syncer.sync(manifest, lambda *a, **k: None)
+        self.assertEqual(result["resumed"], 1)
+        reqs = self.repo.blob_requests(big)
+        self.assertEqual(len(reqs), 2)
+        self.assertEqual(reqs[1].range_header, f"bytes={reqs[1].start}-")
+        self.assertGreater(reqs[1].start, 0)
+        self.assertValidCache(manifest, files)
+
+    async def test_one_caller_cancels_the_other_completes(self) -> None:
+        """When one of two callers sharing a sync gives up, the other still gets the model."""
+        files = _files()
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        syncer = self.syncer()
+        d1: Deferred[dict[str, Any]] = Deferred.fromCoroutine(
+            syncer.sync(manifest, lambda *a, **k: None)
+        )
+        d2: Deferred[dict[str, Any]] = Deferred.fromCoroutine(
+            syncer.sync(manifest, lambda *a, **k: None)
+        )
+        d1.cancel()
+        self.failureResultOf(d1, CancelledError)
+        result = await d2
+        self.assertEqual(result["fetched"]["count"], len(manifest["blobs"]))
+        self.assertEqual(len(self.repo.blob_requests()), len(manifest["blobs"]))
+        self.assertValidCache(manifest, files)
