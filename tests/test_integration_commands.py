@@ -8,6 +8,7 @@ commands, maintenance and drain across a restart.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from twisted.internet import reactor
@@ -221,3 +222,26 @@ class CommandFlowTests(AgentTestCase):
         d2 = backend.issue_command(node_id, "deploy_workload", {"runtime_id": "r"})
         await backend.wait_for(lambda: backend.command(d2["id"])["status"] == "failed")
         self.assertIn("draining", backend.command(d2["id"])["error_message"])
+
+
+class ModelSyncFlowTests(AgentTestCase):
+    async def test_sync_model_command_end_to_end(self) -> None:
+        """sync_model through the backend: a valid HF cache appears in MODEL_STORE; a repeat reuses it."""
+        backend = await self.start_backend(base_path="/llm")
+        agent = self.start_agent(backend)
+        node_id = await self.wait_connected(backend, agent)
+        files = {"config.json": b'{"a": 1}', "weights/model.bin": os.urandom(3 * 1024 * 1024)}
+        manifest = backend.models.add_model("m1", "org/tiny", files)
+        cmd = backend.issue_command(node_id, "sync_model", {"model_sync": manifest})
+        await backend.wait_for(lambda: backend.command(cmd["id"])["status"] in TERMINAL, 30)
+        rec = backend.command(cmd["id"])
+        self.assertEqual(rec["status"], "succeeded", rec.get("error_message"))
+        snap = os.path.join(agent.config.model_store, manifest["model_dir_name"], "snapshots",
+                            manifest["snapshots"][0]["commit"])
+        with open(os.path.join(snap, "weights", "model.bin"), "rb") as f:
+            self.assertEqual(f.read(), files["weights/model.bin"])
+        phases = {e["payload"].get("phase") for e in backend.timeline(cmd["id"]) if e["event_type"] == "progress"}
+        self.assertIn("sync_model", phases)
+        again = backend.issue_command(node_id, "sync_model", {"model_sync": manifest})
+        await backend.wait_for(lambda: backend.command(again["id"])["status"] in TERMINAL, 30)
+        self.assertEqual(backend.command(again["id"])["result"]["fetched"]["count"], 0)
