@@ -54,7 +54,6 @@ __all__ = ["WorkloadManager", "WorkloadSettings", "workload_handler_specs"]
 #: sync_model(model_sync, progress) -> result; progress(message, **extra)
 SyncModel = Callable[[dict[str, Any], Callable[..., None]], Awaitable[dict[str, Any]]]
 
-ROLLED_BACK = "update_rolled_back"
 _STOP_EXTRA_SEC = 60.0
 
 
@@ -63,7 +62,9 @@ class HealthHooks(Protocol):
 
     def hold(self, runtime_id: str) -> None: ...
 
-    def release(self, runtime_id: str, *, announce: bool = False) -> None: ...
+    def release(
+        self, runtime_id: str, *, announce: bool = False, expect: str | None = None
+    ) -> None: ...
 
     def forget(self, runtime_id: str) -> None: ...
 
@@ -72,7 +73,9 @@ class _NoHealth:
     def hold(self, runtime_id: str) -> None:
         pass
 
-    def release(self, runtime_id: str, *, announce: bool = False) -> None:
+    def release(
+        self, runtime_id: str, *, announce: bool = False, expect: str | None = None
+    ) -> None:
         pass
 
     def forget(self, runtime_id: str) -> None:
@@ -449,10 +452,12 @@ class WorkloadManager:
         """C{deploy_workload}."""
         spec = self._spec(ctx)
         self.health.hold(spec.runtime_id)
+        expect = None
         try:
             result = await self._deploy(ctx, spec)
+            expect = "running"
         finally:
-            self.health.release(spec.runtime_id)
+            self.health.release(spec.runtime_id, expect=expect)
         self._event(ctx, "workload.deployed", self._eventPayload(result))
         return result
 
@@ -499,6 +504,7 @@ class WorkloadManager:
         payload = ctx.command.payload
         runtime_id, name = _ids(payload)
         self.health.hold(runtime_id)
+        expect = None
         try:
             found = await self._find(runtime_id, name)
             primary = self._primary(found)
@@ -513,8 +519,9 @@ class WorkloadManager:
             else:
                 result = await self._startExisting(ctx, runtime_id, primary, restart=restart)
                 event = "workload.restarted" if restart else "workload.started"
+            expect = "running"
         finally:
-            self.health.release(runtime_id)
+            self.health.release(runtime_id, expect=expect)
         self._event(ctx, event, self._eventPayload(result))
         return result
 
@@ -595,7 +602,9 @@ class WorkloadManager:
             result = await self._update(ctx, spec)
             announce = True
         except CommandFailed as exc:
-            announce = bool(exc.result.get("rolled_back"))
+            # The previous container runs (restored, or never touched): say so after the
+            # failed result, or the backend leaves the runtime in error.
+            announce = bool(exc.result.get("rolled_back") or exc.result.get("previous_running"))
             raise
         finally:
             self.health.release(spec.runtime_id, announce=announce)
@@ -613,7 +622,14 @@ class WorkloadManager:
         old = self._primary(found)
         leftovers = [s for s in found if s is not old]
         removed = await self._remove_all(leftovers, self._grace)
-        image = await self._prepare(ctx, spec)
+        try:
+            image = await self._prepare(ctx, spec)
+        except CommandFailed as exc:
+            if old is not None and old["running"] and not old["restarting"]:
+                exc.result["previous_running"] = True
+                exc.error_message += " The current container was left running unchanged."
+                exc.args = (exc.error_message,)
+            raise
         if old is None:
             ctx.progress(
                 "remove_stale",
@@ -629,9 +645,18 @@ class WorkloadManager:
             "remove_stale",
             f"Stopping the current container {old['name']} (kept as {backup} until the new one is ready)",
         )
-        if old_running:
-            await self.engine.call(ops.stop, old["id"], self._grace, what=f"stopping {old['name']}")
-        await self.engine.call(ops.rename, old["id"], backup, what=f"renaming {old['name']}")
+        try:
+            if old_running:
+                await self.engine.call(ops.stop, old["id"], self._grace, what=f"stopping {old['name']}")
+            await self.engine.call(ops.rename, old["id"], backup, what=f"renaming {old['name']}")
+        except CommandFailed:
+            if old_running:
+                # Best effort: the old container keeps its name; bring it back up.
+                try:
+                    await self.engine.call(ops.start, old["id"], what=f"starting {old['name']} again")
+                except CommandFailed:
+                    pass
+            raise
         try:
             result = await self._launch(ctx, spec, preferred_port=old_port)
         except CancelledError:
@@ -707,6 +732,7 @@ class WorkloadManager:
         """C{stop_workload}: SIGTERM, C{stop_grace_sec}, SIGKILL. Missing is success."""
         runtime_id, name = _ids(ctx.command.payload)
         self.health.hold(runtime_id)
+        expect = None
         try:
             found = [s for s in await self._find(runtime_id, name) if not s["foreign"]]
             if not found:
@@ -722,8 +748,9 @@ class WorkloadManager:
                     ctx.progress("stop", f"Stopping {snap['name']} (grace {self._grace} s)")
                     await self.engine.call(ops.stop, snap["id"], self._grace, what=f"stopping {snap['name']}")
                     stopped.append(snap["name"])
+            expect = "stopped"
         finally:
-            self.health.release(runtime_id)
+            self.health.release(runtime_id, expect=expect)
         primary = self._primary(found) or found[0]
         self._event(ctx, "workload.stopped", {"runtime_id": runtime_id, "container_name": primary["name"]})
         return {

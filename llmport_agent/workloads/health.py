@@ -263,6 +263,8 @@ class HealthWatcher(Service):
             )
         else:
             reason = "the engine closed the stream"
+        # A broken event stream often means the engine went away: let it re-check now.
+        self._engine.checkNow()
         delay = self._backoff
         self._backoff = min(self._backoff * 2, self._backoff_max)
         self.log.info(
@@ -309,10 +311,16 @@ class HealthWatcher(Service):
         """A command works on C{runtime_id}: report nothing about it until L{release}."""
         self._held[runtime_id] = self._held.get(runtime_id, 0) + 1
 
-    def release(self, runtime_id: str, *, announce: bool = False) -> None:
+    def release(
+        self, runtime_id: str, *, announce: bool = False, expect: str | None = None
+    ) -> None:
         """
         The command is over. Re-read the runtime silently, or (C{announce}) report its
         current state after C{settle_announce_sec} whatever it was before.
+
+        @param expect: the state the command's result told the backend (C{running} after
+            a successful deploy, C{stopped} after a stop). If the re-read finds another
+            state (the container died meanwhile), that is reported rather than swallowed.
         """
         count = self._held.get(runtime_id, 0) - 1
         if count > 0:
@@ -327,7 +335,7 @@ class HealthWatcher(Service):
                 lambda: self._track(self.check(runtime_id, force=True)),
             )
         else:
-            self._track(self.check(runtime_id, silent=True))
+            self._track(self.check(runtime_id, silent=True, expect=expect))
 
     def forget(self, runtime_id: str) -> None:
         """The runtime was removed on purpose: stop tracking it (no C{missing} event)."""
@@ -408,6 +416,7 @@ class HealthWatcher(Service):
         force: bool = False,
         silent: bool = False,
         quiet_first_sight: bool = False,
+        expect: str | None = None,
     ) -> dict[str, Any] | None:
         """
         Fold one observation in and report it when it is a transition (or C{force}).
@@ -439,6 +448,8 @@ class HealthWatcher(Service):
         }
         changed = key != tracked.key
         tracked.kind, tracked.key = kind, key
+        if silent and expect is not None and kind != expect:
+            silent, force = False, True
         if quiet_first_sight and first_sight and kind not in ("crash_loop",):
             return None
         if silent or not (changed or force):
@@ -464,14 +475,23 @@ class HealthWatcher(Service):
                 return snap
         return None
 
-    async def check(self, runtime_id: str, *, force: bool = False, silent: bool = False) -> dict[str, Any] | None:
+    async def check(
+        self,
+        runtime_id: str,
+        *,
+        force: bool = False,
+        silent: bool = False,
+        expect: str | None = None,
+    ) -> dict[str, Any] | None:
         """Re-read one runtime from the engine and report a transition (or, C{force}, its state)."""
         if runtime_id in self._held:
             return None
         snaps = await self._engine.call(ops.find_runtime, runtime_id, None, what="checking workload health")
         if runtime_id in self._held:
             return None
-        return self._apply(runtime_id, self._canonical(snaps), force=force, silent=silent)
+        return self._apply(
+            runtime_id, self._canonical(snaps), force=force, silent=silent, expect=expect
+        )
 
     async def reconcile(self) -> list[dict[str, Any]]:
         """Compare every managed workload with what was last reported; report changes."""

@@ -38,7 +38,6 @@ PULL_FAILED = "pull_failed"
 PULL_STALLED = "pull_stalled"
 TRANSFER_FAILED = "transfer_failed"
 TRANSFER_STALLED = "transfer_stalled"
-IMAGE_NOT_FOUND = "image_not_found"
 
 #: progress(message, **extra) -> None
 Progress = Callable[..., None]
@@ -206,13 +205,17 @@ class _BodyFeeder(Protocol):
         self.last_data_at: float = 0.0
         self.on_data: Callable[[], None] = lambda: None
 
+    def _producer(self) -> Any:
+        # The response body's transport is a push producer (pause/resume/stop).
+        return self.transport
+
     def dataReceived(self, data: bytes) -> None:
         self.received += len(data)
         self.queue.put(data)
         self.on_data()
         if not self.paused and self.received - self.consumed > self.high_water and self.transport:
             self.paused = True
-            self.transport.pauseProducing()
+            self._producer().pauseProducing()
 
     def connectionLost(self, reason: Failure = ResponseDone()) -> None:  # type: ignore[assignment]
         if reason.check(ResponseDone, PotentialDataLoss):
@@ -228,14 +231,14 @@ class _BodyFeeder(Protocol):
         self.consumed += n
         if self.paused and self.received - self.consumed < self.high_water // 2 and self.transport:
             self.paused = False
-            self.transport.resumeProducing()
+            self._producer().resumeProducing()
 
     def abort(self) -> None:
         """Stop the download and end the loader's input with an error."""
         self.queue.put(ConnectionAbortedError("image transfer aborted"))
         if self.transport is not None and not self.done.called:
             try:
-                self.transport.stopProducing()
+                self._producer().stopProducing()
             except Exception:  # noqa: BLE001
                 pass
 

@@ -9,6 +9,11 @@ from attrs import field, frozen, validators
 NetworkMode = Literal["bridge", "host"]
 
 
+def _absolute_or_none(_: object, attribute: object, value: str | None) -> None:
+    if value is not None and not value.startswith("/"):
+        raise ValueError(f"model_store must be an absolute path, not {value!r}")
+
+
 def _positive(_: object, attribute: object, value: float) -> None:
     if value <= 0:
         raise ValueError(f"{getattr(attribute, 'name', '?')} must be > 0, not {value!r}")
@@ -45,7 +50,7 @@ class WorkloadSettings:
     agent_id: str = field(validator=validators.instance_of(str))
     advertise_scheme: str = "http"
     advertise_host: str = "127.0.0.1"
-    model_store: str | None = None
+    model_store: str | None = field(default=None, validator=_absolute_or_none)
     image_allowlist: tuple[str, ...] = field(default=(), converter=tuple)
     network_mode: NetworkMode = field(
         default="bridge", validator=validators.in_(("bridge", "host"))
