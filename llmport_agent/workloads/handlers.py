@@ -12,6 +12,7 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
+from twisted.internet import defer
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 
@@ -97,6 +98,10 @@ def _ids(payload: Mapping[str, Any]) -> tuple[str, str]:
     except PolicyError as exc:
         raise CommandFailed(INVALID_COMMAND, str(exc)) from None
     return runtime_id, name
+
+
+#: fetch_container_logs answers within this time, whatever the engine does (the API polls 15 s).
+LOGS_ANSWER_SEC = 8.0
 
 
 def parse_tail(value: object) -> int:
@@ -785,10 +790,39 @@ class WorkloadManager:
     # -- logs -------------------------------------------------------------------------
 
     async def logs(self, ctx: CommandContext) -> dict[str, Any]:
-        """C{fetch_container_logs}: fast, read-only, missing container is success."""
+        """
+        C{fetch_container_logs}: fast, read-only, and never a failure. Any failed command puts
+        its runtime in C{error} in the backend (protocol 7), so a bad C{tail}, a missing
+        container, an unreachable engine or a slow engine are all answered with a successful
+        result whose text says what happened.
+        """
         payload = ctx.command.payload
-        runtime_id, name = _ids(payload)
-        tail = parse_tail(payload.get("tail"))
+        note = ""
+        try:
+            tail = parse_tail(payload.get("tail"))
+        except CommandFailed as e:
+            tail = 300
+            note = f"[llmport-agent: {e.error_message}; showing the last {tail} lines]\n"
+        try:
+            runtime_id, name = _ids(payload)
+        except CommandFailed as e:
+            return {"logs": f"No logs: {e.error_message}", "found": False}
+        d = Deferred.fromCoroutine(self._logs(runtime_id, name, tail))
+        d.addTimeout(LOGS_ANSWER_SEC, self._reactor)
+        try:
+            result = await d
+        except CommandFailed as e:
+            result = {"runtime_id": runtime_id, "container_name": name, "found": False,
+                      "logs": f"No logs: {e.error_message}", "error_code": e.error_code}
+        except (defer.TimeoutError, defer.CancelledError):
+            result = {"runtime_id": runtime_id, "container_name": name, "found": False,
+                      "logs": f"No logs: the Docker engine did not answer within {LOGS_ANSWER_SEC:g} s; "
+                              "try again in a moment."}
+        if note:
+            result["logs"] = note + result["logs"]
+        return result
+
+    async def _logs(self, runtime_id: str, name: str, tail: int) -> dict[str, Any]:
         target = await self.engine.call(ops.find_runtime_light, runtime_id, name, what="finding the container")
         missing = {
             "runtime_id": runtime_id,
