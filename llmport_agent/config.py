@@ -128,6 +128,13 @@ def _ca_file(var: str, raw: str) -> str | None:
     return value
 
 
+def _path(var: str, raw: str) -> str:
+    value = raw.strip()
+    if not value:
+        raise ConfigError(f"{var} is empty; expected a file system path")
+    return os.path.abspath(os.path.expanduser(value))
+
+
 def _csv(var: str, raw: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
@@ -156,7 +163,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Scheme of workload endpoint URLs (http or https)."),
     Setting("ENROLLMENT_TOKEN", "enrollment_token", None, _optional_str,
             "One-time enrollment token (used only while no credential is stored).", secret=True),
-    Setting("STATE_PATH", "state_path", "/var/lib/llmport-agent/state.json", _str,
+    Setting("STATE_PATH", "state_path", "/var/lib/llmport-agent/state.json", _path,
             "Where the credential and node state are kept (mode 0600)."),
     Setting("HEARTBEAT_INTERVAL_SEC", "heartbeat_interval_sec", 15.0, _number(1),
             "Seconds between heartbeats (must stay well under the backend's 120 s idle timeout)."),
@@ -188,7 +195,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Log lines per Loki push."),
     Setting("LOG_FLUSH_INTERVAL_SEC", "log_flush_interval_sec", 5.0, _number(0.1),
             "Seconds between Loki pushes."),
-    Setting("MODEL_STORE", "model_store", "/srv/llm-port/models", _str,
+    Setting("MODEL_STORE", "model_store", "/srv/llm-port/models", _path,
             "Directory of the HuggingFace model cache shared with workloads."),
     Setting("IMAGE_ALLOWLIST", "image_allowlist", (), _csv,
             "Comma-separated image prefixes allowed to run (empty = any)."),

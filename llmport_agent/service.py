@@ -70,6 +70,7 @@ class AgentService(MultiService):
         fatal: Callable[[int, str], None] | None = None,
         gpu_source: Any = None,
         docker_enabled: bool = True,
+        docker_environ: dict[str, str] | None = None,
         endpoint_factory: Callable[[str, int, bool], Any] | None = None,
     ) -> None:
         super().__init__()
@@ -102,6 +103,7 @@ class AgentService(MultiService):
             credential=lambda: self.session.credential(),
             concurrency=config.model_sync_concurrency,
         )
+        self._docker_environ = docker_environ
         self.engine: Any = None
         self.workloads: Any = None
         self.health: Any = None
@@ -254,7 +256,7 @@ class AgentService(MultiService):
             readiness_timeout_sec=c.readiness_timeout_sec,
             pull_stall_sec=c.pull_stall_sec,
         )
-        self.engine = DockerEngine(self.reactor)
+        self.engine = DockerEngine(self.reactor, environ=self._docker_environ)
         self.health = HealthWatcher(
             self.reactor,
             self.engine,

@@ -49,9 +49,10 @@ class AgentTestCase(TestCase):
         state_dir: str | None = None,
         token: bool = True,
         fatal: list[tuple[int, str]] | None = None,
+        docker_host: str | None = None,
         **extra: str,
     ) -> AgentService:
-        state_dir = state_dir or self.mktemp()
+        state_dir = os.path.abspath(state_dir or self.mktemp())
         os.makedirs(state_dir, exist_ok=True)
         if token and "ENROLLMENT_TOKEN" not in extra:
             extra["ENROLLMENT_TOKEN"] = backend.mint_token("test")["token"]
@@ -59,7 +60,8 @@ class AgentTestCase(TestCase):
         sink = fatal if fatal is not None else []
         agent = AgentService(
             reactor, config, fatal=lambda code, msg: sink.append((code, msg)),
-            gpu_source=NoGPUSource(), docker_enabled=False,
+            gpu_source=NoGPUSource(), docker_enabled=docker_host is not None,
+            docker_environ={"DOCKER_HOST": docker_host} if docker_host else None,
         )
         agent.state_dir = state_dir  # type: ignore[attr-defined]
         agent.startService()

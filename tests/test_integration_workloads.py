@@ -1,0 +1,133 @@
+"""
+Integration: workloads end to end, agent + stand-in backend + real Docker engine.
+
+Deploy with progress phases and the real endpoint; the backend's runtime goes running; logs of
+a running deploy within 2 s; re-announcement after a backend reconnect restores runtimes the
+backend marked error; stop and remove; SIGKILL in the middle of an update, resolved at restart.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.task import deferLater
+
+from tests.agentharness import AgentTestCase, agent_env
+from tests.support.docker_env import require_docker
+from tests.support.rig import httpd_payload
+
+TERMINAL = ("succeeded", "failed")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class WorkloadFlowTests(AgentTestCase):
+    timeout = 120
+
+    async def setup_agent(self, **extra: str) -> tuple[Any, Any, str]:
+        env = require_docker()
+        backend = await self.start_backend()
+        agent = self.start_agent(backend, docker_host=env.host, WORKLOAD_NETWORK="host",
+                                 READINESS_TIMEOUT_SEC="30", STOP_GRACE_SEC="2", **extra)
+        node_id = await self.wait_connected(backend, agent)
+        await backend.wait_for(lambda: agent.engine.available, 20)
+        return backend, agent, node_id
+
+    async def done(self, backend: Any, cid: str, timeout: float = 60) -> dict[str, Any]:
+        await backend.wait_for(lambda: backend.command(cid)["status"] in TERMINAL, timeout)
+        return backend.command(cid)
+
+    async def test_deploy_logs_reannounce_stop_remove(self) -> None:
+        """The whole life of a workload through the backend, with a reconnect in the middle."""
+        backend, agent, node_id = await self.setup_agent()
+        payload = httpd_payload()
+        rid = payload["runtime_id"]
+        self.addCleanup(self._remove, backend, node_id, payload)
+        deploy = backend.issue_command(node_id, "deploy_workload", payload)
+        # logs of the same runtime while the deploy runs: answered fast, not behind the deploy
+        await backend.wait_for(lambda: backend.command(deploy["id"])["status"] in ("acked", "running", *TERMINAL))
+        logs = backend.issue_command(node_id, "fetch_container_logs",
+                                     {"runtime_id": rid, "runtime_name": payload["runtime_name"], "tail": 50})
+        issued = reactor.seconds()
+        await self.done(backend, logs["id"], 10)
+        self.assertLess(reactor.seconds() - issued, 2.5 + agent.config.command_poll_interval_sec)
+        self.assertEqual(backend.command(logs["id"])["status"], "succeeded")
+        rec = await self.done(backend, deploy["id"])
+        self.assertEqual(rec["status"], "succeeded", rec.get("error_message"))
+        endpoint = rec["result"]["endpoint_url"]
+        self.assertTrue(endpoint.startswith("http://127.0.0.1:"))
+        phases = [e["payload"].get("phase") for e in backend.timeline(deploy["id"]) if e["event_type"] == "progress"]
+        for phase in ("validate", "start_container", "waiting_for_ready", "ready"):
+            self.assertIn(phase, phases)
+        await backend.wait_for(lambda: (backend.runtime(rid) or {}).get("status") == "running")
+        # The link drops: the backend marks the node offline and the runtime error...
+        backend.drop_connections(node_id)
+        await backend.wait_for(lambda: (backend.runtime(rid) or {}).get("status") == "error", 10)
+        # ...and the agent's announcement after reconnecting brings it back.
+        await backend.wait_for(lambda: (backend.runtime(rid) or {}).get("status") == "running", 20)
+        stop = backend.issue_command(node_id, "stop_workload", {"runtime_id": rid, "runtime_name": payload["runtime_name"], "container_name": ""})
+        self.assertEqual((await self.done(backend, stop["id"]))["status"], "succeeded")
+        await backend.wait_for(lambda: (backend.runtime(rid) or {}).get("status") == "stopped")
+        remove = backend.issue_command(node_id, "remove_workload", {"runtime_id": rid, "runtime_name": payload["runtime_name"], "container_name": ""})
+        self.assertEqual((await self.done(backend, remove["id"]))["status"], "succeeded")
+        again = backend.issue_command(node_id, "remove_workload", {"runtime_id": rid, "runtime_name": payload["runtime_name"], "container_name": ""})
+        self.assertEqual((await self.done(backend, again["id"]))["status"], "succeeded")
+
+    async def _remove(self, backend: Any, node_id: str, payload: dict[str, Any]) -> None:
+        env = require_docker()
+        import docker
+
+        client = docker.DockerClient(base_url=env.host)
+        try:
+            for c in client.containers.list(all=True, filters={"label": f"io.llmport.runtime-id={payload['runtime_id']}"}):
+                c.remove(force=True)
+        finally:
+            client.close()
+
+    async def test_kill_9_mid_update_resolved(self) -> None:
+        """
+        The agent is killed with SIGKILL while an update waits for readiness; at the next start
+        the interrupted (non-idempotent) update gets exactly one failed result, agent_restarted.
+        """
+        env = require_docker()
+        backend = await self.start_backend()
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        agent_vars = agent_env(backend, d, ENROLLMENT_TOKEN=backend.mint_token()["token"],
+                               WORKLOAD_NETWORK="host", READINESS_TIMEOUT_SEC="60", OPS_PORT="0")
+        full = dict(os.environ, PYTHONPATH=ROOT, DOCKER_HOST=env.host, **agent_vars)
+        log = open(os.path.join(d, "agent.log"), "ab")
+        self.addCleanup(log.close)
+        cmd = [sys.executable, "-m", "llmport_agent.cli", "run"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT)
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait()))
+        agent_id = agent_vars["LLM_PORT_NODE_AGENT_AGENT_ID"]
+        await backend.wait_for(lambda: backend.node_by_agent_id(agent_id) is not None, 30)
+        node_id = backend.node_by_agent_id(agent_id)["id"]
+        payload = httpd_payload(script="sleep 300")  # never becomes ready
+        self.addCleanup(self._remove, backend, node_id, payload)
+        upd = backend.issue_command(node_id, "update_workload", payload)
+        await backend.wait_for(
+            lambda: any(e["payload"].get("phase") == "waiting_for_ready" for e in backend.timeline(upd["id"])
+                        if e["event_type"] == "progress"), 60)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        full.pop("LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN")
+        proc2 = subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT)
+
+        def stop2() -> None:
+            if proc2.poll() is None:
+                proc2.send_signal(signal.SIGTERM)
+                proc2.wait(30)
+
+        self.addCleanup(stop2)
+        rec = await self.done(backend, upd["id"], 60)
+        await deferLater(reactor, 1.0, lambda: None)
+        self.assertEqual(rec["status"], "failed")
+        self.assertEqual(rec["error_code"], "agent_restarted")
+        results = [e for e in backend.timeline(upd["id"]) if e["event_type"] == "result"]
+        self.assertEqual(len(results), 1)
