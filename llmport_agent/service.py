@@ -195,6 +195,8 @@ class AgentService(MultiService):
     # -- logs to Loki (optional) -------------------------------------------------------------
 
     def _build_log_shipping(self, state_dir: str) -> None:
+        from twisted.logger import LogLevel
+
         from llmport_agent.logs.agent_source import AgentLogObserver, node_labels
         from llmport_agent.logs.journald import JournaldSource
         from llmport_agent.logs.loki import LokiShipper, loki_http_client
@@ -219,7 +221,7 @@ class AgentService(MultiService):
         # The host label must equal the host the backend stores for this node.
         labels = node_labels(c.agent_id, lambda: self.state.get("backend_host") or c.advertise_host)
         self.log_observer = AgentLogObserver(
-            self.loki, labels, secrets=self._secrets, min_level=LEVELS.get(c.log_level)
+            self.loki, labels, secrets=self._secrets, min_level=LEVELS.get(c.log_level, LogLevel.info)
         )
         self.journald = JournaldSource(
             self.reactor, self.loki, labels, self.io_pool, state_dir=state_dir, secrets=self._secrets

@@ -304,7 +304,7 @@ class RotateResource(JsonResource):
             assert request.channel is not None
             transport = request.channel.transport
             if transport is not None:
-                transport.abortConnection()
+                transport.abortConnection()  # type: ignore[attr-defined]
             return NOT_DONE_YET
         return json_response(request, 200, reply)
 
