@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -38,15 +39,21 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes, mode: int = 0o600) -> None:
+def atomic_write(
+    path: str, data: bytes, mode: int = 0o600, *, tmp_dir: str | None = None, private_dir: bool = True
+) -> None:
     """
-    Replace C{path} with C{data} atomically and durably: a temporary file in the same directory,
-    fsync, rename over the target, fsync of the directory. Blocking.
+    Replace C{path} with C{data} atomically and durably: a temporary file (in C{tmp_dir}, by
+    default the target's directory; same file system either way), fsync, rename over the
+    target, fsync of the directory. Blocking.
+
+    @param private_dir: create/tighten the target's directory to 0700 (state files); False for
+        directories shared with workloads (the model store).
     """
     directory = os.path.dirname(os.path.abspath(path))
-    ensure_private_dir(directory)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    if private_dir:
+        ensure_private_dir(directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=tmp_dir or directory)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

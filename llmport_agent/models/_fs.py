@@ -31,6 +31,7 @@ from typing import Any, BinaryIO
 from attrs import define, frozen
 
 from llmport_agent.models.manifest import BlobSpec, LinkSpec
+from llmport_agent.storage import atomic_write, fsync_dir
 
 VERIFIED_FILE = ".llmport-verified.json"
 TMP_DIR = ".llmport-tmp"
@@ -63,15 +64,9 @@ def part_path(model_dir: str, blob_hash: str) -> str:
 
 def _fsync_dir(path: str) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
+        fsync_dir(path)
     except OSError:
         pass
-    finally:
-        os.close(fd)
 
 
 def prepare_model_dir(store_dir: str, model_dir_name: str) -> str:
@@ -140,20 +135,8 @@ def save_record(model_dir: str, record: Mapping[str, tuple[int, int]]) -> None:
         "blobs": {k: {"size": s, "mtime_ns": m} for k, (s, m) in sorted(record.items())},
     }
     data = json.dumps(payload, separators=(",", ":")).encode()
-    fd, tmp = tempfile.mkstemp(prefix="verified-", dir=os.path.join(model_dir, TMP_DIR))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, os.path.join(model_dir, VERIFIED_FILE))
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(os.path.join(model_dir, VERIFIED_FILE), data, 0o644,
+                 tmp_dir=os.path.join(model_dir, TMP_DIR), private_dir=False)
 
 
 # --- surveying what is there ------------------------------------------------------------------
@@ -443,18 +426,6 @@ def write_ref(model_dir: str, name: str, commit: str) -> bool:
     except IsADirectoryError:
         raise OSError(errno.EISDIR, "a directory is in the way of the ref", path) from None
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="ref-", dir=os.path.join(model_dir, TMP_DIR))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(commit.encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, commit.encode(), 0o644, tmp_dir=os.path.join(model_dir, TMP_DIR),
+                 private_dir=False)
     return True
