@@ -20,7 +20,38 @@ from twisted.logger import Logger
 INVENTORY_TIMEOUT = 30.0
 
 
-class HeartbeatReporter(Service):
+class _PerConnectionLoop(Service):
+    """A loop that runs while the backend session is open: started at connect, stopped at close."""
+
+    _reactor: Any
+    interval: float
+    _loop: LoopingCall | None = None
+
+    def _tick(self) -> Any:
+        raise NotImplementedError
+
+    def _start_loop(self) -> None:
+        self._stop_loop()
+        self._loop = LoopingCall(self._tick)
+        self._loop.clock = self._reactor
+        self._loop.start(self.interval, now=True)
+
+    def _stop_loop(self) -> None:
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        self._loop = None
+
+    def session_opened(self) -> None:
+        self._start_loop()
+
+    def session_closed(self) -> None:
+        self._stop_loop()
+
+    def frame_received(self, frame: dict[str, Any]) -> None:
+        pass
+
+
+class HeartbeatReporter(_PerConnectionLoop):
     """Sends heartbeats; lateness of each tick is recorded for benchmarks and diagnostics."""
 
     log = Logger()
@@ -37,19 +68,13 @@ class HeartbeatReporter(Service):
         self.session = session
         self.interval = interval
         self._build = build
-        self._loop: LoopingCall | None = None
         self._expected: float | None = None
         self.sent = 0
         self.lateness: list[float] = []
 
     def session_opened(self) -> None:
-        self._restart()
-
-    def session_closed(self) -> None:
-        self._stop_loop()
-
-    def frame_received(self, frame: dict[str, Any]) -> None:
-        pass
+        self._expected = None
+        self._start_loop()
 
     def send_now(self) -> bool:
         """Send one heartbeat now (e.g. after a mode change)."""
@@ -72,25 +97,13 @@ class HeartbeatReporter(Service):
         self._expected = now + self.interval
         self.send_now()
 
-    def _restart(self) -> None:
-        self._stop_loop()
-        self._expected = None
-        self._loop = LoopingCall(self._tick)
-        self._loop.clock = self._reactor
-        self._loop.start(self.interval, now=True)
-
-    def _stop_loop(self) -> None:
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        self._loop = None
-
     def stopService(self) -> Deferred[None]:
         super().stopService()
         self._stop_loop()
         return succeed(None)
 
 
-class InventoryReporter(Service):
+class InventoryReporter(_PerConnectionLoop):
     """Sends inventory frames; C{report_now()} serves C{refresh_inventory}."""
 
     log = Logger()
@@ -101,22 +114,9 @@ class InventoryReporter(Service):
         self.session = session
         self.interval = interval
         self.collector = collector
-        self._loop: LoopingCall | None = None
         self._inflight: Deferred[bool] | None = None
         self.sent = 0
         self.last_error: str = ""
-
-    def session_opened(self) -> None:
-        self._stop_loop()
-        self._loop = LoopingCall(self._tick)
-        self._loop.clock = self._reactor
-        self._loop.start(self.interval, now=True)
-
-    def session_closed(self) -> None:
-        self._stop_loop()
-
-    def frame_received(self, frame: dict[str, Any]) -> None:
-        pass
 
     def _tick(self) -> Deferred[None]:
         # Returned so iterations never overlap; never fails (a failure would stop the loop).
@@ -158,11 +158,6 @@ class InventoryReporter(Service):
             self.sent += 1
             self.last_error = ""
         return ok
-
-    def _stop_loop(self) -> None:
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        self._loop = None
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
