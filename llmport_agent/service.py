@@ -219,7 +219,7 @@ class AgentService(MultiService):
             runner=self.io_pool,
         )
         # The host label must equal the host the backend stores for this node.
-        labels = node_labels(c.agent_id, lambda: self.state.get("backend_host") or c.advertise_host)
+        labels = node_labels(c.agent_id, self.backend_host)
         self.log_observer = AgentLogObserver(
             self.loki, labels, secrets=self._secrets, min_level=LEVELS.get(c.log_level, LogLevel.info)
         )
@@ -228,6 +228,20 @@ class AgentService(MultiService):
         )
         # After the pools: stopped before them, the journal reader before the shipper.
         self._ordered[3:3] = [self.loki, self.journald]
+
+    def backend_host(self) -> str:
+        """
+        The host the backend stores for this node (protocol 1, 3.2): the advertised host once a
+        heartbeat carried it as an IP literal, else what enrollment recorded.
+        """
+        import ipaddress
+
+        try:
+            ipaddress.ip_address(self.config.advertise_host)
+            return self.config.advertise_host
+        except ValueError:
+            stored = self.state.get("backend_host")
+            return stored if isinstance(stored, str) and stored else self.config.advertise_host
 
     def _secrets(self) -> list[str]:
         values = [
