@@ -69,6 +69,24 @@ class JournalRecord:
         }
 
 
+def _opt(kind: type | tuple[type, ...]) -> Any:
+    return lambda v: v is None or (isinstance(v, kind) and not isinstance(v, bool))
+
+
+#: Replayed fields and the types they must have (a line with another type is damaged).
+_FIELD_TYPES: dict[str, Any] = {
+    "command_type": lambda v: isinstance(v, str),
+    "runtime_id": _opt(str),
+    "correlation_id": _opt(str),
+    "state": lambda v: v in (RECEIVED, RUNNING, FINISHED, DELIVERED),
+    "received_at": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "finished_at": _opt((int, float)),
+    "acked": lambda v: isinstance(v, bool),
+    "result_frame": _opt(dict),
+    "command": _opt(dict),
+}
+
+
 def _size(obj: Any) -> int:
     import json
 
@@ -107,14 +125,23 @@ class CommandJournal:
                 )
             for line in lines:
                 cid = line.get("id")
-                if not isinstance(cid, str):
+                if not isinstance(cid, str) or not all(
+                    _FIELD_TYPES[k](v) for k, v in line.items() if k in _FIELD_TYPES
+                ):
+                    self.damaged_lines += 1
                     continue
                 rec = self.records.get(cid)
                 if rec is None:
                     rec = self.records[cid] = JournalRecord(id=cid)
                 for key, value in line.items():
-                    if key != "id" and hasattr(rec, key):
+                    if key in _FIELD_TYPES:
                         setattr(rec, key, value)
+            if self.damaged_lines > damaged:
+                log.warn(
+                    "The command journal {path} had {n} line(s) with wrong field types; skipped",
+                    path=self.path,
+                    n=self.damaged_lines - damaged,
+                )
             self._log = GroupCommitLog(self.runner, self.path)
             self._prune()
             return self._log.rewrite(r.as_dict() for r in self.records.values())
@@ -128,10 +155,19 @@ class CommandJournal:
         return command_id in self.records
 
     def add(self, rec: JournalRecord) -> Deferred[None]:
-        """Record a new command; fires once it is durable."""
+        """
+        Record a new command; fires once it is durable. If the write fails, the record is
+        forgotten again, so the command is handled afresh when the backend lists it again.
+        """
         self.records[rec.id] = rec
         self._prune()
-        return self._append(rec.as_dict())
+
+        def failed(f: Any) -> Any:
+            if self.records.get(rec.id) is rec:
+                del self.records[rec.id]
+            return f
+
+        return self._append(rec.as_dict()).addErrback(failed)
 
     def update(self, command_id: str, **changes: Any) -> Deferred[None]:
         rec = self.records.get(command_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import uuid
 from datetime import UTC
 from typing import Any
 
@@ -33,6 +34,8 @@ def parse_command(obj: Any) -> Command | Malformed:
         return Malformed(None, "command has no 'id'")
     if not is_uuid(cid):
         return Malformed(None, f"command 'id' is not a UUID string: {str(cid)[:64]!r}")
+    # The backend treats ids as UUID values: one canonical spelling for de-duplication.
+    cid = str(uuid.UUID(cid))
     corr = obj.get("correlation_id")
     corr = corr if isinstance(corr, str) and corr else None
 
@@ -88,9 +91,13 @@ def signature_for(command: dict[str, Any], credential: str) -> str:
 
 def signature_ok(command: dict[str, Any], credential: str) -> bool:
     sig = command.get("signature")
-    if not isinstance(sig, str):
+    if not isinstance(sig, str) or not sig.isascii():
         return False
-    return hmac.compare_digest(sig.lower(), signature_for(command, credential))
+    try:
+        expected = signature_for(command, credential)
+    except (TypeError, ValueError):
+        return False
+    return hmac.compare_digest(sig.lower().encode("ascii"), expected.encode("ascii"))
 
 
 def parse_iso8601(value: str) -> float | None:
@@ -105,3 +112,35 @@ def parse_iso8601(value: str) -> float | None:
 
         dt = dt.replace(tzinfo=UTC)
     return dt.timestamp()
+
+
+#: Keys whose values are registry credentials: kept in memory, never written to the journal.
+_CREDENTIAL_KEYS = frozenset({"registry_auth", "registry_credentials", "registry_credential"})
+_SECRET_FIELDS = frozenset({"password", "identitytoken", "registrytoken", "auth", "token"})
+
+#: A single command larger than this (serialized) is refused as invalid.
+MAX_COMMAND_BYTES = 1024 * 1024
+
+
+def scrub_for_journal(obj: Any) -> Any:
+    """A copy of a command object without registry credentials (they never reach the disk)."""
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for key, value in obj.items():
+            if key in _CREDENTIAL_KEYS:
+                out[key] = {"_redacted": "registry credentials are not kept on disk"}
+            elif key in _SECRET_FIELDS and isinstance(value, str):
+                out[key] = "***"
+            else:
+                out[key] = scrub_for_journal(value)
+        return out
+    if isinstance(obj, list):
+        return [scrub_for_journal(v) for v in obj]
+    return obj
+
+
+def too_large(obj: Any) -> bool:
+    try:
+        return len(json.dumps(obj, default=str)) > MAX_COMMAND_BYTES
+    except (TypeError, ValueError, RecursionError):
+        return True

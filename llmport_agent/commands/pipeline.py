@@ -54,7 +54,14 @@ from llmport_agent.commands.journal import (
     CommandJournal,
     JournalRecord,
 )
-from llmport_agent.commands.parse import Malformed, parse_command, parse_iso8601, signature_ok
+from llmport_agent.commands.parse import (
+    Malformed,
+    parse_command,
+    parse_iso8601,
+    scrub_for_journal,
+    signature_ok,
+    too_large,
+)
 from llmport_agent.session.protocol import ConnectionGone
 
 READ_CONCURRENCY = 16
@@ -252,13 +259,19 @@ class CommandPipeline(Service):
 
     # -- receipt ---------------------------------------------------------------------------
 
-    def receive(self, obj: Any, fresh: bool = False) -> None:
+    def receive(self, obj: Any, fresh: bool = False) -> None:  # noqa: C901
         """
         Take one command object. C{fresh} is true for the list in C{hello_ack}, which the
         backend computes after our previous connection's frames: a command listed there has
         had neither ack nor result processed, whatever we believed.
         """
         parsed = parse_command(obj)
+        if isinstance(parsed, Command) and too_large(obj):
+            parsed = Malformed(
+                parsed.id,
+                "the command is larger than 1 MiB; it was not run",
+                parsed.correlation_id,
+            )
         cid = parsed.command_id if isinstance(parsed, Malformed) else parsed.id
         if cid is None:
             assert isinstance(parsed, Malformed)
@@ -301,32 +314,45 @@ class CommandPipeline(Service):
             runtime_id=parsed.runtime_id,
             correlation_id=parsed.correlation_id,
             received_at=self._wallclock(),
-            command=parsed.raw,
+            # Kept for a re-run after a restart; registry credentials never reach the disk.
+            command=scrub_for_journal(dict(parsed.raw, id=parsed.id)),
         )
         self._track(Deferred.fromCoroutine(self._accept(rec, parsed)))
 
-    async def _reject(self, rec: JournalRecord, code: str, message: str) -> None:
+    async def _record(self, rec: JournalRecord) -> bool:
+        """Journal a new command before anything else. False (and no ack) if that failed."""
         self._receiving.add(rec.id)
         try:
             await self.journal.add(rec)
+        except Exception as e:
+            self.log.error(
+                "Could not record command {id} in the journal ({error}); not acknowledging it, "
+                "so the backend offers it again",
+                id=rec.id,
+                error=f"{type(e).__name__}: {e}",
+            )
+            return False
         finally:
             self._receiving.discard(rec.id)
-        self._send_ack(rec)
-        await self._finish(rec, False, {}, code, message)
+        return True
+
+    async def _reject(self, rec: JournalRecord, code: str, message: str) -> None:
+        if await self._record(rec):
+            self._send_ack(rec)
+            await self._finish(rec, False, {}, code, message)
 
     async def _accept(self, rec: JournalRecord, command: Command) -> None:
-        self._receiving.add(rec.id)
-        try:
-            await self.journal.add(rec)
-        finally:
-            self._receiving.discard(rec.id)
-        self._send_ack(rec)
-        await self._run(rec, command)
+        if await self._record(rec):
+            self._send_ack(rec)
+            await self._run(rec, command)
 
     # -- execution -------------------------------------------------------------------------
 
-    def _refusal(self, command: Command, spec: HandlerSpec | None) -> tuple[str, str] | None:
-        if command.raw.get("signature") not in (None, "") and not signature_ok(
+    def _refusal(
+        self, command: Command, spec: HandlerSpec | None, resumed: bool = False
+    ) -> tuple[str, str] | None:
+        # A resumed command was verified when it first arrived (its journal copy is scrubbed).
+        if not resumed and command.raw.get("signature") not in (None, "") and not signature_ok(
             command.raw, self._credential()
         ):
             return SIGNATURE_INVALID, "The command's signature does not match; it was not run."
@@ -360,8 +386,21 @@ class CommandPipeline(Service):
         return "runtime:" + (command.runtime_id or command.id)
 
     async def _run(self, rec: JournalRecord, command: Command, resumed: bool = False) -> None:
+        try:
+            await self._run_unguarded(rec, command, resumed)
+        except Exception as e:
+            # Whatever went wrong, an acked command gets its one result.
+            self.log.failure("Command {id} ({type}) broke the pipeline", id=rec.id,
+                             type=command.command_type)
+            await self._finish(
+                rec, False, {}, INTERNAL_ERROR,
+                f"The agent hit an internal error handling {command.command_type}: "
+                f"{type(e).__name__}. See the agent's log on the node.",
+            )
+
+    async def _run_unguarded(self, rec: JournalRecord, command: Command, resumed: bool) -> None:
         spec = self.registry.get(command.command_type)
-        refusal = self._refusal(command, spec)
+        refusal = self._refusal(command, spec, resumed)
         if refusal is not None:
             await self._finish(rec, False, {}, refusal[0], refusal[1])
             return
@@ -393,7 +432,11 @@ class CommandPipeline(Service):
         rec.state = RUNNING
         # Durable before the handler starts: at the next start, "running" means the command may
         # have had effects; "received" means it never started and can always be run.
-        await self.journal.update(rec.id, state=RUNNING)
+        try:
+            await self.journal.update(rec.id, state=RUNNING)
+        except Exception as e:
+            self.log.error("Could not record that command {id} started ({error}); running it anyway",
+                           id=rec.id, error=f"{type(e).__name__}: {e}")
         ctx = _Context(self, command, rec)
         if resumed:
             ctx.progress("resumed", "Re-running after an agent restart interrupted this command")
@@ -513,9 +556,15 @@ class CommandPipeline(Service):
         rec.finished_at = self._wallclock()
         rec.command = None
         self.stats["succeeded" if success else "failed"] += 1
-        await self.journal.update(
-            rec.id, state=FINISHED, result_frame=frame, finished_at=rec.finished_at, command=None
-        )
+        try:
+            await self.journal.update(
+                rec.id, state=FINISHED, result_frame=frame, finished_at=rec.finished_at, command=None
+            )
+        except Exception as e:
+            # Sending beats waiting for a disk that may never recover; it stays undelivered in
+            # memory until confirmed, like any result.
+            self.log.error("Could not record the result of command {id} ({error}); sending it anyway",
+                           id=rec.id, error=f"{type(e).__name__}: {e}")
         duration = 0.0 if started is None else self.reactor.seconds() - started
         payload: dict[str, Any] = {
             "command_id": rec.id,

@@ -106,8 +106,10 @@ class EventOutbox(Service):
             events: list[tuple[int, dict[str, Any]]] = []
             for line in result[0]:
                 if "ack" in line:
-                    acked = max(acked, int(line.get("ack") or 0))
-                    self.dropped = max(self.dropped, int(line.get("dropped") or 0))
+                    ack, dropped = line.get("ack"), line.get("dropped", 0)
+                    if isinstance(ack, int) and isinstance(dropped, int):
+                        acked = max(acked, ack)
+                        self.dropped = max(self.dropped, dropped)
                 elif isinstance(line.get("n"), int) and isinstance(line.get("event"), dict):
                     events.append((line["n"], line["event"]))
             for n, event in events:
