@@ -45,17 +45,30 @@ class Enrollment:
     host: str | None
 
 
-def _detail(body: bytes) -> str:
+def _strip_inputs(obj: Any) -> Any:
+    """FastAPI's 422 echoes the request body in C{input}: drop it (it holds the token)."""
+    if isinstance(obj, dict):
+        return {k: _strip_inputs(v) for k, v in obj.items() if k not in ("input", "body", "ctx")}
+    if isinstance(obj, list):
+        return [_strip_inputs(v) for v in obj]
+    return obj
+
+
+def _detail(body: bytes, secrets: tuple[str, ...] = ()) -> str:
     try:
         data = json.loads(body)
     except ValueError:
-        return body[:200].decode("utf-8", "replace")
-    if isinstance(data, dict) and "detail" in data:
-        detail = data["detail"]
-        if isinstance(detail, str):
-            return detail
-        return json.dumps(detail)[:300]
-    return json.dumps(data)[:200]
+        text = body[:200].decode("utf-8", "replace")
+    else:
+        if isinstance(data, dict) and "detail" in data:
+            detail = data["detail"]
+            text = detail if isinstance(detail, str) else json.dumps(_strip_inputs(detail))[:300]
+        else:
+            text = json.dumps(_strip_inputs(data))[:200]
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
 
 
 class BackendHTTP:
@@ -110,9 +123,9 @@ class BackendHTTP:
         }
         code, content = await self._post(ENROLL_PATH, body, {}, self.timeout)
         if code in (401, 403, 422):
-            raise Rejected(code, _detail(content))
+            raise Rejected(code, _detail(content, (token,)))
         if code != 200:
-            raise Transient(f"POST {ENROLL_PATH}: HTTP {code}: {_detail(content)}")
+            raise Transient(f"POST {ENROLL_PATH}: HTTP {code}: {_detail(content, (token,))}")
         try:
             data = json.loads(content)
             node_id = data["node_id"]
@@ -133,9 +146,9 @@ class BackendHTTP:
         headers = {"Authorization": f"Bearer {credential}"}
         code, content = await self._post(ROTATE_PATH, None, headers, timeout)
         if code in (401, 403):
-            raise Rejected(code, _detail(content))
+            raise Rejected(code, _detail(content, (credential,)))
         if code != 200:
-            raise Transient(f"POST {ROTATE_PATH}: HTTP {code}: {_detail(content)}")
+            raise Transient(f"POST {ROTATE_PATH}: HTTP {code}: {_detail(content, (credential,))}")
         try:
             data = json.loads(content)
             new = data["credential"]

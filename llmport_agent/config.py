@@ -76,7 +76,24 @@ def _bool(var: str, raw: str) -> bool:
     raise ConfigError(f"{var}={raw!r} is not a boolean; expected true or false")
 
 
+def without_userinfo(url: str) -> str:
+    """C{url} with any C{user:password@} replaced by C{***@} (for messages and display)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc="***@" + host).geturl()
+
+
 def _http_url(var: str, raw: str) -> str:
+    try:
+        return _check_http_url(var, raw)
+    except ConfigError as e:
+        # Messages must not show a password embedded in the URL.
+        raise ConfigError(str(e).replace(repr(raw), repr(without_userinfo(raw.strip())))) from None
+
+
+def _check_http_url(var: str, raw: str) -> str:
     value = raw.strip().rstrip("/")
     parts = urlsplit(value)
     if parts.scheme not in {"http", "https"} or not parts.hostname:
@@ -288,6 +305,8 @@ class AgentConfig:
             value = getattr(self, s.attr)
             if s.secret:
                 value = mask(value)
+            elif isinstance(value, str) and s.parse in (_http_url, _optional_http_url):
+                value = without_userinfo(value)
             elif isinstance(value, tuple):
                 value = ",".join(v if isinstance(v, str) else f"{v[0]}={v[1]:g}" for v in value)
             out[s.env] = value

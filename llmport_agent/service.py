@@ -315,6 +315,12 @@ class AgentService(MultiService):
         self._started.addErrback(self._start_failed)
 
     def _start_failed(self, f: Any) -> None:
+        from llmport_agent.session.service import EXIT_NEEDS_OPERATOR
+        from llmport_agent.state import StateUnreadable
+
+        if f.check(StateUnreadable):
+            self._fatal(EXIT_NEEDS_OPERATOR, f.getErrorMessage())
+            return
         self.log.failure("The agent could not start", failure=f)
         self._fatal(1, f"The agent could not start: {f.getErrorMessage()}")
 

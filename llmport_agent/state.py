@@ -26,6 +26,10 @@ log = Logger()
 STATE_VERSION = 1
 
 
+class StateUnreadable(Exception):
+    """The state file exists but cannot be read (permissions, I/O error): an operator must look."""
+
+
 @define
 class LoadResult:
     """What L{load_state} found."""
@@ -71,13 +75,15 @@ def load_state(path: str) -> LoadResult:
             raw = f.read()
     except FileNotFoundError:
         return LoadResult({})
+    except IsADirectoryError:
+        moved = move_aside(path)
+        return LoadResult({}, moved, f"{path} is a directory, not a state file")
     except OSError as e:
-        problem = f"cannot read {path}: {e.strerror}"
-        try:
-            moved = move_aside(path)
-        except OSError:
-            moved = None
-        return LoadResult({}, moved, problem)
+        # Not corruption: the file (and the credential in it) may be fine. Never move it aside.
+        raise StateUnreadable(
+            f"The state file {path} exists but cannot be read ({e.strerror or e}); fix its "
+            "permissions or the disk and start the agent again (the credential in it is kept)"
+        ) from None
     try:
         data = json.loads(raw)
         if not isinstance(data, dict):

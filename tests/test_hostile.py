@@ -696,7 +696,7 @@ class SecretTests(AgentTestCase):
         backend = await self.start_backend()
         agent = self.start_agent(backend)
         node_id = await self.wait_connected(backend, agent)
-        rotating = Deferred.fromCoroutine(agent.session.rotate())
+        rotating = agent.session.rotate()
         rotating.addErrback(lambda f: None)
         await backend.wait_for(lambda: bool(held))
         request, body = held[0]
@@ -731,7 +731,7 @@ class SecretTests(AgentTestCase):
         node_id = await self.wait_connected(backend, agent)
         old = agent.state.credential
         opens = agent.session.stats.opens
-        rotating = Deferred.fromCoroutine(agent.session.rotate())
+        rotating = agent.session.rotate()
         backend.drop_connections(node_id)
         self.assertTrue(await rotating)
         await backend.wait_for(lambda: agent.session.stats.opens > opens and agent.session.connected, 15)
@@ -760,7 +760,7 @@ class SecretTests(AgentTestCase):
                                  LOG_FLUSH_INTERVAL_SEC="0.2", LOG_LEVEL="DEBUG")
         node_id = await self.wait_connected(backend, agent)
         first = agent.state.credential
-        self.assertTrue(await Deferred.fromCoroutine(agent.session.rotate()))
+        self.assertTrue(await agent.session.rotate())
         second = agent.state.credential
         backend.drop_connections(node_id)
         await backend.wait_for(lambda: agent.session.connected)

@@ -358,7 +358,7 @@ class SessionServiceTests(SynchronousTestCase):
         """A lost rotation reply keeps the current credential (both are kept when the new one arrived)."""
         svc = self.make(credential=CRED)
         svc.startService()
-        d = Deferred.fromCoroutine(svc.rotate())
+        d = svc.rotate()
         self.backend.rotations[0].errback(Transient("no answer within 10 s"))
         self.assertFalse(self.successResultOf(d))
         self.assertEqual(self.state.credential, CRED)
@@ -378,7 +378,7 @@ class SessionServiceTests(SynchronousTestCase):
         """After a confirmed rotation the old (revoked) credential is not kept."""
         svc = self.make(credential=CRED)
         svc.startService()
-        d = Deferred.fromCoroutine(svc.rotate())
+        d = svc.rotate()
         new = "44444444-2222-3333-4444-555555555555." + "q" * 43
         self.backend.rotations[0].callback(("n1", new))
         self.assertTrue(self.successResultOf(d))

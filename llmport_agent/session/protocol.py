@@ -105,16 +105,17 @@ class AgentClientProtocol(WebSocketClientProtocol):
             _log.warn("Ignored a binary frame from the backend ({size} bytes)", size=len(payload))
             return
         if len(payload) > SOFT_MAX_FRAME:
-            _log.warn(
-                "Ignored an oversized frame from the backend ({size} bytes, limit {limit})",
-                size=len(payload),
-                limit=SOFT_MAX_FRAME,
-            )
-            return
+            # Still parsed (Autobahn bounds frames at HARD_MAX_FRAME): ignoring a big commands
+            # list would block every command behind the one that makes it big. Oversized
+            # commands are refused one by one by the pipeline.
+            _log.warn("Large frame from the backend ({size} bytes)", size=len(payload))
         try:
             frame = json.loads(payload)
-        except ValueError as e:
-            _log.warn("Ignored a frame from the backend that is not JSON: {error}", error=str(e))
+        except (ValueError, RecursionError) as e:
+            _log.warn(
+                "Ignored a frame from the backend that is not usable JSON: {error}",
+                error=f"{type(e).__name__}: {str(e)[:200]}",
+            )
             return
         if not isinstance(frame, dict):
             _log.warn(

@@ -144,6 +144,7 @@ class SessionService(Service):
         self._first_refusal_at: float | None = None
         self._revoked = False
         self._sleeping: Deferred[None] | None = None
+        self._critical: set[Deferred[Any]] = set()
         # When repeated refusals mean "revoked" (instance attributes so tests can shorten them).
         self.revoked_after_refusals = REVOKED_AFTER_REFUSALS
         self.revoked_after_seconds = REVOKED_AFTER_SECONDS
@@ -466,6 +467,7 @@ class SessionService(Service):
             self._first_refusal_at = None
             d = Deferred.fromCoroutine(self._enroll(token))
             d.addErrback(lambda f: self.log.failure("Re-enrollment failed", failure=f))
+            self._track_critical(d)
             return
         self._revoked = True
         self.log.error(
@@ -528,7 +530,9 @@ class SessionService(Service):
     def _rotation_tick(self) -> Deferred[None] | None:
         last = self.state.get("last_rotation_at") or self.state.get("enrolled_at")
         now = self._wallclock()
-        if last is None:
+        if last is None or float(last) > now + 3600:
+            # Never rotated, or the wall clock was ahead when we did (NTP corrected it since):
+            # count from now rather than postpone rotation for as long as the clock was wrong.
             self.state.update(last_rotation_at=now)
             return None
         if now - float(last) < ROTATION_INTERVAL or self._rotating:
@@ -538,11 +542,16 @@ class SessionService(Service):
             return None
         if self._reactor.seconds() - proto.opened_at < 60:
             return None
-        d = Deferred.fromCoroutine(self.rotate())
-        d.addErrback(lambda f: self.log.failure("Credential rotation failed", failure=f))
+        self.rotate().addErrback(lambda f: self.log.failure("Credential rotation failed", failure=f))
         return None
 
-    async def rotate(self) -> bool:
+    def rotate(self) -> Deferred[bool]:
+        """Rotate the credential now (see L{_rotate}); a stop waits for it."""
+        d = Deferred.fromCoroutine(self._rotate())
+        self._track_critical(d)
+        return d
+
+    async def _rotate(self) -> bool:
         """
         Rotate the credential (protocol 2). The backend revokes the old credential before it
         replies, so an unknown outcome keeps both: the new one if it arrived, else the old one.
@@ -584,11 +593,31 @@ class SessionService(Service):
 
     # -- stop ------------------------------------------------------------------------------
 
+    def _track_critical(self, d: Deferred[Any]) -> None:
+        """Enrollment and rotation: a stop waits for them, or a credential could be lost."""
+        self._critical.add(d)
+        d.addBoth(lambda r: (self._critical.discard(d), r)[1])
+
     def stopService(self) -> Deferred[None]:
         super().stopService()
         self._stopping = True
         if self._sleeping is not None:
             self._sleeping.cancel()
+        pending = [d for d in self._critical if not d.called]
+        if self._starting is not None and not self._starting.called:
+            pending.append(self._starting)
+        if pending:
+            # An enrollment or rotation in flight must store its credential before the thread
+            # pools stop: the backend has already consumed the token / revoked the old one.
+            from twisted.internet.defer import DeferredList
+
+            waiting: Deferred[Any] = DeferredList(pending, consumeErrors=True)
+            waiting.addTimeout(self.config.request_timeout_sec + 5, self._reactor)
+            waiting.addErrback(lambda _: None)
+            return waiting.addCallback(lambda _: self._stop_connection())
+        return self._stop_connection()
+
+    def _stop_connection(self) -> Deferred[None]:
         self._cancel_poll()
         for loop_name in ("_rotation_loop",):
             loop = getattr(self, loop_name)
