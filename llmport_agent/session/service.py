@@ -596,7 +596,12 @@ class SessionService(Service):
     def _track_critical(self, d: Deferred[Any]) -> None:
         """Enrollment and rotation: a stop waits for them, or a credential could be lost."""
         self._critical.add(d)
-        d.addBoth(lambda r: (self._critical.discard(d), r)[1])
+
+        def done(result: object) -> object:
+            self._critical.discard(d)
+            return result
+
+        d.addBoth(done)
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
