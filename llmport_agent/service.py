@@ -423,7 +423,14 @@ class AgentService(MultiService):
         self.heartbeat.send_now()
 
     async def _refresh_inventory(self) -> bool:
-        return bool(await self.inventory.report_now())
+        """Send a fresh inventory; if the link is down, send it once it is back (within ~50 s)."""
+        from twisted.internet.task import deferLater
+
+        for _ in range(100):
+            if self.session.connected and await self.inventory.report_now():
+                return True
+            await deferLater(self.reactor, 0.5, lambda: None)
+        return False
 
     async def diagnostics(self) -> dict[str, Any]:
         """The C{collect_diagnostics} result: structured, secrets masked."""
