@@ -621,3 +621,15 @@ class ReviewFixTests(SynchronousTestCase):
         h2 = Harness(self, directory=h.dir)
         self.assertEqual(h2.frames_for(first["id"])[-1]["error_code"], "agent_restarted")
         self.assertIn(("gated_unsafe", second["id"]), h2.calls)
+
+
+class ProfileSecretTests(SynchronousTestCase):
+    def test_profile_registry_credentials_stay_in_memory(self) -> None:
+        """A profile's registry credentials are used from memory and never written to state.json."""
+        h = Harness(self)
+        secret = "PROFILE-SECRET-123"
+        profile = {"id": "p", "name": "gpu", "runtime_config": {"registry_auth": {"username": "u", "password": secret}}}
+        h.deliver(command("sync_node_profile", profile))
+        self.assertEqual(h.modes.profile["runtime_config"]["registry_auth"]["password"], secret)
+        with open(h.state.path) as f:
+            self.assertNotIn(secret, f.read())

@@ -480,3 +480,23 @@ def _allow(text: str) -> Any:
     from llmport_agent.workloads.policy import parse_allowlist
 
     return parse_allowlist(text)
+
+
+class EarlyPortConflictTests(WorkloadTestBase):
+    async def test_redeploy_port_conflict_keeps_old_container(self) -> None:
+        """A redeploy asking for a host port another process holds fails before the old container is touched."""
+        import socket
+
+        first = httpd_payload()
+        await self.rig.run("deploy_workload", first)
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        self.addCleanup(holder.close)
+        taken = holder.getsockname()[1]
+        second = dict(first, provider_config=dict(first["provider_config"], host_port=str(taken)))
+        ctx, exc = await self.failure("deploy_workload", second)
+        self.assertEqual(exc.error_code, "port_conflict")
+        self.assertNotIn("remove_stale", [f["phase"] for f in ctx.frames])
+        _, logs = await self.rig.run("fetch_container_logs", ids_of(first))
+        self.assertTrue(logs["found"])

@@ -31,6 +31,9 @@ class PersistentModes:
     def __init__(self, state: StateStore, on_change: Callable[[], None] | None = None) -> None:
         self.state = state
         self.on_change = on_change
+        # The profile as received, registry credentials included: memory only. The state file
+        # keeps a copy without them; the backend sends the profile again in every hello_ack.
+        self._live_profile: dict[str, Any] | None = None
 
     @property
     def maintenance(self) -> bool:
@@ -42,6 +45,8 @@ class PersistentModes:
 
     @property
     def profile(self) -> dict[str, Any] | None:
+        if self._live_profile is not None:
+            return self._live_profile
         p = self.state.get("profile")
         return p if isinstance(p, dict) else None
 
@@ -54,6 +59,12 @@ class PersistentModes:
         return "degraded" if degraded else "healthy"
 
     async def set(self, **flags: Any) -> None:
+        if "profile" in flags:
+            from llmport_agent.commands.parse import scrub_for_journal
+
+            self._live_profile = flags["profile"]
+            if flags["profile"] is not None:
+                flags["profile"] = scrub_for_journal(flags["profile"])
         await self.state.update(**flags)
         if self.on_change is not None:
             self.on_change()

@@ -438,6 +438,21 @@ class WorkloadManager:
         except Exception:
             self.log.failure("emitting {event} failed", event=event_type)
 
+    async def _check_requested_port(self, spec: WorkloadSpec, found: list[dict[str, Any]]) -> None:
+        """
+        An explicit host port held by someone else fails with C{port_conflict} before anything
+        is removed, pulled or created (a port held by this runtime's own old container is fine:
+        it is about to be replaced).
+        """
+        requested = spec.requested_host_port
+        if requested is None:
+            return
+        own = {ops.host_port_of(snap) for snap in found}
+        if requested in own:
+            return
+        reserved = await self._reserved_ports(spec.runtime_id)
+        choose_host_port(spec.container_port, requested, reserved, is_free=self._port_free)
+
     async def _remove_all(self, found: list[dict[str, Any]], grace: int) -> int:
         removed = 0
         for snap in found:
@@ -476,6 +491,7 @@ class WorkloadManager:
         )
         found = await self._find(spec.runtime_id, spec.container_name)
         self._check_foreign(found, spec.runtime_id)
+        await self._check_requested_port(spec, found)
         removed = await self._remove_all(found, self._grace)
         ctx.progress(
             "remove_stale",
