@@ -25,7 +25,7 @@ TERMINAL = ("succeeded", "failed")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class WorkloadFlowTests(AgentTestCase):
+class _WorkloadBase(AgentTestCase):
     timeout = 120
 
     async def setup_agent(self, **extra: str) -> tuple[Any, Any, str]:
@@ -41,6 +41,19 @@ class WorkloadFlowTests(AgentTestCase):
         await backend.wait_for(lambda: backend.command(cid)["status"] in TERMINAL, timeout)
         return backend.command(cid)
 
+    async def _remove(self, backend: Any, node_id: str, payload: dict[str, Any]) -> None:
+        env = require_docker()
+        import docker
+
+        client = docker.DockerClient(base_url=env.host)
+        try:
+            for c in client.containers.list(all=True, filters={"label": f"io.llmport.runtime-id={payload['runtime_id']}"}):
+                c.remove(force=True)
+        finally:
+            client.close()
+
+
+class WorkloadFlowTests(_WorkloadBase):
     async def test_deploy_logs_reannounce_stop_remove(self) -> None:
         """The whole life of a workload through the backend, with a reconnect in the middle."""
         backend, agent, node_id = await self.setup_agent()
@@ -76,17 +89,6 @@ class WorkloadFlowTests(AgentTestCase):
         self.assertEqual((await self.done(backend, remove["id"]))["status"], "succeeded")
         again = backend.issue_command(node_id, "remove_workload", {"runtime_id": rid, "runtime_name": payload["runtime_name"], "container_name": ""})
         self.assertEqual((await self.done(backend, again["id"]))["status"], "succeeded")
-
-    async def _remove(self, backend: Any, node_id: str, payload: dict[str, Any]) -> None:
-        env = require_docker()
-        import docker
-
-        client = docker.DockerClient(base_url=env.host)
-        try:
-            for c in client.containers.list(all=True, filters={"label": f"io.llmport.runtime-id={payload['runtime_id']}"}):
-                c.remove(force=True)
-        finally:
-            client.close()
 
     async def test_kill_9_mid_update_resolved(self) -> None:
         """
@@ -131,3 +133,33 @@ class WorkloadFlowTests(AgentTestCase):
         self.assertEqual(rec["error_code"], "agent_restarted")
         results = [e for e in backend.timeline(upd["id"]) if e["event_type"] == "result"]
         self.assertEqual(len(results), 1)
+
+
+class MoreCommandsFlowTests(_WorkloadBase):
+    async def test_start_restart_update_rollback_diagnostics(self) -> None:
+        """start, restart, update (success and rollback) and diagnostics, all through the backend."""
+        backend, agent, node_id = await self.setup_agent()
+        payload = httpd_payload()
+        rid = payload["runtime_id"]
+        ids = {"runtime_id": rid, "runtime_name": payload["runtime_name"], "container_name": ""}
+        self.addCleanup(self._remove, backend, node_id, payload)
+        for ctype, body in [("deploy_workload", payload), ("stop_workload", ids),
+                            ("start_workload", payload), ("restart_workload", payload),
+                            ("update_workload", payload)]:
+            c = backend.issue_command(node_id, ctype, body)
+            rec = await self.done(backend, c["id"])
+            self.assertEqual(rec["status"], "succeeded", f"{ctype}: {rec.get('error_message')}")
+            if ctype in ("start_workload", "restart_workload"):
+                self.assertTrue(rec["result"]["endpoint_url"].startswith("http://127.0.0.1:"))
+        # An update to a workload that never becomes ready rolls back to the old one.
+        broken = dict(payload, provider_config=dict(payload["provider_config"], command=["sh", "-c", "exit 3"]))
+        bad = backend.issue_command(node_id, "update_workload", broken)
+        rec = await self.done(backend, bad["id"])
+        self.assertEqual(rec["status"], "failed")
+        self.assertIn("rolled back", rec["error_message"])
+        await backend.wait_for(lambda: (backend.runtime(rid) or {}).get("status") == "running", 20)
+        diag = backend.issue_command(node_id, "collect_diagnostics", {})
+        rec = await self.done(backend, diag["id"])
+        engine = rec["result"]["engine"]
+        self.assertIsInstance(engine, dict)
+        self.assertIn(rid, str(engine))
