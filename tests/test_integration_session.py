@@ -204,3 +204,17 @@ class LokiTests(AgentTestCase):
         text = "\n".join(loki.lines())
         self.assertNotIn(agent.state.credential.split(".")[1], text)
         await agent.stopService()
+
+
+class DegradedTests(AgentTestCase):
+    async def test_heartbeat_degraded_without_engine(self) -> None:
+        """With the Docker executor on and no engine reachable, the heartbeat says degraded."""
+        import uuid as _uuid
+
+        backend = await self.start_backend()
+        agent = self.start_agent(backend, docker_host=f"unix:///tmp/none-{_uuid.uuid4().hex[:8]}.sock")
+        node_id = await self.wait_connected(backend, agent)
+        await backend.wait_for(lambda: backend.node(node_id)["status"] == "degraded", 10)
+        await backend.wait_for(lambda: backend.latest_inventory(node_id) is not None)
+        caps = backend.latest_inventory(node_id)["inventory"]["static_capabilities"]
+        self.assertFalse(caps["docker_available"])
