@@ -255,6 +255,16 @@ class SpecDefaultsTests(SynchronousTestCase):
 class VllmCommandTests(SynchronousTestCase):
     """The vLLM command line (protocol 4.1)."""
 
+    def test_served_model_name_is_the_repo_id(self) -> None:
+        """engine_args cannot rename the served model: the gateway routes by hf_repo_id."""
+        cmd = self.command(payload(
+            model_sync={"source": "download_from_hf", "hf_repo_id": "org/served"},
+            provider_config={"engine_args": {"served_model_name": "other", "port": 1}},
+        ))
+        self.assertNotIn("--served-model-name", cmd)
+        self.assertNotIn("other", cmd)
+        self.assertEqual(cmd[:3], ["serve", "--model", "org/served"])
+
     def command(self, p: dict[str, Any], host_port: int = 8000, settings: WorkloadSettings = SETTINGS) -> list[str]:
         args = render(spec_of(p, settings), host_port=host_port, command_id="c1", agent_id="node-1")
         self.assertEqual(args["create"]["entrypoint"], ["vllm"])

@@ -293,8 +293,9 @@ def build_vllm_args(
     template = by_key.pop("chat-template", (None, None))[1]
     if not is_blank(template) and template is not False:
         args += ["--chat-template", _flag_value(template)]
-    # The agent owns these: the endpoint must be where the agent says it is.
-    for owned in ("host", "port", "model"):
+    # The agent owns these: the endpoint must be where the agent says it is, and the served
+    # model name must be the model's hf_repo_id (the llm-port gateway routes by it).
+    for owned in ("host", "port", "model", "served-model-name"):
         by_key.pop(owned, None)
     for name, value in by_key.values():
         if value is True:
