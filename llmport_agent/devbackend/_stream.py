@@ -29,6 +29,9 @@ IDLE_CLOSE_CODE = 4408
 CLOSE_GUARD = 2.0
 
 
+_log = Logger(namespace="llmport_agent.devbackend.stream")
+
+
 class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
     """
     One node connection.
@@ -38,7 +41,6 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
     @ivar last_seq: the per-connection C{seq} counter (starts at 0).
     """
 
-    log = Logger()
     factory: StreamFactory
 
     def __init__(self) -> None:
@@ -63,7 +65,7 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
         try:
             node, _record = self.backend.state.authenticate(request.headers.get("authorization"))
         except AuthError as e:
-            self.log.info("devbackend: stream refused: {why}", why=e.detail)
+            _log.info("devbackend: stream refused: {why}", why=e.detail)
             raise ConnectionDeny(403, "Forbidden") from None
         self.node_id = node.id
         return None
@@ -103,7 +105,7 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
         """The real handler raised: drop the TCP connection without a close frame."""
         if self.node_id is not None:
             self.backend.state.note(self.node_id, f"connection dropped: {reason}")
-        self.log.info(
+        _log.info(
             "devbackend: dropping stream of node {node_id}: {why}",
             node_id=self.node_id,
             why=reason,
@@ -126,7 +128,7 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
             self.fail("frame is nested too deeply")
         except Exception:
             # A bug here, or in a test's hook: the real backend's handler would fail too.
-            self.log.failure("devbackend: stream handler failed")
+            _log.failure("devbackend: stream handler failed")
             self.fail("handler error")
 
     def _on_text(self, node_id: str, payload: bytes) -> None:
@@ -182,7 +184,7 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
     def _on_idle(self) -> None:
         self._idle = None
         if self._is_open():
-            self.log.info("devbackend: idle stream of node {node_id} closed", node_id=self.node_id)
+            _log.info("devbackend: idle stream of node {node_id} closed", node_id=self.node_id)
             self.close(IDLE_CLOSE_CODE, "Idle timeout")
 
     def close(self, code: int, reason: str) -> None:
