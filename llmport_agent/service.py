@@ -179,6 +179,7 @@ class AgentService(MultiService):
         self._ordered.append(self.session)
         self.loki: Any = None
         self.journald: Any = None
+        self.container_logs: Any = None
         self.log_observer: Any = None
         self.loki_pool: Any = None
         if config.loki_url:
@@ -228,6 +229,16 @@ class AgentService(MultiService):
         )
         # After the pools: stopped before them, the journal reader before the shipper.
         self._ordered[3:3] = [self.loki, self.journald]
+        if self.engine is not None:
+            from llmport_agent.logs.containers import ContainerLogSource
+
+            # Workload logs (protocol 8, job="node-container"): after the engine and the
+            # shipper, so it stops before both.
+            self.container_logs = ContainerLogSource(
+                self.reactor, self.engine, self.loki, self.backend_host,
+                secrets=self._secrets, state_dir=state_dir,
+            )
+            self._ordered.insert(self._ordered.index(self.engine) + 1, self.container_logs)
 
     def backend_host(self) -> str:
         """
@@ -488,7 +499,12 @@ class AgentService(MultiService):
             },
             "commands": self.pipeline.describe(),
             "events": {"outbox_depth": self.outbox.depth, "dropped": self.outbox.dropped, "sent": self.outbox.sent},
-            "logs": self.loki.describe() if self.loki is not None else {"shipping": "off (no LOKI_URL)"},
+            "logs": (
+                {"loki": self.loki.describe(),
+                 "journal": self.journald.describe() if self.journald is not None else {},
+                 "containers": self.container_logs.describe() if self.container_logs is not None else {}}
+                if self.loki is not None else {"shipping": "off (no LOKI_URL)"}
+            ),
             "reports": {"heartbeats_sent": self.heartbeat.sent, "inventories_sent": self.inventory.sent,
                         "inventory_error": self.inventory.last_error},
             "gpu": gpu,

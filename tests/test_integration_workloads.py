@@ -163,3 +163,28 @@ class MoreCommandsFlowTests(_WorkloadBase):
         engine = rec["result"]["engine"]
         self.assertIsInstance(engine, dict)
         self.assertIn(rid, str(engine))
+
+
+class WorkloadLogsToLokiTests(_WorkloadBase):
+    async def test_workload_logs_reach_loki(self) -> None:
+        """With LOKI_URL set, a deployed workload's output reaches Loki with the protocol 8 labels."""
+        from twisted.internet.endpoints import TCP4ServerEndpoint
+        from twisted.web.server import Site
+
+        from llmport_agent.logs.testing import FakeLoki
+
+        loki = FakeLoki()
+        port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Site(loki))
+        self.addCleanup(port.stopListening)
+        backend, agent, node_id = await self.setup_agent(
+            LOKI_URL=f"http://127.0.0.1:{port.getHost().port}", LOG_FLUSH_INTERVAL_SEC="0.2")
+        script = "echo hello-from-workload; mkdir -p /www && echo ok > /www/health && exec httpd -f -p $LLAMA_ARG_PORT -h /www"
+        payload = httpd_payload(script=script)
+        self.addCleanup(self._remove, backend, node_id, payload)
+        deploy = backend.issue_command(node_id, "deploy_workload", payload)
+        self.assertEqual((await self.done(backend, deploy["id"]))["status"], "succeeded")
+        await backend.wait_for(lambda: any("hello-from-workload" in line for line in
+                                           loki.lines(job="node-container", runtime_id=payload["runtime_id"])), 20)
+        entry = loki.entries(job="node-container")[0]
+        self.assertEqual(entry.labels["host"], "127.0.0.1")
+        self.assertTrue(entry.labels["container"].startswith("llm-port-"))
