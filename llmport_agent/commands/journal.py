@@ -179,6 +179,12 @@ class CommandJournal:
             setattr(rec, key, value)
         return self._append({"id": command_id, **changes})
 
+    def note(self, command_id: str, **changes: Any) -> None:
+        """L{update} without waiting: a failed write is logged (the in-memory state is kept)."""
+        self.update(command_id, **changes).addErrback(
+            lambda f: log.failure("Could not record a change of command {id}", failure=f, id=command_id)
+        )
+
     def mark_delivered(self, command_id: str) -> Deferred[None]:
         rec = self.records.get(command_id)
         changes: dict[str, Any] = {"state": DELIVERED}

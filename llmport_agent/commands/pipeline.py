@@ -287,7 +287,7 @@ class CommandPipeline(Service):
             # Still listed by the backend: it has not seen our ack (or result) yet.
             if fresh and known.state == DELIVERED and known.result_frame is not None:
                 known.state = FINISHED
-                self.journal.update(known.id, state=FINISHED)
+                self.journal.note(known.id, state=FINISHED)
                 self.stats["results_resent"] += 1
                 self._send_result(known)
             elif known.state == FINISHED:
@@ -512,7 +512,7 @@ class CommandPipeline(Service):
         def acked(_: object) -> None:
             if not rec.acked:
                 rec.acked = True
-                self.journal.update(rec.id, acked=True)
+                self.journal.note(rec.id, acked=True)
 
         confirm.addCallbacks(acked, lambda f: f.trap(ConnectionGone))
 
@@ -596,7 +596,9 @@ class CommandPipeline(Service):
             self._delivering.discard(rec.id)
             if rec.state == FINISHED:
                 rec.state = DELIVERED
-                self.journal.mark_delivered(rec.id)
+                self.journal.mark_delivered(rec.id).addErrback(
+                    lambda f: self.log.failure("Could not record the delivery of {id}", failure=f, id=rec.id)
+                )
 
         def lost(f: Any) -> None:
             self._delivering.discard(rec.id)
