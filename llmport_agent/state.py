@@ -172,6 +172,10 @@ class StateStore:
         atomic_write(self.path, payload, 0o600)
         self.writes += 1
 
+    def note(self, **changes: Any) -> None:
+        """L{update} without waiting (a failed write is already logged by L{update})."""
+        self.update(**changes).addErrback(lambda _: None)
+
     def flush(self) -> Deferred[None]:
         """Fires when every write requested so far is on disk (or has failed)."""
         d: Deferred[None] = Deferred()

@@ -349,7 +349,7 @@ class SessionService(Service):
         self._first_refusal_at = None
         if self.state.get("previous_credential"):
             # The current credential works: stop alternating.
-            self.state.update(previous_credential=None)
+            self.state.note(previous_credential=None)
         if self._revoked:
             self._revoked = False
         self._last_sent_at = self._reactor.seconds()
@@ -376,7 +376,7 @@ class SessionService(Service):
             self.session_id = sid if isinstance(sid, str) else None
             if isinstance(nid, str) and nid and nid != self.node_id:
                 self.node_id = nid
-                self.state.update(node_id=nid)
+                self.state.note(node_id=nid)
         for listener in list(self._listeners):
             try:
                 listener.frame_received(frame)
@@ -441,7 +441,7 @@ class SessionService(Service):
                 "stored one",
                 status=http_status,
             )
-            self.state.update(credential=previous, previous_credential=self.state.credential)
+            self.state.note(credential=previous, previous_credential=self.state.credential)
         if self._first_refusal_at is None:
             self._first_refusal_at = now
         span = now - self._first_refusal_at
@@ -533,7 +533,7 @@ class SessionService(Service):
         if last is None or float(last) > now + 3600:
             # Never rotated, or the wall clock was ahead when we did (NTP corrected it since):
             # count from now rather than postpone rotation for as long as the clock was wrong.
-            self.state.update(last_rotation_at=now)
+            self.state.note(last_rotation_at=now)
             return None
         if now - float(last) < ROTATION_INTERVAL or self._rotating:
             return None
