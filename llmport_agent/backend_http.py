@@ -16,6 +16,8 @@ from treq.client import HTTPClient
 from twisted.internet.defer import CancelledError, TimeoutError
 from twisted.logger import Logger
 
+from llmport_agent.tls import describe_connection_error, innermost_error
+
 ENROLL_PATH = "/api/admin/system/nodes/enroll"
 ROTATE_PATH = "/api/admin/system/nodes/credentials/rotate"
 TOKEN_PATH = "/api/admin/system/nodes/enrollment-tokens"
@@ -107,7 +109,7 @@ class BackendHTTP:
         except (TimeoutError, CancelledError):
             raise Transient(f"POST {path}: no answer within {timeout:g} s") from None
         except Exception as e:  # network errors of every kind
-            raise Transient(f"POST {path}: {type(e).__name__}: {_safe(e)}") from None
+            raise Transient(f"POST {path}: {describe_network_error(e)}") from None
         return response.code, content
 
     async def enroll(
@@ -157,6 +159,21 @@ class BackendHTTP:
         except (ValueError, KeyError, TypeError):
             raise Transient(f"POST {ROTATE_PATH}: malformed reply") from None
         return str(data.get("node_id", "")), new
+
+
+def describe_network_error(e: BaseException) -> str:
+    """
+    What failed, in one line: a TLS failure with what to set (L{tls.describe_connection_error}),
+    else the innermost error (treq wraps them in lists of Failures, whose repr helps nobody).
+    """
+    tls_text = describe_connection_error(e)
+    if tls_text:
+        return tls_text
+    inner = innermost_error(e) or e
+    text = " ".join(_safe(inner).split()) if isinstance(inner, Exception) else ""
+    if "[<twisted.python.failure.Failure" in text:
+        text = ""
+    return f"{type(inner).__name__}: {text}" if text else type(inner).__name__
 
 
 def _safe(e: Exception) -> str:

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from llmport_agent import VERSION
-from llmport_agent.config import SETTINGS, AgentConfig, ConfigError, load_config
+from llmport_agent.config import SETTINGS, AgentConfig, ConfigError, display_value, load_config
 
 EX_USAGE = 2
 UNIT_NAME = "llmport-agent.service"
@@ -67,7 +67,7 @@ def _show_config(config: AgentConfig, as_json: bool) -> int:
     else:
         width = max(len(k) for k in masked)
         for key, value in masked.items():
-            print(f"{key.ljust(width)}  {value}")
+            print(f"{key.ljust(width)}  {display_value(value)}")
     return 0
 
 

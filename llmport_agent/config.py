@@ -216,6 +216,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Directory of the HuggingFace model cache shared with workloads."),
     Setting("IMAGE_ALLOWLIST", "image_allowlist", (), _csv,
             "Comma-separated image prefixes allowed to run (empty = any)."),
+    Setting("ALLOW_HOST_IPC", "allow_host_ipc", True, _bool,
+            "Give workloads that request GPUs host IPC when the backend asks (its vLLM/TGI default); "
+            "false, or a workload without GPUs, gets private IPC and a /dev/shm of shm_size (1 GiB) instead."),
     Setting("WORKLOAD_NETWORK", "workload_network", "bridge",
             lambda var, raw: _choice(var, raw, ("bridge", "host")),
             "How workloads are networked: bridge (published ports) or host."),
@@ -287,6 +290,7 @@ class AgentConfig:
     log_flush_interval_sec: float
     model_store: str
     image_allowlist: tuple[str, ...]
+    allow_host_ipc: bool
     workload_network: str
     stop_grace_sec: float
     readiness_timeout_sec: float
@@ -311,6 +315,18 @@ class AgentConfig:
                 value = ",".join(v if isinstance(v, str) else f"{v[0]}={v[1]:g}" for v in value)
             out[s.env] = value
         return out
+
+
+def display_value(value: Any) -> str:
+    """A configuration value as an operator writes it in the env file (no Python C{None}/C{True})."""
+    if value is None:
+        return "(unset)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    text = str(value)
+    return text if text else "(empty)"
 
 
 def mask(value: str | None) -> str:

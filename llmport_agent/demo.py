@@ -3,17 +3,21 @@ C{llmport-agent demo}: the stand-in backend and a real agent on loopback, end to
 
 Starts the stand-in backend on 127.0.0.1 (free port), mints an enrollment token, starts an agent
 with a temporary state directory, shows enrollment, the first heartbeat and inventory, issues
-C{refresh_inventory} and C{collect_diagnostics}, prints each command's timeline, stops both
-cleanly and exits 0 (non-zero if a step did not happen within its time).
+C{refresh_inventory} and C{collect_diagnostics}, switches maintenance on (the node's status
+shows it) and off again, prints each command's timeline, stops both cleanly and exits 0
+(non-zero if a step did not happen within its time, or, with C{--docker}, when the engine
+is unreachable).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -22,6 +26,17 @@ from twisted.internet.task import react
 from llmport_agent import VERSION
 
 STEP_TIMEOUT = 10.0
+
+#: What C{demo --help} says (plain text: the module docstring is epytext).
+DESCRIPTION = (
+    "Run the stand-in backend and a real agent on loopback, end to end: the backend starts on a "
+    "free port of 127.0.0.1 and mints an enrollment token, the agent (temporary state) enrolls and "
+    "reports its first heartbeat and inventory; refresh_inventory, collect_diagnostics and "
+    "set_maintenance_mode (on, then off) are issued and each command's timeline is printed; both "
+    "stop cleanly. Exits 0 when every step happened, 1 otherwise."
+)
+
+Say = Callable[[str], None]
 
 
 def _say(text: str) -> None:
@@ -56,29 +71,69 @@ def _timeline_lines(backend: Any, command_id: str) -> list[str]:
                     f"failed {frame.get('error_code')}: {frame.get('error_message')}"
                 )
                 result = frame.get("result")
-                if isinstance(result, dict) and result and len(str(result)) < 120:
-                    detail += f" {result}"
+                shown = json.dumps(result, default=str) if isinstance(result, dict) and result else ""
+                if shown and len(shown) < 120:
+                    detail += f" {shown}"
         lines.append(f"    {str(entry.get('ts', ''))[11:23]:<12} {event:<10} {detail}".rstrip())
     return lines
 
 
-async def _demo(reactor: Any, args: argparse.Namespace) -> int:
+async def _wait_status(backend: Any, node: Any, wanted: tuple[str, ...]) -> str:
+    await backend.wait_for(lambda: (node() or {}).get("status") in wanted, STEP_TIMEOUT)
+    return str((node() or {}).get("status"))
+
+
+def _show_command(backend: Any, command: dict[str, Any], say: Say) -> bool:
+    final = backend.command(command["id"])
+    say(f"[backend] {command['command_type']}: {final['status']}")
+    for line in _timeline_lines(backend, command["id"]):
+        say(line)
+    return bool(final["status"] == "succeeded")
+
+
+async def _run_commands(backend: Any, node_id: str, specs: list[tuple[str, dict[str, Any]]], say: Say) -> tuple[bool, list[dict[str, Any]]]:
+    issued = []
+    for ctype, payload in specs:
+        cmd = backend.issue_command(node_id, ctype, payload)
+        issued.append(cmd)
+        shown = f" {json.dumps(payload)}" if payload else ""
+        say(f"[backend] issued {ctype}{shown} ({cmd['id']})")
+    await backend.wait_for(
+        lambda: all(backend.command(c["id"])["status"] in ("succeeded", "failed") for c in issued),
+        STEP_TIMEOUT * 2,
+    )
+    ok = True
+    for c in issued:
+        ok = _show_command(backend, c, say) and ok
+    return ok, issued
+
+
+async def _demo(
+    reactor: Any,
+    args: argparse.Namespace,
+    say: Say = _say,
+    *,
+    docker_environ: dict[str, str] | None = None,
+    gpu_source: Any = None,
+) -> int:
     from llmport_agent.config import load_config
     from llmport_agent.devbackend import DevBackend
     from llmport_agent.logsetup import begin_logging
     from llmport_agent.service import AgentService
 
-    begin_logging("WARN" if not args.verbose else "INFO")
+    if say is _say:
+        begin_logging("WARN" if not args.verbose else "INFO")
     started = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="llmport-demo-")
     backend = DevBackend(reactor)
     agent: AgentService | None = None
+    problems: list[str] = []
     try:
         await backend.listen(0, "127.0.0.1")
-        _say(f"llmport-agent {VERSION} demo")
-        _say(f"[backend] stand-in backend listening on {backend.url}")
+        say(f"llmport-agent {VERSION} demo")
+        say(f"[backend] stand-in backend listening on {backend.url}")
         token = backend.mint_token("demo")
-        _say(f"[backend] minted a one-time enrollment token (expires {token['expires_at']})")
+        say(f"[backend] minted a one-time enrollment token (expires {token['expires_at']})")
         config = load_config(
             {
                 "LLM_PORT_NODE_AGENT_BACKEND_URL": backend.url,
@@ -96,31 +151,50 @@ async def _demo(reactor: Any, args: argparse.Namespace) -> int:
         def fatal(code: int, message: str) -> None:
             failures.append(message)
 
-        agent = AgentService(reactor, config, fatal=fatal, docker_enabled=args.docker)
+        agent = AgentService(
+            reactor, config, fatal=fatal, docker_enabled=args.docker,
+            docker_environ=docker_environ, gpu_source=gpu_source,
+        )
         agent.startService()
-        _say(f"[agent]   started with state in {workdir}")
+        say(f"[agent]   started with state in {workdir}")
 
         def node() -> dict[str, Any] | None:
             return backend.node_by_agent_id("demo-node")
 
         await backend.wait_for(lambda: node() is not None or bool(failures), STEP_TIMEOUT)
         if failures:
-            _say(f"[agent]   could not enroll: {failures[0]}")
+            say(f"[agent]   could not enroll: {failures[0]}")
             return 1
         n = node()
         assert n is not None
         node_id = n["id"]
-        _say(f"[backend] node enrolled: id {node_id}, agent id {n.get('agent_id')}")
-        await backend.wait_for(lambda: (node() or {}).get("status") not in (None, "offline", ""), STEP_TIMEOUT)
+        say(f"[backend] node enrolled: id {node_id}, agent id {n.get('agent_id')}")
+        engine = agent.engine
+        if engine is not None:
+            # The heartbeat says "degraded" only once the engine was found unreachable: wait for
+            # the first probe, and for the heartbeat that reports its outcome.
+            await backend.wait_for(lambda: engine.checked, STEP_TIMEOUT)
+            expected = ("healthy",) if engine.available else ("degraded",)
+            await _wait_status(backend, node, expected)
+            if engine.available:
+                say(f"[agent]   Docker engine at {engine.address}: docker {engine.version}, available")
+            else:
+                say(f"[agent]   {engine.last_error}")
+                problems.append(
+                    f"the Docker engine at {engine.address} is unreachable (start dockerd or point "
+                    "DOCKER_HOST at it, or run the demo without --docker)"
+                )
+        else:
+            await _wait_status(backend, node, ("healthy", "degraded", "maintenance", "draining"))
         n = node() or {}
-        _say(f"[backend] heartbeat: status {n.get('status')}, version {n.get('version')}, "
-             f"host {n.get('host')}")
+        say(f"[backend] heartbeat: status {n.get('status')}, version {n.get('version')}, "
+            f"host {n.get('host')}")
         await backend.wait_for(lambda: backend.latest_inventory(node_id) is not None, STEP_TIMEOUT)
         inv = backend.latest_inventory(node_id) or {}
         i = inv.get("inventory", inv)
         u = inv.get("utilization", {})
         caps = i.get("static_capabilities", {})
-        _say(
+        say(
             f"[backend] inventory: {caps.get('hostname', '?')} {caps.get('os', '?')}/{caps.get('machine', '?')}, "
             f"{i.get('cpu_count_logical', '?')} CPUs, memory {_fmt_bytes(i.get('memory_total_bytes'))}, "
             f"disk {_fmt_bytes(i.get('disk_total_bytes'))}, GPUs {i.get('gpu_count', 0)} "
@@ -128,36 +202,33 @@ async def _demo(reactor: Any, args: argparse.Namespace) -> int:
             f"cpu {u.get('cpu_percent', '?')} %"
         )
         inventories_before = len(backend.inventories(node_id))
-        issued = []
-        for ctype in ("refresh_inventory", "collect_diagnostics", "set_maintenance_mode", "resume_node"):
-            payload: dict[str, Any] = {"enabled": "false"} if ctype == "set_maintenance_mode" else {}
-            cmd = backend.issue_command(node_id, ctype, payload)
-            issued.append(cmd)
-            _say(f"[backend] issued {ctype} ({cmd['id']})")
-        await backend.wait_for(
-            lambda: all(backend.command(c["id"])["status"] in ("succeeded", "failed") for c in issued),
-            STEP_TIMEOUT * 2,
+        ok, issued = await _run_commands(
+            backend, node_id, [("refresh_inventory", {}), ("collect_diagnostics", {})], say
         )
-        ok = True
-        for c in issued:
-            final = backend.command(c["id"])
-            _say(f"[backend] {c['command_type']}: {final['status']}")
-            for line in _timeline_lines(backend, c["id"]):
-                _say(line)
-            ok = ok and final["status"] == "succeeded"
         diag = backend.command(issued[1]["id"]).get("result") or {}
         if isinstance(diag, dict) and diag:
-            _say(f"[backend] diagnostics sections: {', '.join(sorted(diag))}")
-        _say(f"[backend] inventory frames received: {inventories_before} before refresh, "
-             f"{len(backend.inventories(node_id))} after")
+            say(f"[backend] diagnostics sections: {', '.join(sorted(diag))}")
+        say(f"[backend] inventory frames received: {inventories_before} before refresh, "
+            f"{len(backend.inventories(node_id))} after")
+        # Maintenance on, visibly: the node's status changes with the next heartbeat (at once).
+        step, _ = await _run_commands(backend, node_id, [("set_maintenance_mode", {"enabled": True})], say)
+        ok = ok and step
+        say(f"[backend] node status is now {await _wait_status(backend, node, ('maintenance',))}")
+        step, _ = await _run_commands(backend, node_id, [("set_maintenance_mode", {"enabled": False})], say)
+        ok = ok and step
+        say(f"[backend] node status is now "
+            f"{await _wait_status(backend, node, ('healthy', 'degraded'))}")
         await agent.stopService()
         agent = None
         await backend.wait_for(lambda: backend.connection_count(node_id) == 0, STEP_TIMEOUT)
-        _say(f"[agent]   stopped cleanly; node is now {(node() or {}).get('status')}")
-        _say(f"demo finished in {time.monotonic() - started:.1f} s: {'OK' if ok else 'FAILED'}")
-        return 0 if ok else 1
+        say(f"[agent]   stopped cleanly; node is now {(node() or {}).get('status')}")
+        if not ok:
+            problems.insert(0, "a command did not succeed (see its timeline above)")
+        verdict = "OK" if not problems else "FAILED: " + "; ".join(problems)
+        say(f"demo finished in {time.monotonic() - started:.1f} s: {verdict}")
+        return 0 if not problems else 1
     except Exception as e:  # a step timed out or broke: say which, exit non-zero
-        _say(f"demo failed: {type(e).__name__}: {e}")
+        say(f"demo failed: {type(e).__name__}: {e}")
         return 1
     finally:
         if agent is not None:
@@ -167,7 +238,7 @@ async def _demo(reactor: Any, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="llmport-agent demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="llmport-agent demo", description=DESCRIPTION)
     parser.add_argument("--verbose", action="store_true", help="show the agent's log at info level")
     parser.add_argument("--docker", action="store_true",
                         help="also start the Docker executor (needs a reachable engine)")

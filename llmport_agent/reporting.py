@@ -1,8 +1,9 @@
 """
 Heartbeat and inventory reports (protocol 5.2, 5.3).
 
-Both go out right after every connect; then the heartbeat every C{HEARTBEAT_INTERVAL_SEC} and the
-inventory every C{INVENTORY_INTERVAL_SEC}. Collection (psutil, NVML) runs off the reactor thread
+Both go out right after every connect; then the heartbeat every C{HEARTBEAT_INTERVAL_SEC} (and at
+once when a field changes, see L{HeartbeatReporter.notify_changed}) and the inventory every
+C{INVENTORY_INTERVAL_SEC}. Collection (psutil, NVML) runs off the reactor thread
 in the inventory collector; an iteration never overlaps the previous one and is bounded by a
 timeout, so a hung NVML call cannot stop the loop.
 """
@@ -52,7 +53,17 @@ class _PerConnectionLoop(Service):
 
 
 class HeartbeatReporter(_PerConnectionLoop):
-    """Sends heartbeats; lateness of each tick is recorded for benchmarks and diagnostics."""
+    """
+    Sends heartbeats: right after every connect, every C{interval}, and as soon as a field
+    changes (L{notify_changed}). Lateness of each tick is recorded for benchmarks and
+    diagnostics.
+
+    Anything that changes what a heartbeat says (engine availability, node modes, GPU
+    health, capabilities) calls L{notify_changed}; the reporter rebuilds the heartbeat and
+    sends it when it differs from the last one sent on this connection, at most one such
+    heartbeat per C{min_change_gap} seconds (a burst of changes becomes one frame; the last
+    state always goes out).
+    """
 
     log = Logger()
 
@@ -62,31 +73,81 @@ class HeartbeatReporter(_PerConnectionLoop):
         session: Any,
         interval: float,
         build: Callable[[], dict[str, Any]],
+        *,
+        min_change_gap: float = 1.0,
     ) -> None:
         self.setName("heartbeat")
         self._reactor = reactor
         self.session = session
         self.interval = interval
+        self.min_change_gap = min_change_gap
         self._build = build
         self._expected: float | None = None
+        self._last_fields: dict[str, Any] | None = None
+        self._last_sent_at: float | None = None
+        self._change_call: Any = None
         self.sent = 0
+        self.sent_on_change = 0
         self.lateness: list[float] = []
 
     def session_opened(self) -> None:
         self._expected = None
+        self._last_fields = None
         self._start_loop()
 
-    def send_now(self) -> bool:
-        """Send one heartbeat now (e.g. after a mode change)."""
+    def session_closed(self) -> None:
+        self._cancel_change()
+        self._last_fields = None
+        super().session_closed()
+
+    def _fields(self) -> dict[str, Any] | None:
         try:
-            frame = {"type": "heartbeat", **self._build()}
+            return dict(self._build())
         except Exception:
             self.log.failure("Could not build a heartbeat")
-            return False
-        ok = self.session.send(frame)
+            return None
+
+    def _send(self, fields: dict[str, Any]) -> bool:
+        ok = self.session.send({"type": "heartbeat", **fields})
         if ok:
             self.sent += 1
+            self._last_fields = fields
+            self._last_sent_at = self._reactor.seconds()
         return ok
+
+    def send_now(self) -> bool:
+        """Send one heartbeat now, changed or not."""
+        fields = self._fields()
+        return fields is not None and self._send(fields)
+
+    def notify_changed(self) -> None:
+        """
+        Something a heartbeat reports may have changed: send a heartbeat now if it did, or,
+        within C{min_change_gap} of the last heartbeat, once that gap is over.
+        """
+        if self._loop is None or not self.session.connected:
+            return  # not connected: the heartbeat at the next connect carries it
+        if self._change_call is not None and self._change_call.active():
+            return  # one is already due; it will carry the newest fields
+        now = self._reactor.seconds()
+        wait = 0.0 if self._last_sent_at is None else self._last_sent_at + self.min_change_gap - now
+        if wait > 0:
+            self._change_call = self._reactor.callLater(wait, self._send_if_changed)
+        else:
+            self._send_if_changed()
+
+    def _send_if_changed(self) -> None:
+        self._change_call = None
+        fields = self._fields()
+        if fields is None or fields == self._last_fields:
+            return
+        if self._send(fields):
+            self.sent_on_change += 1
+
+    def _cancel_change(self) -> None:
+        call, self._change_call = self._change_call, None
+        if call is not None and call.active():
+            call.cancel()
 
     def _tick(self) -> None:
         now = self._reactor.seconds()
@@ -99,6 +160,7 @@ class HeartbeatReporter(_PerConnectionLoop):
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
+        self._cancel_change()
         self._stop_loop()
         return succeed(None)
 
@@ -108,8 +170,18 @@ class InventoryReporter(_PerConnectionLoop):
 
     log = Logger()
 
-    def __init__(self, reactor: Any, session: Any, interval: float, collector: Any) -> None:
+    def __init__(
+        self,
+        reactor: Any,
+        session: Any,
+        interval: float,
+        collector: Any,
+        *,
+        on_report: Callable[[], None] | None = None,
+    ) -> None:
         self.setName("inventory")
+        #: Called after each inventory sent (its collection may have changed capabilities).
+        self.on_report = on_report
         self._reactor = reactor
         self.session = session
         self.interval = interval
@@ -157,6 +229,11 @@ class InventoryReporter(_PerConnectionLoop):
         if ok:
             self.sent += 1
             self.last_error = ""
+            if self.on_report is not None:
+                try:
+                    self.on_report()
+                except Exception:
+                    self.log.failure("An inventory report listener failed")
         return ok
 
     def stopService(self) -> Deferred[None]:

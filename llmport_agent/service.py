@@ -131,7 +131,14 @@ class AgentService(MultiService):
         self.heartbeat = HeartbeatReporter(
             reactor, self.session, config.heartbeat_interval_sec, self._heartbeat_fields
         )
-        self.inventory = InventoryReporter(reactor, self.session, config.inventory_interval_sec, self.collector)
+        # Heartbeat fields that change (engine, modes, capabilities; GPU health too) call
+        # heartbeat.notify_changed(): the backend hears of it at once, not an interval later.
+        self.inventory = InventoryReporter(
+            reactor, self.session, config.inventory_interval_sec, self.collector,
+            on_report=self.heartbeat.notify_changed,
+        )
+        if self.engine is not None:
+            self.engine.onAvailability(lambda _available: self.heartbeat.notify_changed())
         registry: dict[str, HandlerSpec] = {}
         from llmport_agent.commands.system_updates import check_system_updates, process_runner
 
@@ -282,6 +289,7 @@ class AgentService(MultiService):
             stop_grace_sec=c.stop_grace_sec,
             readiness_timeout_sec=c.readiness_timeout_sec,
             pull_stall_sec=c.pull_stall_sec,
+            allow_host_ipc=c.allow_host_ipc,
         )
         self.engine = DockerEngine(self.reactor, environ=self._docker_environ)
         self.health = HealthWatcher(
@@ -343,12 +351,12 @@ class AgentService(MultiService):
         await self.state.load()
         await self.journal.load()
         await self.outbox.load()
-        for svc in self._ordered[3:]:
-            svc.setServiceParent(self)
         if self.log_observer is not None:
             from twisted.logger import globalLogPublisher
 
             globalLogPublisher.addObserver(self.log_observer)
+        # Said before the services start, so that what they say (the session's "no credential
+        # and no token", say) comes after it, not before.
         self.log.info(
             "llmport-agent {version} started (agent id {agent_id}, backend {url}, state {path})",
             version=VERSION,
@@ -356,6 +364,8 @@ class AgentService(MultiService):
             url=self.config.backend_url,
             path=self.state.path,
         )
+        for svc in self._ordered[3:]:
+            svc.setServiceParent(self)
 
     def whenStarted(self) -> Deferred[None]:
         if self._started is None:
@@ -414,15 +424,17 @@ class AgentService(MultiService):
 
     def _fatal(self, status: int, message: str) -> None:
         self.exit_status = status
-        self.log.critical("{message}", message=message)
+        # Not a "message" field: legacy log observers replace a non-tuple "message" in place.
+        self.log.critical("{reason}", reason=message)
         if self._fatal_cb is not None:
             self._fatal_cb(status, message)
 
     # -- glue ------------------------------------------------------------------------------
 
     def _heartbeat_fields(self) -> dict[str, Any]:
-        facts = self._engine_facts()
-        degraded = self.engine is not None and not facts.get("docker_available", False)
+        # Degraded only once the engine was found unreachable: before its first probe the
+        # engine is unknown, not down (a false "degraded" halves the node's score).
+        degraded = self.engine is not None and self.engine.checked and not self.engine.available
         return {
             "status": self.modes.status(degraded=degraded),
             "version": VERSION,
@@ -431,7 +443,7 @@ class AgentService(MultiService):
         }
 
     def _modes_changed(self) -> None:
-        self.heartbeat.send_now()
+        self.heartbeat.notify_changed()
 
     async def _refresh_inventory(self) -> bool:
         """Send a fresh inventory; if the link is down, send it once it is back (within ~50 s)."""

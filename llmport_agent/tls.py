@@ -2,17 +2,20 @@
 TLS client settings for talking to the backend (HTTPS and WSS).
 
 Verification is on by default with service-identity host name checks; C{CA_BUNDLE} replaces the
-system trust store; C{VERIFY_TLS=false} turns verification off (and the session warns at every
-connect).
+system trust store; C{VERIFY_TLS=false} turns verification off (and the session warns before the
+first request and at every reconnect). L{describe_connection_error} turns a TLS failure into one
+line that says what to set.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from OpenSSL import SSL
 from twisted.internet import ssl
 from twisted.internet.interfaces import IOpenSSLClientConnectionCreator
+from twisted.python.failure import Failure
 from twisted.web.client import BrowserLikePolicyForHTTPS
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
@@ -66,3 +69,73 @@ def https_policy(verify: bool, ca_bundle: str | None) -> Any:
     if not verify:
         return _UnverifiedPolicy()
     return BrowserLikePolicyForHTTPS(trustRoot=load_trust_root(ca_bundle))
+
+
+CA_HINT = (
+    "if the backend's certificate comes from a private or self-signed CA, set "
+    "LLM_PORT_NODE_AGENT_CA_BUNDLE to that CA's PEM file (LLM_PORT_NODE_AGENT_VERIFY_TLS=false "
+    "turns the check off, for testing only)"
+)
+
+
+def _causes(obj: Any, depth: int = 0) -> Iterator[BaseException]:
+    """Every exception inside C{obj}: Failures, treq/web C{reasons} lists, causes."""
+    if obj is None or depth > 8:
+        return
+    value = obj.value if isinstance(obj, Failure) else obj
+    if not isinstance(value, BaseException) or isinstance(value, Failure):
+        return
+    yield value
+    for reason in getattr(value, "reasons", None) or ():
+        yield from _causes(reason, depth + 1)
+    for nested in (value.__cause__, value.__context__):
+        if nested is not None and nested is not value:
+            yield from _causes(nested, depth + 1)
+
+
+def _ssl_reason(exc: BaseException) -> str:
+    """C{certificate verify failed} from C{[('SSL routines', '', 'certificate verify failed')]}."""
+    parts: list[str] = []
+    for arg in exc.args:
+        items = arg if isinstance(arg, list) else [arg]
+        for item in items:
+            if isinstance(item, tuple) and item:
+                parts.append(str(item[-1]))
+            elif item:
+                parts.append(str(item))
+    return "; ".join(p for p in parts if p) or type(exc).__name__
+
+
+def describe_connection_error(obj: Any) -> str | None:
+    """
+    One line for a TLS failure inside C{obj} (a Failure or an exception, possibly wrapped by
+    treq or Twisted's web client), saying what happened and what to set; C{None} when it is
+    not a TLS failure.
+    """
+    for exc in _causes(obj):
+        name = type(exc).__name__
+        module = type(exc).__module__
+        if module.startswith("service_identity") or name in ("VerificationError", "CertificateError"):
+            return (
+                "the backend's TLS certificate is not valid for the host name in "
+                f"LLM_PORT_NODE_AGENT_BACKEND_URL ({' '.join(str(exc).split())[:200] or name}); use the "
+                f"name the certificate was issued for; {CA_HINT}"
+            )
+        if isinstance(exc, SSL.Error):
+            reason = _ssl_reason(exc)
+            if "verify failed" in reason or "unknown ca" in reason or "self-signed" in reason:
+                return f"TLS verification of the backend's certificate failed ({reason}); {CA_HINT}"
+            return (
+                f"the TLS handshake with the backend failed ({reason}); check that "
+                "LLM_PORT_NODE_AGENT_BACKEND_URL says https only for a TLS endpoint (and http "
+                "for a plain one)"
+            )
+    return None
+
+
+def innermost_error(obj: Any) -> BaseException | None:
+    """The deepest exception inside C{obj} (what actually failed), or C{None}."""
+    last: BaseException | None = None
+    for exc in _causes(obj):
+        last = exc
+    return last

@@ -75,6 +75,81 @@ class HeartbeatTests(SynchronousTestCase):
         hb.stopService()
 
 
+class HeartbeatOnChangeTests(SynchronousTestCase):
+    """notify_changed(): a heartbeat as soon as a field changes, at most one per min_change_gap."""
+
+    def setup(self) -> tuple[Clock, FakeSession, HeartbeatReporter, dict[str, Any]]:
+        clock = Clock()
+        session = FakeSession()
+        fields: dict[str, Any] = {"status": "healthy", "version": "1", "capabilities": {}, "advertise_host": "h"}
+        hb = HeartbeatReporter(clock, session, 15, lambda: dict(fields), min_change_gap=1.0)
+        hb.startService()
+        self.addCleanup(hb.stopService)
+        return clock, session, hb, fields
+
+    def statuses(self, session: FakeSession) -> list[str]:
+        return [f["status"] for f in session.of_type("heartbeat")]
+
+    def test_change_goes_out_at_once(self) -> None:
+        """A changed status leaves at once (not 15 s later); an unchanged one sends nothing."""
+        clock, session, hb, fields = self.setup()
+        hb.session_opened()
+        clock.advance(5)
+        hb.notify_changed()
+        self.assertEqual(self.statuses(session), ["healthy"])
+        fields["status"] = "degraded"
+        hb.notify_changed()
+        self.assertEqual(self.statuses(session), ["healthy", "degraded"])
+        self.assertEqual(hb.sent_on_change, 1)
+
+    def test_burst_becomes_one_frame_with_the_last_state(self) -> None:
+        """Changes within the gap are coalesced into one heartbeat at its end, with the newest fields."""
+        clock, session, hb, fields = self.setup()
+        hb.session_opened()  # a heartbeat now: the next change waits for the gap
+        for status in ("degraded", "healthy", "maintenance"):
+            fields["status"] = status
+            hb.notify_changed()
+            clock.advance(0.2)
+        self.assertEqual(self.statuses(session), ["healthy"])
+        clock.advance(0.4)
+        self.assertEqual(self.statuses(session), ["healthy", "maintenance"])
+        clock.advance(10)
+        self.assertEqual(self.statuses(session), ["healthy", "maintenance"])
+
+    def test_change_back_within_the_gap_sends_nothing(self) -> None:
+        """A flap that is over before the gap ends changes nothing the backend saw: no frame."""
+        clock, session, hb, fields = self.setup()
+        hb.session_opened()
+        fields["status"] = "degraded"
+        hb.notify_changed()
+        fields["status"] = "healthy"
+        clock.advance(1.0)
+        self.assertEqual(self.statuses(session), ["healthy"])
+
+    def test_capabilities_change_counts(self) -> None:
+        """Any heartbeat field counts, not only the status (e.g. docker_available)."""
+        clock, session, hb, fields = self.setup()
+        hb.session_opened()
+        clock.advance(2)
+        fields["capabilities"] = {"docker_available": True}
+        hb.notify_changed()
+        self.assertEqual(session.of_type("heartbeat")[-1]["capabilities"], {"docker_available": True})
+
+    def test_not_connected(self) -> None:
+        """Disconnected: nothing is sent or scheduled; the heartbeat at connect carries the state."""
+        clock, session, hb, fields = self.setup()
+        fields["status"] = "degraded"
+        hb.notify_changed()
+        self.assertEqual(clock.getDelayedCalls(), [])
+        hb.session_opened()
+        fields["status"] = "healthy"
+        hb.notify_changed()  # within the gap: scheduled
+        session.connected = False
+        hb.session_closed()
+        self.assertEqual(clock.getDelayedCalls(), [])
+        self.assertEqual(self.statuses(session), ["degraded"])
+
+
 class InventoryTests(SynchronousTestCase):
     def test_at_connect_and_interval(self) -> None:
         """An inventory frame goes out at connect and every interval."""

@@ -14,6 +14,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
+from twisted.logger import formatEvent, globalLogPublisher
 from twisted.test import iosim
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -21,6 +22,7 @@ from llmport_agent.backend_http import Enrollment, Rejected, Transient
 from llmport_agent.config import load_config
 from llmport_agent.session.protocol import AgentClientFactory, ConnectionGone
 from llmport_agent.session.service import (
+    CRITICAL_STOP_GRACE,
     EXIT_NEEDS_OPERATOR,
     ROTATION_INTERVAL,
     SessionService,
@@ -190,9 +192,15 @@ class FakeProto:
 
 
 class SessionServiceTests(SynchronousTestCase):
-    def make(self, token: str | None = None, credential: str | None = None, **env: str) -> SessionService:
+    def make(
+        self, token: str | None = None, credential: str | None = None, state_dir: str | None = None,
+        **env: str,
+    ) -> SessionService:
         self.reactor = MemoryReactorClock()
         self.wall = [1_000_000.0]
+        self.logged: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(self.logged.append)
+        self.addCleanup(globalLogPublisher.removeObserver, self.logged.append)
         self.fatal: list[tuple[int, str]] = []
         self.backend = FakeBackend()
         environ = {"LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:8000"}
@@ -200,8 +208,8 @@ class SessionServiceTests(SynchronousTestCase):
             environ["LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN"] = token
         environ.update({"LLM_PORT_NODE_AGENT_" + k: v for k, v in env.items()})
         config = load_config(environ, {})
-        d = self.mktemp()
-        os.makedirs(d)
+        d = state_dir or self.mktemp()
+        os.makedirs(d, exist_ok=True)
         self.state = StateStore(SynchronousRunner(), os.path.join(d, "state.json"))
         self.successResultOf(self.state.load())
         if credential:
@@ -211,7 +219,7 @@ class SessionServiceTests(SynchronousTestCase):
             lambda: succeed({"gpu_count": 0}), lambda code, msg: self.fatal.append((code, msg)),
             version="0.1.0",
             endpoint_factory=lambda host, port, tls: TCP4ClientEndpoint(self.reactor, host, port),
-            rng=lambda: 1.0, wallclock=lambda: self.wall[0],
+            rng=lambda: 1.0, wallclock=lambda: self.wall[0] + self.reactor.seconds(),
         )
         self.addCleanup(svc.stopService)
         return svc
@@ -271,18 +279,156 @@ class SessionServiceTests(SynchronousTestCase):
             svc.connection_closed(FakeProto(None), False, 1006, "upgrade failed [403]", 403)  # type: ignore[arg-type]
             self.reactor.advance(every)
 
-    def test_revoked_with_fresh_token_reenrolls(self) -> None:
-        """Repeated 403s over minutes with an unused token configured: re-enroll with it."""
+    def lines(self) -> list[str]:
+        return [formatEvent(e) for e in self.logged]
+
+    def test_fresh_token_tried_at_first_refusal(self) -> None:
+        """
+        A configured token this node never used is tried at the first 403 (not after minutes
+        of refusals), and the agent reconnects at once with the new credential.
+        """
         svc = self.make(token="new-token", credential=CRED)
         svc.startService()
-        self.refuse(svc, 4, 60)
-        self.assertEqual(self.backend.enrolls, [])
         self.refuse(svc, 1, 0)
         self.assertEqual(len(self.backend.enrolls), 1)
+        # Further refusals while it enrolls do not start a second enrollment.
+        self.refuse(svc, 2, 0)
+        self.assertEqual(len(self.backend.enrolls), 1)
+        connects = len(self.reactor.tcpClients)
         new = "22222222-2222-3333-4444-555555555555." + "x" * 43
         self.backend.enrolls[0].callback(Enrollment("n1", new, None))
         self.assertEqual(self.state.credential, new)
         self.assertEqual(self.state.get("previous_credential"), CRED)
+        self.assertIn(token_fingerprint("new-token"), self.state.get("used_tokens"))
+        self.assertIsNone(self.state.get("refusals"))
+        # A new connection attempt without waiting for the backoff delay.
+        self.assertEqual(len(self.reactor.tcpClients), connects + 1)
+
+    def test_used_token_not_tried_again(self) -> None:
+        """A token this node already used is never sent again; refusals just count."""
+        svc = self.make(token="old-token", credential=CRED)
+        self.successResultOf(self.state.update(used_tokens=[token_fingerprint("old-token")]))
+        svc.startService()
+        self.refuse(svc, 3, 1)
+        self.assertEqual(self.backend.enrolls, [])
+
+    def test_rejected_fresh_token_does_not_stop_the_agent(self) -> None:
+        """If the fresh token is rejected too, one clear line, no exit; the token is not tried again."""
+        svc = self.make(token="expired-token", credential=CRED)
+        svc.startService()
+        self.refuse(svc, 1, 0)
+        self.backend.enrolls[0].errback(Rejected(401, "Enrollment token is invalid or expired."))
+        self.assertEqual(self.fatal, [])
+        self.assertTrue(any("rejected the configured enrollment token" in line for line in self.lines()))
+        self.refuse(svc, 2, 1)
+        self.assertEqual(len(self.backend.enrolls), 1)
+        self.assertEqual(self.state.credential, CRED)
+
+    def test_refusal_count_survives_restart(self) -> None:
+        """
+        4 refusals over 4 minutes, a restart, one more refusal: the credential counts as
+        revoked at once (the count and its start are kept in the state file).
+        """
+        d = self.mktemp()
+        svc = self.make(credential=CRED, state_dir=d)
+        svc.startService()
+        self.refuse(svc, 4, 60)
+        self.assertFalse(svc._revoked)
+        self.assertEqual(self.state.get("refusals")["count"], 4)
+        svc.stopService()
+        wall = self.wall[0] + self.reactor.seconds()
+        svc2 = self.make(credential=None, state_dir=d)  # loads the same state file
+        self.wall[0] = wall + 5  # its reactor clock starts at 0 again: the wall clock goes on
+        self.assertEqual(self.state.credential, CRED)
+        svc2.startService()
+        self.refuse(svc2, 1, 0)
+        self.assertTrue(svc2._revoked)
+
+    def test_open_clears_persisted_refusals(self) -> None:
+        """A session that opens resets the refusal count, on disk too."""
+        svc = self.make(credential=CRED)
+        svc.startService()
+        self.refuse(svc, 2, 1)
+        self.assertIsNotNone(self.state.get("refusals"))
+        svc.connection_opened(FakeProto(self.reactor.seconds()))  # type: ignore[arg-type]
+        self.assertIsNone(self.state.get("refusals"))
+        with open(self.state.path) as f:
+            self.assertNotIn("refusals", json.load(f))
+
+    def test_token_line_only_after_the_credential_was_accepted(self) -> None:
+        """'can be removed' is said once, after the backend accepted the stored credential."""
+        svc = self.make(token="some-token", credential=CRED)
+        svc.startService()
+        self.refuse(svc, 1, 0)  # refused: the token is needed now, nothing said about removing it
+        self.assertFalse(any("can be removed" in line for line in self.lines()))
+        self.backend.enrolls[0].callback(Enrollment("n1", CRED, None))
+        svc.connection_opened(FakeProto(self.reactor.seconds()))  # type: ignore[arg-type]
+        said = [line for line in self.lines() if "can be removed" in line]
+        self.assertEqual(len(said), 1)
+        self.assertIn("used to enroll", said[0])
+        svc.connection_opened(FakeProto(self.reactor.seconds()))  # type: ignore[arg-type]
+        self.assertEqual(len([line for line in self.lines() if "can be removed" in line]), 1)
+
+    def test_stop_cancels_the_retry_delay(self) -> None:
+        """A stop during an enrollment's retry delay completes at once; no retry follows."""
+        svc = self.make(token="tok-123", REQUEST_TIMEOUT_SEC="300")
+        svc.startService()
+        self.backend.enrolls[0].errback(Transient("HTTP 503"))
+        self.successResultOf(svc.stopService())
+        self.reactor.advance(3600)
+        self.assertEqual(len(self.backend.enrolls), 1)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_stop_cancels_a_hanging_enrollment(self) -> None:
+        """
+        An enrollment request that hangs (REQUEST_TIMEOUT_SEC=300) gets CRITICAL_STOP_GRACE
+        to answer, then is cancelled: the stop completes, with no retry armed after it.
+        """
+        svc = self.make(token="tok-123", REQUEST_TIMEOUT_SEC="300")
+        svc.startService()
+        stopped = svc.stopService()
+        self.assertNoResult(stopped)
+        self.reactor.advance(CRITICAL_STOP_GRACE)
+        self.successResultOf(stopped)
+        self.assertTrue(self.backend.enrolls[0].called)  # cancelled
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+        self.assertEqual(self.fatal, [])
+        self.assertEqual(self.reactor.tcpClients, [])
+
+    def test_stop_keeps_a_credential_that_arrives_in_the_grace(self) -> None:
+        """An enrollment answered within the grace is stored (the token is spent by then)."""
+        svc = self.make(token="tok-123")
+        svc.startService()
+        stopped = svc.stopService()
+        self.reactor.advance(CRITICAL_STOP_GRACE / 2)
+        self.backend.enrolls[0].callback(Enrollment("n1", CRED, None))
+        self.successResultOf(stopped)
+        self.assertEqual(self.state.credential, CRED)
+
+    def test_stop_cancels_a_hanging_rotation(self) -> None:
+        """A rotation in flight at stop is cancelled after the grace; the current credential stays."""
+        svc = self.make(credential=CRED)
+        svc.startService()
+        rotated = svc.rotate()
+        stopped = svc.stopService()
+        self.reactor.advance(CRITICAL_STOP_GRACE)
+        self.successResultOf(stopped)
+        self.assertFalse(self.successResultOf(rotated))
+        self.assertEqual(self.state.credential, CRED)
+
+    def test_unverified_tls_warned_before_the_first_request(self) -> None:
+        """VERIFY_TLS=false on an https backend: the warning is logged before enrollment leaves."""
+        seen_at_enroll: list[bool] = []
+        svc = self.make(token="tok-123", BACKEND_URL="https://backend.example:8443", VERIFY_TLS="false")
+        enroll = self.backend.enroll
+
+        def spy(*args: Any) -> Deferred[Enrollment]:
+            seen_at_enroll.append(any("TLS verification is OFF" in line for line in self.lines()))
+            return enroll(*args)
+
+        self.backend.enroll = spy  # type: ignore[method-assign]
+        svc.startService()
+        self.assertEqual(seen_at_enroll, [True])
 
     def test_revoked_without_token_keeps_retrying(self) -> None:
         """Without a usable token: a clear line, retries minutes apart, credential kept, no exit."""

@@ -172,10 +172,14 @@ class AvailabilityTests(SynchronousTestCase):
         engine = make_engine(clock, fake)
         seen: list[bool] = []
         engine.onAvailability(seen.append)
+        self.assertFalse(engine.checked)
         engine.startService()
         clock.advance(0)
         self.assertFalse(engine.available)
+        self.assertTrue(engine.checked)
         self.assertIn(ADDR, engine.last_error)
+        # The first probe's outcome is a change too (from "not known yet"): listeners hear it.
+        self.assertEqual(seen, [False])
         attempts = fake.created
         clock.advance(1)
         clock.advance(2)
@@ -188,7 +192,7 @@ class AvailabilityTests(SynchronousTestCase):
         clock.advance(4)
         self.assertTrue(engine.available)
         self.assertEqual(engine.last_error, "")
-        self.assertEqual(seen, [True])
+        self.assertEqual(seen, [False, True])
         self.successResultOf(waiting)
         self.assertEqual(clock.getDelayedCalls(), [])
         self.successResultOf(engine.stopService())

@@ -419,10 +419,8 @@ class RefusalTests(SynchronousTestCase):
         self.refused(payload(provider_config={"mounts": [{"source": "/root", "target": "/r"}]}), "'/root'")
         spec_of(payload(provider_config={"volumes": {"/srv/models": {"bind": "/data/hf-cache"}}}))
 
-    def test_host_ipc_without_gpu(self) -> None:
-        """Host IPC is allowed only for workloads that request GPUs."""
-        self.refused(payload(provider_type="llamacpp", ipc_mode="host"), "host IPC")
-        spec_of(payload(provider_type="llamacpp", ipc_mode="host", gpu_request="1"))
+    def test_other_containers_ipc(self) -> None:
+        """Another container's IPC namespace is refused."""
         self.refused(payload(ipc_mode="container:other"), "IPC")
 
     def test_security_opt(self) -> None:
@@ -553,3 +551,88 @@ class PullProgressTests(SynchronousTestCase):
         self.assertEqual(p.extra()["layers_done"], 1)
         p.update({"status": "Status: Downloaded newer image for x"})
         self.assertEqual(p.pct(), 100)
+
+
+class IpcTests(SynchronousTestCase):
+    """
+    Host IPC (protocol 9: the backend asks for it for every vllm/tgi runtime whose
+    gpu_request is a non-empty string, "none" included): given to workloads with GPUs while
+    ALLOW_HOST_IPC is on, otherwise replaced by private IPC and a /dev/shm, with a note.
+    """
+
+    def test_cpu_only_vllm_from_the_ui_deploys(self) -> None:
+        """gpu_request "none" + ipc_mode "host" (what the UI sends): private IPC, 1 GiB shm, a note."""
+        spec = spec_of(payload(gpu_request="none", ipc_mode="host"))
+        self.assertIsNone(spec.gpu)
+        self.assertEqual(spec.ipc_mode, "private")
+        self.assertEqual(spec.shm_size, 1024**3)
+        self.assertEqual(len(spec.notes), 1)
+        self.assertIn("private IPC", spec.notes[0])
+        self.assertIn("no GPU", spec.notes[0])
+        hc = render(spec, host_port=8000, command_id="c", agent_id="a")["host_config"]
+        self.assertEqual(hc["ipc_mode"], "private")
+        self.assertEqual(hc["shm_size"], 1024**3)
+        self.assertNotIn("device_requests", hc)
+
+    def test_gpu_request_zero_and_given_shm(self) -> None:
+        """gpu_request "0" counts as no GPU; a given shm_size is kept."""
+        spec = spec_of(payload(provider_type="tgi", gpu_request="0", ipc_mode="host", shm_size="2g"))
+        self.assertEqual((spec.ipc_mode, spec.shm_size), ("private", 2 * 1024**3))
+        self.assertIn("2 GiB", spec.notes[0])
+
+    def test_gpu_workloads_keep_host_ipc(self) -> None:
+        """With GPUs host IPC is given as asked (llama.cpp too), without a note."""
+        spec = spec_of(payload(gpu_request="all", ipc_mode="host"))
+        self.assertEqual(spec.ipc_mode, "host")
+        self.assertEqual(spec.notes, ())
+        llama = spec_of(payload(provider_type="llamacpp", ipc_mode="host", gpu_request="1"))
+        self.assertEqual(llama.ipc_mode, "host")
+
+    def test_operator_forbids_host_ipc(self) -> None:
+        """ALLOW_HOST_IPC=false: even GPU workloads get private IPC (with shm), and a note says why."""
+        strict = WorkloadSettings(agent_id="n", allow_host_ipc=False)
+        spec = spec_of(payload(gpu_request="all"), strict)  # vLLM's default is host IPC
+        self.assertEqual(spec.ipc_mode, "private")
+        self.assertEqual(spec.shm_size, 1024**3)
+        self.assertIn("ALLOW_HOST_IPC=false", spec.notes[0])
+        self.assertIsNotNone(spec.gpu)
+
+    def test_other_modes_unchanged(self) -> None:
+        """private/shareable/none and no request pass as they are, without notes."""
+        for mode in ("private", "shareable", "none"):
+            spec = spec_of(payload(provider_type="llamacpp", ipc_mode=mode))
+            self.assertEqual((spec.ipc_mode, spec.notes), (mode, ()))
+        self.assertIsNone(spec_of(payload(provider_type="llamacpp")).ipc_mode)
+
+
+class AllowlistSlashTests(SynchronousTestCase):
+    """IMAGE_ALLOWLIST entries mean the same with or without a trailing slash."""
+
+    def allowed(self, allow: str, image: str) -> bool:
+        return image_allowed(parse_image_ref(image), parse_allowlist(allow))
+
+    def test_hub_namespace_with_slash(self) -> None:
+        """myorg/ admits myorg/app:1, as myorg does; neither admits other registries or namespaces."""
+        for entry in ("myorg", "myorg/", "myorg//"):
+            self.assertTrue(self.allowed(entry, "myorg/app:1"), entry)
+            self.assertTrue(self.allowed(entry, "docker.io/myorg/app"), entry)
+            self.assertFalse(self.allowed(entry, "myorg-evil/app:1"), entry)
+            self.assertFalse(self.allowed(entry, "ghcr.io/myorg/app"), entry)
+
+    def test_every_form_same_both_ways(self) -> None:
+        """Registries, path prefixes and Docker Hub forms: identical decisions with a slash."""
+        entries = ("ghcr.io", "ghcr.io/org", "docker.io/vllm", "vllm", "registry.local:5000",
+                   "127.0.0.1:5000/team", "localhost", "library")
+        images = ("ghcr.io/org/x:1", "ghcr.io/org-evil/x", "ghcr.io/other/x", "vllm/vllm-openai",
+                  "vllm", "registry.local:5000/a/b", "127.0.0.1:5000/team/x", "127.0.0.1:5000/other",
+                  "localhost/x", "busybox", "evil.io/ghcr.io/org/x")
+        for entry in entries:
+            for image in images:
+                self.assertEqual(self.allowed(entry, image), self.allowed(entry + "/", image),
+                                 f"{entry!r} vs {entry + '/'!r} on {image}")
+
+    def test_port_registry_needs_its_slash(self) -> None:
+        """name:5000/ is a registry on a port; name:5000 stays an image with tag 5000."""
+        self.assertTrue(self.allowed("myreg:5000/", "myreg:5000/app:1"))
+        self.assertTrue(self.allowed("busybox:1", "busybox:1"))
+        self.assertFalse(self.allowed("busybox:1", "busybox:2"))

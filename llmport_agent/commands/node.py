@@ -94,16 +94,26 @@ def node_handler_specs(
         if "enabled" not in ctx.command.payload:
             raise CommandFailed(INVALID_COMMAND, "field 'payload.enabled' is missing")
         enabled = parse_enabled(ctx.command.payload["enabled"])
+        ctx.progress(
+            "maintenance",
+            "Switching maintenance mode on: deploy, start, restart and update are refused until "
+            "it is switched off; the heartbeat status becomes maintenance"
+            if enabled
+            else "Switching maintenance mode off: workload commands are accepted again",
+        )
         await modes.set(maintenance=enabled)
         log.info("Maintenance mode {state}", state="on" if enabled else "off")
         return {"maintenance_mode": enabled}
 
     async def drain_node(ctx: CommandContext) -> dict[str, Any]:
+        ctx.progress("drain", "Draining: new deploy, start and restart commands are refused; "
+                              "running workloads keep running")
         await modes.set(draining=True)
         log.info("Node draining: new deploys are refused")
         return {"draining": True}
 
     async def resume_node(ctx: CommandContext) -> dict[str, Any]:
+        ctx.progress("resume", "Resuming: new workloads are accepted again")
         await modes.set(draining=False)
         log.info("Node resumed")
         return {"draining": False}
@@ -120,6 +130,7 @@ def node_handler_specs(
         return {"profile_id": str(profile.get("id") or ""), "profile_name": str(profile.get("name") or "")}
 
     async def refresh(ctx: CommandContext) -> dict[str, Any]:
+        ctx.progress("collect", "Collecting a fresh inventory (host, disks, GPUs, engine)")
         sent = await refresh_inventory()
         if not sent:
             raise CommandFailed(
@@ -129,6 +140,7 @@ def node_handler_specs(
         return {"inventory_sent": True}
 
     async def collect(ctx: CommandContext) -> dict[str, Any]:
+        ctx.progress("collect", "Collecting diagnostics (agent, session, commands, GPUs, engine)")
         return await diagnostics()
 
     async def host_op(ctx: CommandContext) -> dict[str, Any]:

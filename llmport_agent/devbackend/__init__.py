@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from llmport_agent.devbackend._state import OMIT
 from llmport_agent.devbackend.backend import STREAM_PATH, DevBackend, Faults, ImageEntry
+from llmport_agent.devbackend.runtimes import Provider, Runtime, build_payload
 from llmport_agent.devbackend.tls import TLSFiles, make_test_tls, tls_files_in
 
 __all__ = [
     "OMIT",
+    "Provider",
+    "Runtime",
+    "build_payload",
     "STREAM_PATH",
     "DevBackend",
     "Faults",

@@ -249,7 +249,11 @@ class EnrollResource(JsonResource):
         super().__init__()
         self._backend = backend
 
-    def render_POST(self, request: Request) -> bytes:
+    def render_POST(self, request: Request) -> bytes | int:
+        self._backend.enroll_requests += 1
+        if self._backend.faults.hang_enroll:
+            self.log.info("devbackend fault: enrollment request left unanswered")
+            return NOT_DONE_YET
         body, errors = read_json_body(request)
         if errors:
             return json_response(request, 422, {"detail": errors})
@@ -478,10 +482,54 @@ class DevApiResource(JsonResource):
             return json_response(request, 200, b.timeline(path[1]))
         return json_response(request, 404, {"detail": "Not Found"})
 
+    def _runtimes_post(self, request: Request, path: list[str]) -> bytes:
+        """C{POST /dev/runtimes} (create + deploy) and C{POST /dev/runtimes/<id>/<action>}."""
+        body, errors = read_json_body(request)
+        if errors:
+            return json_response(request, 422, {"detail": errors})
+        body = body if isinstance(body, dict) else {}
+        b = self._backend
+        try:
+            if len(path) == 1:
+                node_id = body.get("node_id")
+                provider = body.get("provider")
+                if not isinstance(node_id, str) or b.node(node_id) is None:
+                    return json_response(request, 404, {"detail": "Node not found"})
+                if not isinstance(provider, dict) or not isinstance(provider.get("type"), str):
+                    return json_response(request, 422, {"detail": "provider must be an object with a type"})
+                command = b.create_runtime(
+                    node_id,
+                    provider,
+                    name=str(body.get("name") or "runtime"),
+                    runtime_id=body.get("runtime_id") if isinstance(body.get("runtime_id"), str) else None,
+                    generic_config=body.get("generic_config") if isinstance(body.get("generic_config"), dict) else None,
+                    model_sync=body.get("model_sync") if isinstance(body.get("model_sync"), dict) else None,
+                    container_name=body.get("container_name") if isinstance(body.get("container_name"), str) else None,
+                )
+            else:
+                if path[1] not in b.runtime_defs:
+                    return json_response(request, 404, {"detail": "Runtime not found"})
+                changes = body.get("provider")
+                tail = body.get("tail")
+                command = b.runtime_action(
+                    path[1],
+                    path[2],
+                    provider_changes=changes if isinstance(changes, dict) else None,
+                    generic_config=body.get("generic_config") if isinstance(body.get("generic_config"), dict) else None,
+                    tail=tail if isinstance(tail, int) and not isinstance(tail, bool) else 300,
+                )
+        except KeyError as e:
+            return json_response(request, 404, {"detail": f"Not Found: {e}"})
+        except TypeError as e:
+            return json_response(request, 422, {"detail": str(e)})
+        return json_response(request, 200, command)
+
     def render_POST(self, request: Request) -> bytes:
         if not _admin_allowed(self._backend, request):
             return json_response(request, 401, {"detail": "Not authenticated"})
         path = [p for p in _decode_path(request) if p]
+        if path and path[0] == "runtimes" and len(path) in (1, 3):
+            return self._runtimes_post(request, path)
         if len(path) != 3 or path[0] != "nodes" or path[2] not in ("commands", "profile"):
             return json_response(request, 404, {"detail": "Not Found"})
         node_id = path[1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import uuid
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, cast
@@ -36,6 +37,7 @@ from llmport_agent.devbackend._http import (
 )
 from llmport_agent.devbackend._state import AuthError, BackendState
 from llmport_agent.devbackend._stream import StreamFactory, StreamProtocol
+from llmport_agent.devbackend.runtimes import ACTIONS, Provider, Runtime, build_payload
 from llmport_agent.devbackend.tls import TLSFiles
 from llmport_agent.threads import BlockingRunner, PoolService
 
@@ -57,6 +59,8 @@ class Faults:
     @ivar image_abort_after: cut image downloads (TCP close) after this many bytes.
     @ivar stream_deny_status: refuse every stream upgrade with this HTTP status.
     @ivar hold_commands: never send commands (neither in C{hello_ack} nor in replies).
+    @ivar hang_enroll: accept enrollment requests and never answer them (a backend that
+        hangs; C{enroll_requests} counts them).
     """
 
     lose_rotate_reply: bool = False
@@ -64,6 +68,7 @@ class Faults:
     image_abort_after: int | None = None
     stream_deny_status: int | None = None
     hold_commands: bool = False
+    hang_enroll: bool = False
 
 
 @frozen
@@ -169,6 +174,10 @@ class DevBackend:
         self._scheme = "http"
         self._interface = "127.0.0.1"
         self._inflight: set[Deferred[Any]] = set()
+        #: Runtimes created through L{create_runtime} (the backend's runtime API), by id.
+        self.runtime_defs: dict[str, Runtime] = {}
+        #: Enrollment requests received (answered or, with C{faults.hang_enroll}, not).
+        self.enroll_requests = 0
 
     # -- serving ----------------------------------------------------------------------------
 
@@ -427,14 +436,76 @@ class DevBackend:
         """Register a C{docker save} tar for C{GET .../images/save?image=name&tag=tag}."""
         self.images[f"{name}:{tag}"] = ImageEntry(name, tag, tar_path, image_size)
 
+    # -- the runtime API (payloads as the real backend builds them) --------------------------
+
+    def create_runtime(
+        self,
+        node_id: str,
+        provider: Provider | dict[str, Any],
+        *,
+        name: str = "runtime",
+        runtime_id: str | None = None,
+        generic_config: dict[str, Any] | None = None,
+        model_id: str = "model",
+        model_sync: dict[str, Any] | None = None,
+        container_name: str | None = None,
+    ) -> dict[str, Any]:
+        """
+        Create a runtime on C{node_id} and issue its C{deploy_workload}, with the payload the
+        real backend builds (see L{runtimes}). Returns the command.
+        """
+        self.state._node(node_id)
+        prov = provider if isinstance(provider, Provider) else Provider.from_dict(dict(provider))
+        runtime = Runtime(
+            id=runtime_id or str(uuid.uuid4()),
+            name=name,
+            node_id=node_id,
+            provider=prov,
+            model_id=model_id,
+            generic_config=dict(generic_config or {}),
+            model_sync=model_sync,
+            container_name=container_name,
+        )
+        self.runtime_defs[runtime.id] = runtime
+        return self.runtime_action(runtime.id, "deploy")
+
+    def runtime_action(
+        self,
+        runtime_id: str,
+        action: str,
+        *,
+        provider_changes: dict[str, Any] | None = None,
+        generic_config: dict[str, Any] | None = None,
+        tail: int = 300,
+    ) -> dict[str, Any]:
+        """
+        Issue C{action} (C{deploy}, C{start}, C{restart}, C{update}, C{stop}, C{remove},
+        C{logs}) on a runtime made by L{create_runtime}; C{update} applies the edits first.
+        Returns the command. C{KeyError} for an unknown runtime or action.
+        """
+        runtime = self.runtime_defs[runtime_id]
+        command_type = ACTIONS[action]
+        if action == "update":
+            if provider_changes:
+                runtime.provider.changed(provider_changes)
+            if generic_config is not None:
+                runtime.generic_config = dict(generic_config)
+        payload = build_payload(command_type, runtime, tail=tail)
+        # The backend's keys: a command of a runtime that is lost after its ack blocks every
+        # later command of that kind for that runtime (protocol 3.1).
+        key = f"runtime-{action}-{runtime_id}" if action != "logs" else None
+        return self.issue_command(runtime.node_id, command_type, payload, idempotency_key=key)
+
     def revoke_credentials(self, node_id: str) -> None:
         """Revoke every credential of the node (open streams stay open)."""
         self.state.revoke_credentials(node_id)
 
     def delete_node(self, node_id: str) -> None:
         """
-        Delete the node row: its credentials then fail with "Credential node no longer
-        exists." (403 on the stream); an open stream fails at its next frame.
+        Delete the node row, as the real backend does while a session is open (protocol 9):
+        the open stream's handler fails at its next frame and the connection drops (no close
+        frame: the agent sees 1006), and every later upgrade gets HTTP 403 ("Credential node
+        no longer exists."). Re-enrolling the same agent id afterwards creates a new node.
         """
         self.state.delete_node(node_id)
 

@@ -21,6 +21,8 @@ from autobahn.websocket.types import ConnectingRequest
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
+from llmport_agent.tls import describe_connection_error
+
 if TYPE_CHECKING:
     from llmport_agent.session.service import SessionService
 
@@ -76,6 +78,7 @@ class AgentClientProtocol(WebSocketClientProtocol):
         self._ping_counter = 0
         self.frames_sent = 0
         self.frames_received = 0
+        self.lost_reason: Any = None
 
     # -- handshake -------------------------------------------------------------------------
 
@@ -173,6 +176,15 @@ class AgentClientProtocol(WebSocketClientProtocol):
             self._send_confirm_ping()
 
     # -- close -----------------------------------------------------------------------------
+
+    def connectionLost(self, reason: Any = None) -> None:
+        # Kept for the session, which says what a TLS failure means and what to set; Autobahn's
+        # own error line for it ("SSL error: certificate verify failed") would only repeat it.
+        self.lost_reason = reason
+        if reason is not None and describe_connection_error(reason):
+            self._connectionLost(reason)
+            return
+        super().connectionLost(reason)
 
     def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:
         pending = self._unconfirmed + [d for ws in self._ping_waiters.values() for d in ws]

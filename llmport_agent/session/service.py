@@ -18,10 +18,12 @@ from attrs import define, field
 from autobahn.exception import Disconnected
 from twisted.application.internet import ClientService
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+from zope.interface import implementer
 
 from llmport_agent.backend_http import BackendHTTP, Rejected, Transient
 from llmport_agent.backoff import Backoff, FailureCounter, retry_policy
@@ -32,7 +34,7 @@ from llmport_agent.session.protocol import (
     AgentClientProtocol,
 )
 from llmport_agent.state import StateStore, token_fingerprint
-from llmport_agent.tls import client_tls_options
+from llmport_agent.tls import client_tls_options, describe_connection_error
 
 STREAM_PATH = "/api/admin/system/nodes/stream"
 TOKEN_HELP = "mint a new one with POST /api/admin/system/nodes/enrollment-tokens"
@@ -47,6 +49,10 @@ ROTATION_TIMEOUT = 10.0
 REVOKED_AFTER_REFUSALS = 5
 REVOKED_AFTER_SECONDS = 180.0
 REVOKED_RETRY_SECONDS = 300.0
+#: On stop, an enrollment or rotation request in flight gets this long to bring back its
+#: reply (the backend may already have consumed the token / revoked the old credential);
+#: then it is cancelled, so a stop always completes within about two seconds.
+CRITICAL_STOP_GRACE = 1.0
 
 
 class SessionListener(Protocol):
@@ -61,6 +67,21 @@ def stream_url(backend_url: str) -> str:
     scheme = "wss" if parts.scheme == "https" else "ws"
     path = parts.path.rstrip("/") + STREAM_PATH
     return urlunsplit((scheme, parts.netloc, path, "", ""))
+
+
+@implementer(IStreamClientEndpoint)
+class _NamedEndpoint:
+    """An endpoint that logs as the backend address (ClientService logs its endpoint's repr)."""
+
+    def __init__(self, endpoint: Any, label: str) -> None:
+        self._endpoint = endpoint
+        self._label = label
+
+    def connect(self, protocolFactory: Any) -> Any:
+        return self._endpoint.connect(protocolFactory)
+
+    def __repr__(self) -> str:
+        return self._label
 
 
 @define
@@ -140,11 +161,22 @@ class SessionService(Service):
         self._poll: Any = None  # IDelayedCall: the next poll frame, pushed back by every frame sent
         self._rotation_loop: LoopingCall | None = None
         self._last_sent_at = 0.0
+        # Refusals of the stream upgrade (401/403) since the last open, persisted so that a
+        # restart does not start counting again (wall-clock time of the first one).
+        refusals = state.get("refusals")
         self._refusals = 0
         self._first_refusal_at: float | None = None
+        if isinstance(refusals, dict):
+            count, first = refusals.get("count"), refusals.get("first_at")
+            if isinstance(count, int) and count > 0 and isinstance(first, (int, float)):
+                self._refusals, self._first_refusal_at = count, float(first)
         self._revoked = False
         self._sleeping: Deferred[None] | None = None
         self._critical: set[Deferred[Any]] = set()
+        self._requests: set[Deferred[Any]] = set()  # enroll/rotate HTTP requests in flight
+        self._token_line_said = False
+        self._factory: AgentClientFactory | None = None
+        self._endpoint: Any = None
         # When repeated refusals mean "revoked" (instance attributes so tests can shorten them).
         self.revoked_after_refusals = REVOKED_AFTER_REFUSALS
         self.revoked_after_seconds = REVOKED_AFTER_SECONDS
@@ -176,6 +208,10 @@ class SessionService(Service):
             )
         return endpoint
 
+    @property
+    def _unverified_tls(self) -> bool:
+        return self.config.backend_url.startswith("https:") and not self.config.verify_tls
+
     # -- start -----------------------------------------------------------------------------
 
     def startService(self) -> None:
@@ -188,13 +224,16 @@ class SessionService(Service):
 
     async def _start(self) -> None:
         token = self.config.enrollment_token
+        if self._unverified_tls and (self.state.credential or token):
+            # Before the first request leaves, not after.
+            self.log.warn(
+                "TLS verification is OFF (LLM_PORT_NODE_AGENT_VERIFY_TLS=false): enrollment and "
+                "the stream to {url} are open to interception; set LLM_PORT_NODE_AGENT_CA_BUNDLE "
+                "to the backend's CA certificate instead",
+                url=self.config.backend_url,
+            )
         if self.state.credential:
-            if token:
-                self.log.info(
-                    "A credential is stored in {path}; the enrollment token is not needed any more "
-                    "and can be removed from the configuration",
-                    path=self.state.path,
-                )
+            pass  # whether the token can go is said once the backend accepted the credential
         elif token:
             if token_fingerprint(token) in self.state.get("used_tokens", []):
                 self._fatal(
@@ -217,18 +256,47 @@ class SessionService(Service):
             return
         self._connect()
 
-    async def _enroll(self, token: str) -> bool:
-        """Enroll with retries on transient errors. False when rejected or stopping."""
+    async def _request(self, request: Any) -> Any:
+        """Await an enroll/rotate request; L{stopService} can cancel it (see CRITICAL_STOP_GRACE)."""
+        d: Deferred[Any] = ensureDeferred(request)
+        self._requests.add(d)
+        try:
+            return await d
+        finally:
+            self._requests.discard(d)
+
+    async def _enroll(self, token: str, *, reenroll: bool = False) -> bool:
+        """
+        Enroll with retries on transient errors. False when rejected or stopping.
+
+        @param reenroll: the stored credential was refused and this is a fresh token: a
+            rejected token is then logged (the agent keeps retrying its credential) instead
+            of stopping the agent.
+        """
         self._enrolling = True
         attempt = 0
         try:
             while not self._stopping:
                 try:
                     capabilities = await self._capabilities()
-                    result = await self.backend.enroll(
-                        token, self.config.agent_id, self.config.host, capabilities, self.version
+                    result = await self._request(
+                        self.backend.enroll(
+                            token, self.config.agent_id, self.config.host, capabilities, self.version
+                        )
                     )
+                except CancelledError:
+                    return False
                 except Rejected as e:
+                    if reenroll and e.status != 422:
+                        await self._remember_token(token)
+                        self.log.error(
+                            "The backend refuses this node's credential and rejected the configured "
+                            "enrollment token too ({detail}): it is invalid, expired or already used; "
+                            "{help}, set LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN and restart the agent",
+                            detail=e.detail,
+                            help=TOKEN_HELP,
+                        )
+                        return False
                     if e.status == 422:
                         # A malformed request does not consume the token: do not remember it.
                         self._fatal(
@@ -246,6 +314,8 @@ class SessionService(Service):
                     )
                     return False
                 except Transient as e:
+                    if self._stopping:
+                        return False  # cancelled by the stop: no retry delay after it
                     attempt += 1
                     delay = self.backoff.delay(attempt)
                     self.log.warn(
@@ -270,7 +340,10 @@ class SessionService(Service):
                     enrolled_at=self._wallclock(),
                     last_rotation_at=self._wallclock(),
                     used_tokens=used,
+                    refusals=None,
                 )
+                self._refusals = 0
+                self._first_refusal_at = None
                 self.node_id = result.node_id
                 self.stats.enrollments += 1
                 self.log.info(
@@ -289,9 +362,12 @@ class SessionService(Service):
         await self.state.update(used_tokens=used)
 
     def _sleep(self, seconds: float) -> Deferred[None]:
-        """A cancellable pause; C{stopService} cancels it."""
+        """A cancellable pause; C{stopService} cancels it (and a stopping service never sleeps)."""
+        from twisted.internet.defer import fail
         from twisted.internet.task import deferLater
 
+        if self._stopping:
+            return fail(CancelledError())
         d = deferLater(self._reactor, seconds, lambda: None)
         self._sleeping = d
 
@@ -306,7 +382,7 @@ class SessionService(Service):
         parts = urlsplit(self.config.backend_url)
         tls = parts.scheme == "https"
         port = parts.port or (443 if tls else 80)
-        factory = AgentClientFactory(
+        self._factory = factory = AgentClientFactory(
             url,
             session=self,
             credential=self.credential,
@@ -321,7 +397,11 @@ class SessionService(Service):
             maxMessagePayloadSize=HARD_MAX_FRAME,
             maxFramePayloadSize=HARD_MAX_FRAME,
         )
-        endpoint = self._endpoint_factory(parts.hostname or "", port, tls)
+        host = parts.hostname or ""
+        shown = f"[{host}]" if ":" in host else host
+        self._endpoint = _NamedEndpoint(
+            self._endpoint_factory(host, port, tls), f"{'TLS ' if tls else ''}{shown}:{port}"
+        )
         base_policy = retry_policy(self.backoff, self.failures)
 
         def policy(attempt: int) -> float:
@@ -330,11 +410,33 @@ class SessionService(Service):
             return base_policy(attempt)
 
         self._policy = policy
-        self._client = ClientService(endpoint, factory, retryPolicy=policy, clock=self._reactor)
-        self._client.startService()
+        self._start_client()
         self._rotation_loop = LoopingCall(self._rotation_tick)
         self._rotation_loop.clock = self._reactor
         self._rotation_loop.start(ROTATION_CHECK, now=False)
+
+    def _start_client(self) -> None:
+        assert self._factory is not None
+        self._client = ClientService(
+            self._endpoint, self._factory, retryPolicy=self._policy, clock=self._reactor
+        )
+        self._client.startService()
+
+    def _reconnect_now(self) -> None:
+        """
+        Connect at once instead of after the pending retry delay (after a re-enrollment: the
+        new credential is good, waiting for the backoff would only delay the node).
+        """
+        client = self._client
+        if client is None or self.proto is not None or self._stopping:
+            return
+        self._client = None
+
+        def restart(_: object) -> None:
+            if not self._stopping and self._client is None and self._factory is not None:
+                self._start_client()
+
+        client.stopService().addBoth(restart)
 
     # -- connection events (called by the protocol) ---------------------------------------
 
@@ -347,6 +449,8 @@ class SessionService(Service):
         self.stats.last_open_at = self._wallclock()
         self._refusals = 0
         self._first_refusal_at = None
+        if self.state.get("refusals") is not None:
+            self.state.note(refusals=None)
         if self.state.get("previous_credential"):
             # The current credential works: stop alternating.
             self.state.note(previous_credential=None)
@@ -355,16 +459,34 @@ class SessionService(Service):
         self._last_sent_at = self._reactor.seconds()
         self._schedule_poll()
         self.log.info("Connected to the backend stream at {url}", url=stream_url(self.config.backend_url))
-        if self.config.backend_url.startswith("https:") and not self.config.verify_tls:
+        if self._unverified_tls and self.stats.opens > 1:
             self.log.warn(
                 "TLS verification is OFF (LLM_PORT_NODE_AGENT_VERIFY_TLS=false): this connection "
                 "to the backend is open to interception"
             )
+        self._say_token_removable()
         for listener in list(self._listeners):
             try:
                 listener.session_opened()
             except Exception:
                 self.log.failure("A session listener failed on open")
+
+    def _say_token_removable(self) -> None:
+        """Once per run, after the backend accepted a stored credential: the token can go."""
+        token = self.config.enrollment_token
+        if not token or self._token_line_said:
+            return
+        self._token_line_said = True
+        if token_fingerprint(token) in self.state.get("used_tokens", []):
+            why = "it was used to enroll this node (tokens are single use)"
+        else:
+            why = "it was not needed (it is still unused)"
+        self.log.info(
+            "The backend accepted the credential stored in {path}; the enrollment token in "
+            "LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN can be removed from the configuration: {why}",
+            path=self.state.path,
+            why=why,
+        )
 
     def frame_received(self, proto: AgentClientProtocol, frame: dict[str, Any]) -> None:
         if proto is not self.proto:
@@ -415,7 +537,7 @@ class SessionService(Service):
             return
         if opened_for is None:
             self.stats.refused += 1
-            self._refused(http_status, reason)
+            self._refused(http_status, reason, getattr(proto, "lost_reason", None))
         else:
             self.log.info(
                 "Backend stream closed (code {code}, {reason}) after {seconds:.0f} s; reconnecting",
@@ -424,14 +546,33 @@ class SessionService(Service):
                 seconds=opened_for,
             )
 
-    def _refused(self, http_status: int | None, reason: str | None) -> None:
+    def _refused(self, http_status: int | None, reason: str | None, lost: Any = None) -> None:
         if http_status not in (401, 403):
+            described = describe_connection_error(lost) if lost is not None else None
             self.log.warn(
-                "Could not open the backend stream: {reason}", reason=(reason or "connection failed")
+                "Could not open the backend stream: {reason}",
+                reason=described or reason or "connection failed",
             )
             return
-        now = self._reactor.seconds()
+        now = self._wallclock()
         self._refusals += 1
+        if self._first_refusal_at is None or self._first_refusal_at > now:
+            self._first_refusal_at = now
+        self.state.note(refusals={"count": self._refusals, "first_at": self._first_refusal_at})
+        token = self.config.enrollment_token
+        if token and token_fingerprint(token) not in self.state.get("used_tokens", []):
+            # A token this node never used: re-enrolling with it is harmless (same agent id:
+            # the same node row, or a new one after a deletion) and fixes a deleted node or a
+            # lost credential now rather than after minutes of refusals.
+            if not self._enrolling:
+                self.log.warn(
+                    "The backend refused this node's credential (HTTP {status}); enrolling again "
+                    "with the configured enrollment token (agent id {agent_id})",
+                    status=http_status,
+                    agent_id=self.config.agent_id,
+                )
+                self._reenroll(token)
+            return
         previous = self.state.get("previous_credential")
         if isinstance(previous, str) and previous and previous != self.state.credential:
             # Two credentials are kept only while it is unknown which one the backend honours
@@ -442,8 +583,6 @@ class SessionService(Service):
                 status=http_status,
             )
             self.state.note(credential=previous, previous_credential=self.state.credential)
-        if self._first_refusal_at is None:
-            self._first_refusal_at = now
         span = now - self._first_refusal_at
         if self._refusals >= self.revoked_after_refusals and span >= self.revoked_after_seconds:
             self._credential_revoked()
@@ -454,21 +593,16 @@ class SessionService(Service):
                 n=self._refusals,
             )
 
+    def _reenroll(self, token: str) -> None:
+        async def run() -> None:
+            if await self._enroll(token, reenroll=True):
+                self._reconnect_now()
+
+        d = Deferred.fromCoroutine(run())
+        d.addErrback(lambda f: self.log.failure("Re-enrollment failed", failure=f))
+        self._track_critical(d)
+
     def _credential_revoked(self) -> None:
-        token = self.config.enrollment_token
-        if token and token_fingerprint(token) not in self.state.get("used_tokens", []) and not self._enrolling:
-            self.log.warn(
-                "The backend keeps refusing this node's credential (HTTP 403, {n} times over "
-                "{minutes:.0f} min); re-enrolling with the configured enrollment token",
-                n=self._refusals,
-                minutes=(self._reactor.seconds() - (self._first_refusal_at or 0)) / 60,
-            )
-            self._refusals = 0
-            self._first_refusal_at = None
-            d = Deferred.fromCoroutine(self._enroll(token))
-            d.addErrback(lambda f: self.log.failure("Re-enrollment failed", failure=f))
-            self._track_critical(d)
-            return
         self._revoked = True
         self.log.error(
             "The backend refuses this node's credential (HTTP 403, {n} times): the node was probably "
@@ -562,7 +696,14 @@ class SessionService(Service):
         self._rotating = True
         try:
             try:
-                _, new = await self.backend.rotate(old, ROTATION_TIMEOUT)
+                _, new = await self._request(self.backend.rotate(old, ROTATION_TIMEOUT))
+            except CancelledError:
+                self.log.warn(
+                    "Credential rotation was cut short by the stop; its outcome is unknown. The "
+                    "current credential stays in use; if the backend refuses it, this node needs a "
+                    "new enrollment token."
+                )
+                return False
             except Rejected as e:
                 self.stats.rotation_errors += 1
                 self.log.warn(
@@ -607,20 +748,34 @@ class SessionService(Service):
         super().stopService()
         self._stopping = True
         if self._sleeping is not None:
-            self._sleeping.cancel()
+            self._sleeping.cancel()  # retry delays end at once
         pending = [d for d in self._critical if not d.called]
         if self._starting is not None and not self._starting.called:
             pending.append(self._starting)
         if pending:
-            # An enrollment or rotation in flight must store its credential before the thread
-            # pools stop: the backend has already consumed the token / revoked the old one.
+            # An enrollment or rotation whose request is in flight gets a moment to bring back
+            # its reply and store the credential (the backend may already have consumed the
+            # token / revoked the old one), then it is cancelled: a stop takes at most ~2 s,
+            # whatever REQUEST_TIMEOUT_SEC is.
             from twisted.internet.defer import DeferredList
 
+            cancel = self._reactor.callLater(CRITICAL_STOP_GRACE, self._cancel_requests)
             waiting: Deferred[Any] = DeferredList(pending, consumeErrors=True)
-            waiting.addTimeout(self.config.request_timeout_sec + 5, self._reactor)
+            waiting.addTimeout(CRITICAL_STOP_GRACE + 1.0, self._reactor)
             waiting.addErrback(lambda _: None)
-            return waiting.addCallback(lambda _: self._stop_connection())
+
+            def done(_: object) -> Deferred[None]:
+                if cancel.active():
+                    cancel.cancel()
+                self._cancel_requests()
+                return self._stop_connection()
+
+            return waiting.addCallback(done)
         return self._stop_connection()
+
+    def _cancel_requests(self) -> None:
+        for d in list(self._requests):
+            d.cancel()
 
     def _stop_connection(self) -> Deferred[None]:
         self._cancel_poll()

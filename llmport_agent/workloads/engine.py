@@ -233,6 +233,9 @@ class DockerEngine(Service):
         self._probe_call: Any = None
         self._probing: Deferred[Any] | None = None
         self.available = False
+        #: Whether the engine was ever probed (or called): before that, "not available"
+        #: means "not known yet", not "down".
+        self.checked = False
         self.last_error = "not checked yet"
         self.version = ""
         self.api_version = ""
@@ -277,7 +280,9 @@ class DockerEngine(Service):
         self._listeners.append(listener)
 
     def _setAvailable(self, available: bool, error: str = "") -> None:
-        changed = available != self.available
+        # The first answer (or its absence) is a change too: from "not known yet".
+        changed = available != self.available or not self.checked
+        self.checked = True
         self.available = available
         self.last_error = "" if available else error
         if not changed:
@@ -290,9 +295,11 @@ class DockerEngine(Service):
             )
         else:
             self.log.warn(
-                "Docker engine at {address} is unavailable: {error}",
-                address=self.address,
+                "{error}. Workload commands fail and the node reports degraded until it "
+                "answers; start dockerd or point DOCKER_HOST at the engine (checked again every "
+                "{every:g} s at most, said here when it answers)",
                 error=error,
+                every=self._probe_max,
             )
         for listener in list(self._listeners):
             try:
@@ -331,7 +338,7 @@ class DockerEngine(Service):
             if failure.check(CancelledError):
                 return
             err = translate_error("ping", self.address, failure.value, self.call_timeout)
-            self._setAvailable(False, err.error_message)
+            self._setAvailable(False, err.error_message.removeprefix("ping failed: "))
             delay = self._probe_delay
             self._probe_delay = min(self._probe_delay * 2, self._probe_max)
             self._scheduleProbe(delay)

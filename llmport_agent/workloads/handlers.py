@@ -24,8 +24,9 @@ from ..commands.base import (
     HandlerSpec,
 )
 from . import containers as ops
+from . import exits
 from .engine import DockerEngine, EngineError
-from .images import ImageManager
+from .images import PULL_FAILED, PULL_STALLED, ImageManager
 from .policy import (
     PolicyError,
     check_container_name,
@@ -278,7 +279,8 @@ class WorkloadManager:
         return ports
 
     async def _exit_info(self, cid: str) -> ContainerExit | None:
-        info = await self.engine.call(ops.exit_info, cid, what="checking the container")
+        # The real last exit (the engine's die event), not State.ExitCode after a restart.
+        info = await self.engine.call(exits.exit_info, cid, what="checking the container")
         if info is None:
             return None
         return ContainerExit(
@@ -345,7 +347,70 @@ class WorkloadManager:
 
         return progress
 
-    async def _prepare(self, ctx: CommandContext, spec: WorkloadSpec) -> dict[str, Any]:
+    def _notes(self, ctx: CommandContext, spec: WorkloadSpec) -> None:
+        """Say, in the command's progress, what the local policy changed in the request."""
+        for note in spec.notes:
+            self.log.info("{runtime}: {note}", runtime=spec.container_name, note=note)
+            ctx.progress("validate", note, container_name=spec.container_name)
+
+    async def _image(
+        self, ctx: CommandContext, spec: WorkloadSpec, *, local_first: bool
+    ) -> dict[str, Any]:
+        """
+        Make the image present. The rule (README, "Images"):
+
+         - start/restart of a missing container (C{local_first}): the image already on this
+           node is used when present, whatever C{image_source} says (the backend sends
+           C{pull_from_registry} there by default, even for a local-only image; protocol 9);
+         - C{pull_from_registry} otherwise pulls (an update may want a newer image under the
+           same tag), and when the registry cannot provide it but the image is present
+           locally, the local one is used and the progress says so;
+         - nothing is pulled or transferred that the payload did not ask for.
+        """
+        ref = spec.image
+        if local_first and spec.image_source is not None:
+            local = await self.images.inspect(ref)
+            if local is not None:
+                ctx.progress(
+                    "pull_image",
+                    f"Using the image already on this node, {ref.canonical} ({local['id'][:19]}): "
+                    f"a start of a missing container runs the runtime's image as it is here "
+                    f"(the backend's image_source {spec.image_source!r} on start/restart is its "
+                    "default, not a request for a newer image; use update to refresh it)",
+                    progress_pct=100,
+                )
+                return {"image": ref.canonical, "image_id": local["id"], "local": True}
+        try:
+            return await self.images.ensure(ref, spec.image_source, ctx.progress, spec.registry_auth)
+        except CommandFailed as exc:
+            if spec.image_source != "pull_from_registry" or exc.error_code not in (
+                PULL_FAILED,
+                PULL_STALLED,
+            ):
+                raise
+            local = await self.images.inspect(ref)
+            if local is None:
+                raise
+            ctx.progress(
+                "pull_image",
+                f"{exc.error_message.rstrip('.')}. The image is present on this node: using the "
+                f"local {ref.canonical} ({local['id'][:19]}) instead.",
+                progress_pct=100,
+            )
+            self.log.warn(
+                "The registry could not provide {image}; using the local image instead",
+                image=ref.canonical,
+            )
+            return {
+                "image": ref.canonical,
+                "image_id": local["id"],
+                "local": True,
+                "pull_error": exc.error_message,
+            }
+
+    async def _prepare(
+        self, ctx: CommandContext, spec: WorkloadSpec, *, local_first: bool = False
+    ) -> dict[str, Any]:
         """sync_model then pull_image/transfer_image."""
         if spec.model_source == "sync_from_server" and spec.model_sync:
             if self._sync_model is None:
@@ -362,9 +427,7 @@ class WorkloadManager:
             ctx.progress("sync_model", "The container downloads the model itself (download_from_hf)")
         else:
             ctx.progress("sync_model", "No model sync needed")
-        return await self.images.ensure(
-            spec.image, spec.image_source, ctx.progress, spec.registry_auth
-        )
+        return await self._image(ctx, spec, local_first=local_first)
 
     async def _launch(
         self,
@@ -481,7 +544,9 @@ class WorkloadManager:
         self._event(ctx, "workload.deployed", self._eventPayload(result))
         return result
 
-    async def _deploy(self, ctx: CommandContext, spec: WorkloadSpec) -> dict[str, Any]:
+    async def _deploy(
+        self, ctx: CommandContext, spec: WorkloadSpec, *, local_first: bool = False
+    ) -> dict[str, Any]:
         ctx.progress(
             "validate",
             f"Validated {spec.provider_type} workload {spec.container_name} "
@@ -489,6 +554,7 @@ class WorkloadManager:
             image=spec.image.canonical,
             container_name=spec.container_name,
         )
+        self._notes(ctx, spec)
         found = await self._find(spec.runtime_id, spec.container_name)
         self._check_foreign(found, spec.runtime_id)
         await self._check_requested_port(spec, found)
@@ -497,10 +563,12 @@ class WorkloadManager:
             "remove_stale",
             f"Removed {removed} stale container(s)" if removed else "No stale container",
         )
-        image = await self._prepare(ctx, spec)
+        image = await self._prepare(ctx, spec, local_first=local_first)
         result = await self._launch(ctx, spec)
         if image.get("image_id"):
             result["image_id"] = image["image_id"]
+        if image.get("local"):
+            result["image_local"] = True
         return result
 
     @staticmethod
@@ -535,7 +603,7 @@ class WorkloadManager:
                     "validate",
                     f"No container for runtime {runtime_id} on this node; deploying it",
                 )
-                result = await self._deploy(ctx, spec)
+                result = await self._deploy(ctx, spec, local_first=True)
                 event = "workload.deployed"
             else:
                 result = await self._startExisting(ctx, runtime_id, primary, restart=restart)
@@ -638,6 +706,7 @@ class WorkloadManager:
             f"Validated the update of {spec.container_name} (image {spec.image.canonical})",
             image=spec.image.canonical,
         )
+        self._notes(ctx, spec)
         found = await self._find(spec.runtime_id, spec.container_name)
         self._check_foreign(found, spec.runtime_id)
         old = self._primary(found)

@@ -137,6 +137,7 @@ class HealthWatcher(Service):
         self._last_event_time: int | None = None
         self._busy: set[Deferred[Any]] = set()
         self.stream_open = False
+        self._stream_failures = 0
         self.events_seen = 0
         self._announce_pending = False
 
@@ -245,6 +246,7 @@ class HealthWatcher(Service):
     def _streamOpened(self) -> None:
         self.stream_open = True
         self._backoff = self._backoff_initial
+        self._stream_failures = 0
         # Catch up with whatever changed while the stream was down.
         self._track(self.reconcile())
 
@@ -265,9 +267,16 @@ class HealthWatcher(Service):
             reason = "the engine closed the stream"
         # A broken event stream often means the engine went away: let it re-check now.
         self._engine.checkNow()
+        if not self._engine.available:
+            # The engine's own line says it is down (once); the stream restarts when the
+            # engine answers again (_engineChanged), not on a timer that would log forever.
+            return
         delay = self._backoff
         self._backoff = min(self._backoff * 2, self._backoff_max)
-        self.log.info(
+        self._stream_failures += 1
+        # One line per outage, not one per retry (a retry every 30 s forever otherwise).
+        log = self.log.info if self._stream_failures == 1 else self.log.debug
+        log(
             "Engine event stream ended ({reason}); reconnecting in {delay} s",
             reason=reason,
             delay=delay,

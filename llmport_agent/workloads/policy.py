@@ -178,20 +178,27 @@ def parse_allow_entry(text: str) -> AllowEntry:
     """
     Parse one allowlist entry.
 
-    Forms: C{ghcr.io} or C{registry.local:5000/} (a whole registry), C{ghcr.io/org} (a path
-    prefix), C{vllm} (Docker Hub: the C{vllm/} namespace and the official C{vllm} image),
-    C{ollama/ollama:0.5.1} (one tag), C{repo@sha256:...} (one digest).
+    Forms: C{ghcr.io} or C{registry.local:5000} (a whole registry: a name with a dot or a
+    port, or C{localhost}), C{ghcr.io/org} (a path prefix), C{vllm} (Docker Hub: the C{vllm/}
+    namespace and the official C{vllm} image), C{ollama/ollama:0.5.1} (one tag),
+    C{repo@sha256:...} (one digest). A trailing slash changes nothing (C{myorg/} is
+    C{myorg}, C{ghcr.io/} is C{ghcr.io}) except after a port: C{name:5000/} is a registry,
+    C{name:5000} an image with tag 5000.
 
     @raise PolicyError: the entry is malformed.
     """
+    # A trailing slash changes nothing: operators coming from the original agent write
+    # prefixes as C{myorg/} or C{ghcr.io/org/}, and each means what it means without one.
+    # The one thing it tells apart is C{name:5000/} (a registry on a port) from
+    # C{name:5000} (an image with tag 5000, as Docker reads it).
     raw = text.strip()
-    trailing_slash = raw.endswith("/")
+    port_registry = raw.endswith("/") and re.match(r"^[^/:@]+:[0-9]+/+$", raw) is not None
     raw = raw.rstrip("/")
     if not raw:
         raise PolicyError(f"IMAGE_ALLOWLIST entry {text!r} is empty")
     if "/" not in raw and "@" not in raw:
         host = raw.split(":", 1)[0]
-        if trailing_slash or "." in host or host == "localhost":
+        if port_registry or "." in host or host == "localhost":
             if not _DOMAIN_RE.match(raw):
                 raise PolicyError(f"IMAGE_ALLOWLIST entry {text!r} is not a valid registry")
             reg = raw.lower()
@@ -428,14 +435,13 @@ def check_refusals(
     *,
     operator_network: str,
     model_store: str | None,
-    has_gpu: bool,
     ipc_mode: str | None,
 ) -> None:
     """
     Refuse Docker settings the backend may not choose: privileged mode, added
     capabilities, devices other than GPUs, host PID (and other) namespaces, a network
-    other than the operator's choice, bind mounts other than the model store, and host
-    IPC for workloads without GPUs.
+    other than the operator's choice, bind mounts other than the model store, and another
+    container's IPC namespace. (Host IPC is not refused but decided by L{resolve_ipc}.)
 
     @param sections: the payload parts to inspect, by name (e.g. C{payload},
         C{provider_config}).
@@ -486,9 +492,55 @@ def check_refusals(
                 INVALID_COMMAND,
                 f"ipc_mode {ipc_mode[:40]!r} is not one of {', '.join(_IPC_VALUES)}",
             )
-        if value == "host" and not has_gpu:
-            raise _refuse(
-                "host IPC",
-                "ipc_mode",
-                "host IPC is allowed only for workloads that request GPUs",
-            )
+
+
+#: /dev/shm given to a workload whose host IPC was replaced by private IPC (the size the
+#: backend gives GPU workloads).
+REPLACED_IPC_SHM = 1024**3
+
+
+@frozen
+class IpcDecision:
+    """
+    How a workload's IPC namespace is set up.
+
+    @ivar ipc_mode: the engine's C{IpcMode} (C{None}: the engine's default, private).
+    @ivar shm_size: C{/dev/shm} size in bytes (C{None}: the engine's default, 64 MiB).
+    @ivar note: one sentence for the command's progress when the request was changed.
+    """
+
+    ipc_mode: str | None
+    shm_size: int | None
+    note: str | None = None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:g} GiB" if n >= 1024**3 else f"{n / 1024**2:g} MiB"
+
+
+def resolve_ipc(
+    ipc_mode: str | None, *, has_gpu: bool, allow_host: bool, shm_size: int | None
+) -> IpcDecision:
+    """
+    Host IPC is given only to workloads that request GPUs, and only while the operator
+    allows it (C{ALLOW_HOST_IPC}, on by default: the backend asks for it for every vLLM and
+    TGI runtime, which use it for NCCL and PyTorch shared memory). Anything else that asks
+    for host IPC (a CPU-only vLLM runtime arrives with C{gpu_request: "none"} and C{ipc_mode:
+    "host"}, protocol 9) runs with private IPC and a C{/dev/shm} of C{shm_size} (1 GiB when
+    not given) instead, and the returned note says so. Other modes pass unchanged
+    (L{check_refusals} validated them).
+    """
+    value = ipc_mode.strip().lower() if isinstance(ipc_mode, str) and ipc_mode.strip() else None
+    if value != "host" or (has_gpu and allow_host):
+        return IpcDecision(value, shm_size)
+    shm = shm_size if shm_size is not None else REPLACED_IPC_SHM
+    why = (
+        "this node's operator does not allow host IPC (LLM_PORT_NODE_AGENT_ALLOW_HOST_IPC=false)"
+        if has_gpu
+        else "the workload requests no GPU (the backend asks for host IPC for every vllm and tgi runtime)"
+    )
+    note = (
+        f"Host IPC was requested but {why}; the container runs with private IPC and a "
+        f"{_gib(shm)} /dev/shm instead (set shm_size on the runtime to change it)."
+    )
+    return IpcDecision("private", shm, note)

@@ -66,9 +66,10 @@ def make_treq_probe(http: Any, timeout: float = 5.0) -> Callable[[str], Deferred
 
 def describe_exit(container_name: str, exit_info: ContainerExit) -> str:
     """One readable sentence (plus log tail) for a container that exited during startup."""
+    code = str(exit_info.exit_code) if exit_info.exit_code >= 0 else "unknown"
     text = (
         f"Container {container_name} stopped while starting up "
-        f"(status {exit_info.status}, exit code {exit_info.exit_code}"
+        f"(status {exit_info.status}, exit code {code}"
     )
     if exit_info.restart_count:
         text += f", restarted {exit_info.restart_count} times"

@@ -43,6 +43,9 @@ class WorkloadSettings:
     @ivar deploy_deadline_sec: deadline of deploy-type commands (multi-GB pulls and model
         loads fit inside).
     @ivar logs_max_bytes: cap on C{fetch_container_logs} output.
+    @ivar allow_host_ipc: give workloads that request GPUs host IPC when asked
+        (C{ALLOW_HOST_IPC}); otherwise, and always without GPUs, host IPC is replaced by
+        private IPC and a C{/dev/shm} (see L{policy.resolve_ipc}).
     @ivar settle_announce_sec: delay before re-announcing a runtime's health after a command
         that needs it (update, rollback), so the event follows the command's result.
     """
@@ -64,3 +67,4 @@ class WorkloadSettings:
     deploy_deadline_sec: float = field(default=6 * 3600.0, validator=_positive)
     logs_max_bytes: int = 1024 * 1024
     settle_announce_sec: float = 2.0
+    allow_host_ipc: bool = True

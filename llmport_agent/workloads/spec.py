@@ -29,6 +29,7 @@ from .policy import (
     parse_bytes,
     parse_cpus,
     parse_port,
+    resolve_ipc,
 )
 from .settings import WorkloadSettings
 
@@ -125,6 +126,8 @@ class WorkloadSpec:
     vllm_args: tuple[str, ...] | None  # vLLM's own flags after --host/--port
     environment: dict[str, str] = field(eq=False, repr=False)
     registry_auth: dict[str, str] | None = field(eq=False, repr=False)
+    #: Sentences for the command's progress about settings changed by local policy.
+    notes: tuple[str, ...] = ()
 
     @property
     def uses_default_command(self) -> bool:
@@ -430,9 +433,12 @@ def build_spec(
         {"payload": payload, "provider_config": provider_config},
         operator_network=settings.network_mode,
         model_store=settings.model_store,
-        has_gpu=gpu is not None,
         ipc_mode=ipc_mode,
     )
+    ipc = resolve_ipc(
+        ipc_mode, has_gpu=gpu is not None, allow_host=settings.allow_host_ipc, shm_size=shm
+    )
+    ipc_mode, shm = ipc.ipc_mode, ipc.shm_size
 
     raw_sync = payload.get("model_sync")
     if raw_sync is not None and not isinstance(raw_sync, Mapping):
@@ -536,6 +542,7 @@ def build_spec(
         vllm_args=vllm_args,
         environment=env,
         registry_auth=registry_auth,
+        notes=(ipc.note,) if ipc.note else (),
     )
 
 
