@@ -35,7 +35,7 @@ from llmport_agent.devbackend import _stream as dev_stream
 from llmport_agent.events.outbox import EventOutbox
 from llmport_agent.session import service as session_service
 from llmport_agent.session.protocol import AgentClientFactory
-from llmport_agent.session.service import ROTATION_INTERVAL, SessionService
+from llmport_agent.session.service import CRITICAL_STOP_GRACE, ROTATION_INTERVAL, SessionService
 from llmport_agent.state import StateStore
 from llmport_agent.storage import append_lines
 from llmport_agent.testing import FakeSession, SynchronousRunner
@@ -637,7 +637,8 @@ class SecretTests(AgentTestCase):
         The operator stops the agent (SIGTERM, systemctl restart) while the enroll request is
         in flight and the backend has already consumed the single-use token. If the backend's
         reply can still arrive after the stop began, the credential must end up on disk;
-        otherwise the node is left with a used token and no credential.
+        otherwise the node is left with a used token and no credential. (A stop gives the
+        request CRITICAL_STOP_GRACE to answer, then cancels it: issue 9, exit within 2 s.)
         """
         hold = HoldingEnroll()
         url = await self._site(hold)
@@ -659,7 +660,7 @@ class SecretTests(AgentTestCase):
             request.finish()
 
         stopping = agent.stopService()
-        timer = reactor.callLater(2.0, answer)
+        timer = reactor.callLater(CRITICAL_STOP_GRACE / 2, answer)
         await stopping
         if timer.active():
             timer.cancel()
@@ -682,7 +683,8 @@ class SecretTests(AgentTestCase):
         """
         The agent is stopped while a credential rotation is in flight. The backend revokes
         the old credential at once; when its reply arrives during the stop, the new
-        credential must be on disk, or the restarted node is locked out for good.
+        credential must be on disk, or the restarted node is locked out for good. (The reply
+        has CRITICAL_STOP_GRACE to arrive; a stop never waits longer: issue 9.)
         """
         held: list[tuple[Any, Any]] = []
         original = dev_http.RotateResource.render_POST
@@ -708,7 +710,7 @@ class SecretTests(AgentTestCase):
                 request.finish()
 
         stopping = agent.stopService()
-        timer = reactor.callLater(2.0, answer)
+        timer = reactor.callLater(CRITICAL_STOP_GRACE / 2, answer)
         await stopping
         if timer.active():
             timer.cancel()

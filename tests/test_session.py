@@ -385,6 +385,16 @@ class SessionServiceTests(SynchronousTestCase):
         to answer, then is cancelled: the stop completes, with no retry armed after it.
         """
         svc = self.make(token="tok-123", REQUEST_TIMEOUT_SEC="300")
+        enrolls: list[Deferred[Enrollment]] = []
+
+        def hanging(*args: Any) -> Deferred[Enrollment]:
+            # Like BackendHTTP: a cancelled request surfaces as Transient ("no answer").
+            d: Deferred[Enrollment] = Deferred(lambda d: d.errback(Transient("no answer within 300 s")))
+            enrolls.append(d)
+            return d
+
+        self.backend.enroll = hanging  # type: ignore[method-assign]
+        self.backend.enrolls = enrolls
         svc.startService()
         stopped = svc.stopService()
         self.assertNoResult(stopped)

@@ -52,7 +52,7 @@ REVOKED_RETRY_SECONDS = 300.0
 #: On stop, an enrollment or rotation request in flight gets this long to bring back its
 #: reply (the backend may already have consumed the token / revoked the old credential);
 #: then it is cancelled, so a stop always completes within about two seconds.
-CRITICAL_STOP_GRACE = 1.0
+CRITICAL_STOP_GRACE = 0.5
 
 
 class SessionListener(Protocol):
@@ -232,8 +232,10 @@ class SessionService(Service):
                 "to the backend's CA certificate instead",
                 url=self.config.backend_url,
             )
+        # With a credential stored, the token is kept for a refusal (see _refused); whether it
+        # can be removed is said once the backend accepted the credential (connection_opened).
         if self.state.credential:
-            pass  # whether the token can go is said once the backend accepted the credential
+            pass
         elif token:
             if token_fingerprint(token) in self.state.get("used_tokens", []):
                 self._fatal(
