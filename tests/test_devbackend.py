@@ -271,7 +271,7 @@ class BackendStateTests(SynchronousTestCase):
         self.assertEqual(runtime.status, "running")
         self.assertEqual(runtime.health_message, "Health check: unhealthy")
         health("missing")
-        self.assertEqual((runtime.status, runtime.error_message), ("error", "Container not found"))
+        self.assertEqual((runtime.status, runtime.error_message), ("error", "Container not found on node"))
         health("missing")
         health("running", endpoint_url="http://x:1")
         stop = self.state.issue_command(node_id, "stop_workload", {"runtime_id": rid})

@@ -892,7 +892,7 @@ class BackendState:
                 self._set_runtime(runtime, "error", error_message=message)
         elif kind == "missing":
             if runtime.status == "running":
-                self._set_runtime(runtime, "error", error_message="Container not found")
+                self._set_runtime(runtime, "error", error_message="Container not found on node")
         elif kind == "crash_loop":
             message = (
                 f"Container is crash-looping ({payload.get('status')}, "
