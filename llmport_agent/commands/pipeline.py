@@ -55,13 +55,17 @@ from llmport_agent.commands.journal import (
     JournalRecord,
 )
 from llmport_agent.commands.parse import (
+    MAX_COMMAND_BYTES,
+    MAX_COMMAND_DEPTH,
     Malformed,
+    TooDeep,
+    json_size,
     parse_command,
     parse_iso8601,
     scrub_for_journal,
     signature_ok,
-    too_large,
 )
+from llmport_agent.session.framesplit import UnparsedItem
 from llmport_agent.session.protocol import ConnectionGone
 
 READ_CONCURRENCY = 16
@@ -266,12 +270,22 @@ class CommandPipeline(Service):
         had neither ack nor result processed, whatever we believed.
         """
         parsed = parse_command(obj)
-        if isinstance(parsed, Command) and too_large(obj):
-            parsed = Malformed(
-                parsed.id,
-                "the command is larger than 1 MiB; it was not run",
-                parsed.correlation_id,
-            )
+        journal_copy: dict[str, Any] | None = None
+        if isinstance(parsed, Command):
+            size = json_size(obj)
+            problem = None
+            if size > MAX_COMMAND_BYTES:
+                problem = "the command is larger than 1 MiB; it was not run"
+            else:
+                try:
+                    if size < 0:
+                        raise TooDeep("too deep to serialise")
+                    # Kept for a re-run after a restart; registry credentials never reach the disk.
+                    journal_copy = scrub_for_journal(dict(parsed.raw, id=parsed.id))
+                except TooDeep:
+                    problem = f"the command is nested more than {MAX_COMMAND_DEPTH} levels deep; it was not run"
+            if problem is not None:
+                parsed = Malformed(parsed.id, problem, parsed.correlation_id)
         cid = parsed.command_id if isinstance(parsed, Malformed) else parsed.id
         if cid is None:
             assert isinstance(parsed, Malformed)
@@ -298,7 +312,7 @@ class CommandPipeline(Service):
         self.stats["received"] += 1
         if isinstance(parsed, Malformed):
             self.stats["malformed"] += 1
-            ctype = obj.get("command_type") if isinstance(obj, dict) else None
+            ctype = obj.get("command_type") if isinstance(obj, dict | UnparsedItem) else None
             rec = JournalRecord(
                 id=cid,
                 command_type=ctype if isinstance(ctype, str) else "",
@@ -314,8 +328,7 @@ class CommandPipeline(Service):
             runtime_id=parsed.runtime_id,
             correlation_id=parsed.correlation_id,
             received_at=self._wallclock(),
-            # Kept for a re-run after a restart; registry credentials never reach the disk.
-            command=scrub_for_journal(dict(parsed.raw, id=parsed.id)),
+            command=journal_copy,
         )
         self._track(Deferred.fromCoroutine(self._accept(rec, parsed)))
 

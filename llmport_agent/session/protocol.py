@@ -21,6 +21,8 @@ from autobahn.websocket.types import ConnectingRequest
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
+from llmport_agent.session.framesplit import salvage_frame
+
 if TYPE_CHECKING:
     from llmport_agent.session.service import SessionService
 
@@ -112,11 +114,22 @@ class AgentClientProtocol(WebSocketClientProtocol):
         try:
             frame = json.loads(payload)
         except (ValueError, RecursionError) as e:
+            # One bad command must not cost the others listed with it: take the frame apart.
+            salvaged = salvage_frame(payload)
+            if salvaged is None:
+                _log.warn(
+                    "Ignored a frame from the backend that is not usable JSON: {error}",
+                    error=f"{type(e).__name__}: {str(e)[:200]}",
+                )
+                return
+            frame, problems = salvaged
+            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             _log.warn(
-                "Ignored a frame from the backend that is not usable JSON: {error}",
-                error=f"{type(e).__name__}: {str(e)[:200]}",
+                "A frame from the backend did not parse as a whole ({error}); its parts were "
+                "handled one by one: {problems}",
+                error=f"{type(e).__name__}: {str(e)[:120]}",
+                problems=shown or "nothing was lost",
             )
-            return
         if not isinstance(frame, dict):
             _log.warn(
                 "Ignored a frame from the backend that is not a JSON object (got {kind})",
