@@ -20,6 +20,7 @@ Rules (the README repeats them for operators):
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -69,6 +70,10 @@ from llmport_agent.session.framesplit import UnparsedItem
 from llmport_agent.session.protocol import ConnectionGone
 
 READ_CONCURRENCY = 16
+#: Commands received per reactor turn (the rest of a big frame follows in the next turns).
+INTAKE_BATCH = 64
+#: Commands waiting to be received, at most (more are left for the backend to list again).
+MAX_INTAKE = 100_000
 
 
 class NodeModes(Protocol):
@@ -146,6 +151,10 @@ class CommandPipeline(Service):
         self._acked_here: set[str] = set()
         self._stopping = False
         self._unknown_frame_types: set[str] = set()
+        # Commands of arrived frames not yet received: a frame of 10 000 commands is taken in
+        # over many reactor turns, in order, so the reactor never stalls on one frame.
+        self._intake: deque[tuple[Any, bool]] = deque()
+        self._intake_call: Any = None
         self.stats = {"received": 0, "duplicates": 0, "malformed": 0, "succeeded": 0, "failed": 0,
                       "timed_out": 0, "results_resent": 0}
 
@@ -196,6 +205,11 @@ class CommandPipeline(Service):
         """Cancel running handlers; their commands stay unfinished and are resolved next start."""
         super().stopService()
         self._stopping = True
+        if self._intake_call is not None and self._intake_call.active():
+            self._intake_call.cancel()
+        self._intake_call = None
+        # Not journaled, so not acked: the backend lists them again after the restart.
+        self._intake.clear()
         for d in list(self._running.values()):
             d.cancel()
         pending = list(self._tasks)
@@ -255,11 +269,30 @@ class CommandPipeline(Service):
                 kind=type(items).__name__,
             )
             return
-        for obj in items:
+        fresh = kind == "hello_ack"
+        if len(self._intake) + len(items) > MAX_INTAKE:
+            self.log.warn(
+                "{n} commands arrived while {queued} are still being received; the newest are "
+                "left for the backend to list again",
+                n=len(items),
+                queued=len(self._intake),
+            )
+            items = items[: max(0, MAX_INTAKE - len(self._intake))]
+        self._intake.extend((obj, fresh) for obj in items)
+        if self._intake_call is None:
+            self._drain_intake()
+
+    def _drain_intake(self) -> None:
+        """Receive at most L{INTAKE_BATCH} commands now, the rest in later reactor turns."""
+        self._intake_call = None
+        for _ in range(min(INTAKE_BATCH, len(self._intake))):
+            obj, fresh = self._intake.popleft()
             try:
-                self.receive(obj, fresh=(kind == "hello_ack"))
+                self.receive(obj, fresh=fresh)
             except Exception:
                 self.log.failure("Could not receive a command")
+        if self._intake and not self._stopping:
+            self._intake_call = self.reactor.callLater(0, self._drain_intake)
 
     # -- receipt ---------------------------------------------------------------------------
 
