@@ -72,6 +72,8 @@ from llmport_agent.session.protocol import ConnectionGone
 READ_CONCURRENCY = 16
 #: Commands received per reactor turn (the rest of a big frame follows in the next turns).
 INTAKE_BATCH = 64
+#: Commands being recorded, run or answered at once, at most (more wait in the intake).
+MAX_ADMITTED = 512
 #: Commands waiting to be received, at most (more are left for the backend to list again).
 MAX_INTAKE = 100_000
 
@@ -228,6 +230,7 @@ class CommandPipeline(Service):
             self._tasks.discard(d)
             if hasattr(result, "trap"):
                 self.log.failure("Command task failed", failure=result)
+            self._schedule_intake()
 
         d.addBoth(done)
 
@@ -283,15 +286,29 @@ class CommandPipeline(Service):
             self._drain_intake()
 
     def _drain_intake(self) -> None:
-        """Receive at most L{INTAKE_BATCH} commands now, the rest in later reactor turns."""
+        """
+        Receive at most L{INTAKE_BATCH} commands now, the rest in later reactor turns; while
+        L{MAX_ADMITTED} commands are in the works, wait for some to finish (the heap, and with
+        it every garbage collection, stays small however many arrive at once).
+        """
         self._intake_call = None
         for _ in range(min(INTAKE_BATCH, len(self._intake))):
+            if len(self._tasks) >= MAX_ADMITTED:
+                break
             obj, fresh = self._intake.popleft()
             try:
                 self.receive(obj, fresh=fresh)
             except Exception:
                 self.log.failure("Could not receive a command")
-        if self._intake and not self._stopping:
+        self._schedule_intake()
+
+    def _schedule_intake(self) -> None:
+        if (
+            self._intake
+            and self._intake_call is None
+            and not self._stopping
+            and len(self._tasks) < MAX_ADMITTED
+        ):
             self._intake_call = self.reactor.callLater(0, self._drain_intake)
 
     # -- receipt ---------------------------------------------------------------------------

@@ -57,6 +57,22 @@ def parse_http_status(status_line: str | None) -> int | None:
 
 _log = Logger(namespace="llmport_agent.session.protocol")
 
+#: Deliveries confirmed by one pong are reported this many per reactor turn.
+CONFIRM_SLICE = 128
+
+
+def fire_in_slices(clock: Any, waiters: list[Deferred[None]], size: int = CONFIRM_SLICE) -> None:
+    """
+    Fire C{waiters} in order, C{size} per reactor turn: one pong can confirm thousands of
+    frames, and each confirmation has work attached (journal updates).
+    """
+    now, rest = waiters[:size], waiters[size:]
+    for d in now:
+        if not d.called:
+            d.callback(None)
+    if rest:
+        clock.callLater(0, fire_in_slices, clock, rest, size)
+
 
 class AgentClientProtocol(WebSocketClientProtocol):
     """
@@ -180,8 +196,7 @@ class AgentClientProtocol(WebSocketClientProtocol):
         waiters = self._ping_waiters.pop(payload, None)
         if waiters is None:
             return
-        for d in waiters:
-            d.callback(None)
+        fire_in_slices(self.factory.clock, waiters)
         if self._unconfirmed and not self._ping_waiters:
             self._send_confirm_ping()
 
