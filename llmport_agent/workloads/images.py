@@ -15,6 +15,7 @@ cancel or failure.
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Callable
 from typing import Any
@@ -48,10 +49,27 @@ _TRANSFER_TAG_RE = re.compile(r"^[a-zA-Z0-9._-]+$")
 
 
 def _scrub(text: str, secrets: tuple[str, ...]) -> str:
-    for secret in secrets:
+    for secret in sorted(secrets, key=len, reverse=True):
         if secret and len(secret) >= 4:
             text = text.replace(secret, "***")
     return text
+
+
+#: The fields of registry credentials whose values are secret (the user name, the e-mail and the
+#: registry address are not: they say which registry and account failed).
+_AUTH_SECRETS = ("password", "identitytoken", "registrytoken", "auth")
+
+
+def auth_secrets(auth: dict[str, str] | None) -> tuple[str, ...]:
+    """The secret values of registry credentials, and their encodings that could be echoed."""
+    if not auth:
+        return ()
+    values = [v for k, v in auth.items() if k in _AUTH_SECRETS and isinstance(v, str) and v]
+    header = docker.auth.encode_header(auth)  # what the engine gets in X-Registry-Auth
+    values.append(header.decode() if isinstance(header, bytes) else str(header))
+    if auth.get("username") and auth.get("password"):
+        values.append(base64.b64encode(f"{auth['username']}:{auth['password']}".encode()).decode())
+    return tuple(values)
 
 
 class PullProgress:
@@ -355,7 +373,7 @@ class ImageManager:
     async def _runPull(
         self, shared: _SharedPull, ref: ImageRef, auth: dict[str, str] | None
     ) -> dict[str, Any]:
-        secrets = tuple(v for v in (auth or {}).values() if isinstance(v, str))
+        secrets = auth_secrets(auth)
         clock = self._reactor
         state = {"last_change": clock.seconds(), "last_emit": 0.0}
         stalled = {"yes": False}
