@@ -28,11 +28,12 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from twisted.internet.defer import ensureDeferred  # noqa: E402
-from twisted.internet.task import LoopingCall, react  # noqa: E402
+from twisted.internet.task import react  # noqa: E402
 
 from bench._common import free_port  # noqa: E402
 from llmport_agent.workloads.policy import parse_image_ref  # noqa: E402
 from tests.support.docker_env import require_docker  # noqa: E402
+from tests.support.probe import LatenessProbe  # noqa: E402
 from tests.support.rig import Rig  # noqa: E402
 
 SERVER = r"""
@@ -115,16 +116,7 @@ async def main(reactor: Any, size_mb: int, repeat: int) -> None:
     server = subprocess.Popen([sys.executable, "-c", SERVER, path, str(port)])
     rig = Rig(reactor, env, backend_url=f"http://127.0.0.1:{port}", credential=lambda: "bench")
     await rig.start()
-    lateness: list[float] = []
-    last = [0.0]
-
-    def probe() -> None:
-        now = time.perf_counter()
-        if last[0]:
-            lateness.append(max(0.0, now - last[0] - 0.01))
-        last[0] = now
-
-    loop = LoopingCall(probe)
+    probe = LatenessProbe()
     loads: list[float] = []
     transfers: list[float] = []
     try:
@@ -133,17 +125,15 @@ async def main(reactor: Any, size_mb: int, repeat: int) -> None:
             remove(env)
             loads.append(docker_load(env, path))
             remove(env)
-            last[0] = 0.0
-            loop.start(0.01)
+            probe.start()
             started = time.perf_counter()
             await ensureDeferred(rig.manager.images.transfer(parse_image_ref(REF), lambda *a, **k: None))
             transfers.append(time.perf_counter() - started)
-            loop.stop()
+            probe.stop()
             print(f"  run {i + 1}: docker load {size / loads[-1] / 1e6:.0f} MB/s, "
                   f"transfer {size / transfers[-1] / 1e6:.0f} MB/s", flush=True)
     finally:
-        if loop.running:
-            loop.stop()
+        probe.stop()
         await rig.stop()
         server.terminate()
         server.wait()
@@ -155,13 +145,11 @@ async def main(reactor: Any, size_mb: int, repeat: int) -> None:
         rates = [size / v / 1e6 for v in values]
         return f"{statistics.median(rates):.0f} MB/s ({min(rates):.0f}..{max(rates):.0f})"
 
-    ordered = sorted(lateness)
-    p99 = ordered[int(0.99 * (len(ordered) - 1))] if ordered else 0.0
     print(f"\n== image transfer, {size / 1e6:.0f} MB tar, {repeat} runs each ==")
     print(f"docker load -i <file>           : {rate(loads)}")
     print(f"transfer_from_server (filtered) : {rate(transfers)}")
     print(f"ratio transfer / docker load    : {statistics.median(loads) / statistics.median(transfers):.2f}")
-    print(f"10 ms reactor probe during transfers: p99 {p99 * 1000:.1f} ms, max {max(ordered or [0]) * 1000:.1f} ms")
+    print(f"10 ms reactor probe during the last transfer: {probe.summary()}")
 
 
 if __name__ == "__main__":

@@ -29,9 +29,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from twisted.internet.defer import Deferred, ensureDeferred  # noqa: E402
-from twisted.internet.task import LoopingCall, deferLater, react  # noqa: E402
+from twisted.internet.task import deferLater, react  # noqa: E402
 
-from bench._common import percentile  # noqa: E402
 from llmport_agent.commands.base import HandlerSpec  # noqa: E402
 from llmport_agent.commands.journal import CommandJournal  # noqa: E402
 from llmport_agent.commands.node import PersistentModes  # noqa: E402
@@ -40,6 +39,7 @@ from llmport_agent.events.outbox import EventOutbox  # noqa: E402
 from llmport_agent.session.protocol import fire_in_slices  # noqa: E402
 from llmport_agent.state import StateStore  # noqa: E402
 from llmport_agent.threads import PoolService  # noqa: E402
+from tests.support.probe import LatenessProbe  # noqa: E402
 
 
 class SerializingSession:
@@ -90,34 +90,6 @@ def command(payload: dict[str, Any]) -> dict[str, Any]:
             "completed_at": None}
 
 
-class Probe:
-    def __init__(self) -> None:
-        self.late: list[float] = []
-        self._last = 0.0
-        self.loop = LoopingCall(self._tick)
-
-    def _tick(self) -> None:
-        now = time.perf_counter()
-        if self._last:
-            self.late.append(max(0.0, now - self._last - 0.01))
-        self._last = now
-
-    def run(self) -> None:
-        self.late.clear()
-        self._last = 0.0
-        self.loop.start(0.01)
-
-    def stop(self) -> None:
-        if self.loop.running:
-            self.loop.stop()
-
-    def line(self) -> str:
-        if not self.late:
-            return "n/a"
-        return (f"p99 {percentile(self.late, 0.99) * 1000:.1f} ms, max {max(self.late or [0]) * 1000:.1f} ms "
-                f"(n={len(self.late)})")
-
-
 async def make_pipeline(reactor: Any, pool: PoolService, d: str) -> tuple[CommandPipeline, CommandJournal]:
     session = SerializingSession(reactor)
     journal = CommandJournal(pool, os.path.join(d, "commands.jsonl"), time.time)
@@ -152,26 +124,26 @@ async def load_time(reactor: Any, pool: PoolService, path: str) -> tuple[float, 
 async def main(reactor: Any, n: int, big: int, payload_kb: int) -> None:
     pool = PoolService(reactor, "io", 2)
     pool.startService()
-    probe = Probe()
+    probe = LatenessProbe()
     root = tempfile.mkdtemp(prefix="llmport-bench-journal-", dir="/var/tmp")
     try:
         print(f"== reactor lateness while one frame of {n} commands arrives ==")
-        probe.run()
+        probe.start()
         await deferLater(reactor, 3.0, lambda: None)
         probe.stop()
-        print(f"baseline, nothing arriving (3 s)  : {probe.line()}")
+        print(f"baseline, nothing arriving (3 s)  : {probe.summary()}")
         d1 = os.path.join(root, "one-frame")
         os.makedirs(d1)
         pipeline, journal = await make_pipeline(reactor, pool, d1)
         cs = [command({"runtime_id": f"r{i}"}) for i in range(n)]
-        probe.run()
+        probe.start()
         started = time.perf_counter()
         pipeline.frame_received({"type": "commands", "items": cs})
         await settle(reactor, pipeline, journal, n)
         elapsed = time.perf_counter() - started
         probe.stop()
         print(f"{n} commands, all acked and answered: {elapsed:.1f} s ({n / elapsed:.0f} commands/s)")
-        print(f"probe during it                  : {probe.line()}  (target: p99 and max <= 50 ms)")
+        print(f"probe during it                  : {probe.summary()}  (target: p99 and max <= 50 ms)")
         pipeline.stopService()
 
         print(f"\n== journal after {big} commands of {payload_kb} KB (all finished and delivered) ==")
@@ -180,7 +152,7 @@ async def main(reactor: Any, n: int, big: int, payload_kb: int) -> None:
         pipeline, journal = await make_pipeline(reactor, pool, d2)
         blob = "x" * (payload_kb * 1024)
         sent = 0
-        probe.run()
+        probe.start()
         started = time.perf_counter()
         while sent < big:
             frame = [command({"blob": blob, "i": sent + i}) for i in range(min(50, big - sent))]
@@ -195,7 +167,7 @@ async def main(reactor: Any, n: int, big: int, payload_kb: int) -> None:
         size = os.path.getsize(path)
         pipeline.stopService()
         read, records = await load_time(reactor, pool, path)
-        print(f"{big} commands in frames of 50: {elapsed:.1f} s; probe meanwhile: {probe.line()}")
+        print(f"{big} commands in frames of 50: {elapsed:.1f} s; probe meanwhile: {probe.summary()}")
         print(f"journal file                     : {size / 1e6:.2f} MB, {records} records, "
               f"{journal.compactions} compactions")
         print(f"appended in all (file without compaction by bytes): about {appended / 1e9:.2f} GB")

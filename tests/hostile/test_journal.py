@@ -13,7 +13,7 @@ from typing import Any
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
-from twisted.internet.task import LoopingCall, deferLater
+from twisted.internet.task import deferLater
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmport_agent.commands.base import HandlerSpec
@@ -31,33 +31,12 @@ from llmport_agent.events.outbox import EventOutbox
 from llmport_agent.state import StateStore
 from llmport_agent.testing import FakeSession, SynchronousRunner
 from llmport_agent.threads import PoolService
+from tests.support.probe import LatenessProbe
 from tests.test_pipeline import Harness, command
 
 
 def sleep(seconds: float) -> Deferred[None]:
     return deferLater(reactor, seconds, lambda: None)
-
-
-class Probe:
-    """A 10 ms LoopingCall on the real reactor recording how late each tick is."""
-
-    def __init__(self) -> None:
-        self.late: list[float] = []
-        self._last = 0.0
-        self._loop = LoopingCall(self._tick)
-
-    def _tick(self) -> None:
-        now = time.perf_counter()
-        if self._last:
-            self.late.append(max(0.0, now - self._last - 0.01))
-        self._last = now
-
-    def start(self) -> None:
-        self._loop.start(0.01)
-
-    def stop(self) -> None:
-        if self._loop.running:
-            self._loop.stop()
 
 
 class TenThousandCommandsTests(TestCase):
@@ -92,7 +71,7 @@ class TenThousandCommandsTests(TestCase):
         pipeline.startService()
         self.addCleanup(pipeline.stopService)
         cs = [command("noop") for _ in range(10_000)]
-        probe = Probe()
+        probe = LatenessProbe()
         probe.start()
         self.addCleanup(probe.stop)
         await sleep(0.05)
@@ -109,7 +88,7 @@ class TenThousandCommandsTests(TestCase):
         for c in cs:
             kinds = per_id.get(c["id"], [])
             self.assertEqual((kinds.count("command_ack"), kinds.count("command_result")), (1, 1), kinds)
-        worst = max(probe.late)
+        worst = probe.worst
         # Generous (the machine is shared); a walk of every record per add stalls for seconds.
         self.assertLess(worst, 1.5, f"the reactor stalled {worst:.2f} s")
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Any
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
-from twisted.internet.task import LoopingCall, deferLater
+from twisted.internet.task import deferLater
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmport_agent.commands.node import MAX_STORED_PROFILE, PersistentModes
@@ -22,6 +21,7 @@ from llmport_agent.state import StateStore
 from llmport_agent.testing import SynchronousRunner
 from tests.agentharness import AgentTestCase
 from tests.hostile.test_agent import LogCapture
+from tests.support.probe import LatenessProbe
 
 TERMINAL = ("succeeded", "failed")
 
@@ -42,26 +42,6 @@ def big_profile(items: int = 250_000) -> dict[str, Any]:
     }
 
 
-class Probe:
-    def __init__(self) -> None:
-        self.late: list[float] = []
-        self._last = 0.0
-        self._loop = LoopingCall(self._tick)
-
-    def _tick(self) -> None:
-        now = time.perf_counter()
-        if self._last:
-            self.late.append(max(0.0, now - self._last - 0.01))
-        self._last = now
-
-    def start(self) -> None:
-        self._loop.start(0.01)
-
-    def stop(self) -> None:
-        if self._loop.running:
-            self._loop.stop()
-
-
 class BigProfileTests(AgentTestCase):
     timeout = 120
 
@@ -79,7 +59,7 @@ class BigProfileTests(AgentTestCase):
         self.assertGreater(len(json.dumps(profile)), 9_000_000)
         backend.set_profile(node_id, profile)
         opens = agent.session.stats.opens
-        probe = Probe()
+        probe = LatenessProbe()
         probe.start()
         self.addCleanup(probe.stop)
         backend.drop_connections(node_id)
@@ -98,7 +78,7 @@ class BigProfileTests(AgentTestCase):
         self.assertFalse(agent.modes.maintenance)
         size = os.path.getsize(agent.state.path)
         self.assertLess(size, 64 * 1024, f"state file {size} bytes")
-        worst = max(probe.late)
+        worst = probe.worst
         # Generous (the stand-in backend serialises the 10 MB on the same reactor, and the
         # frame is parsed there); serialising the state on the reactor took seconds.
         self.assertLess(worst, 1.0, f"the reactor stalled {worst:.2f} s")
