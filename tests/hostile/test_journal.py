@@ -207,3 +207,57 @@ class JournalBoundTests(SynchronousTestCase):
         self.assertGreaterEqual(j.compactions, 2)
         self.assertLess(os.path.getsize(j.path), 4 * 1024 * 1024 + 2 * 1024 * 1024)
         self.assertEqual(len(j.records), len(ids))
+
+
+class IntakeTests(SynchronousTestCase):
+    """How a big frame is taken in: in slices, in order, with a bound on what is in the works."""
+
+    def test_big_frame_taken_in_over_several_turns(self) -> None:
+        from llmport_agent.commands.pipeline import INTAKE_BATCH
+
+        h = Harness(self)
+        cs = [command("noop") for _ in range(1000)]
+        h.pipeline.frame_received({"type": "commands", "items": cs})
+        self.assertEqual(len(h.calls), INTAKE_BATCH)
+        h.drain()
+        self.assertEqual([c for _, c in h.calls], [c["id"] for c in cs])
+
+    def test_admission_bound(self) -> None:
+        """Commands that cannot finish yet hold at most MAX_ADMITTED places; the rest wait unacked."""
+        from llmport_agent.commands.pipeline import MAX_ADMITTED
+
+        h = Harness(self)
+        cs = [command("gated", {"runtime_id": f"r{i}"}) for i in range(MAX_ADMITTED + 100)]
+        h.deliver(*cs)
+
+        def acked() -> set[str]:
+            return {f["command_id"] for f in h.session.frames if f["type"] == "command_ack"}
+
+        self.assertEqual(len(acked()), MAX_ADMITTED)
+        self.assertNotIn(cs[-1]["id"], acked())
+
+        def finish(n: int) -> None:
+            for _ in range(n):
+                d = next(d for d in h.gates.values() if not d.called)
+                d.callback({"ok": True})
+                h.drain()
+
+        finish(50)
+        self.assertEqual(len(acked()), MAX_ADMITTED + 50)
+        finish(len(cs) - 50)
+        results = {f["command_id"] for f in h.session.frames if f["type"] == "command_result"}
+        self.assertEqual(results, {c["id"] for c in cs})
+
+    def test_one_pong_confirms_in_slices(self) -> None:
+        """Thousands of deliveries confirmed by one pong are reported a slice per reactor turn."""
+        from twisted.internet.task import Clock
+
+        from llmport_agent.session.protocol import CONFIRM_SLICE, fire_in_slices
+
+        clock = Clock()
+        waiters: list[Deferred[None]] = [Deferred() for _ in range(3 * CONFIRM_SLICE + 5)]
+        fire_in_slices(clock, waiters)
+        self.assertEqual(sum(d.called for d in waiters), CONFIRM_SLICE)
+        for _ in range(3):
+            clock.advance(0)
+        self.assertTrue(all(d.called for d in waiters))
