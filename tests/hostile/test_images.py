@@ -209,6 +209,19 @@ class TransferAttackTests(WorkloadTestBase):
         self.assertIn(f"{self.victim}:prod", exc.error_message)
         self.assert_untouched()
 
+    async def test_docker_py_transport_filters_too(self) -> None:
+        """Where the engine is reached through docker-py (TLS, ssh), the same filter applies."""
+        from llmport_agent.workloads import imageload
+
+        self.patch(imageload, "_raw_connection", lambda api: None)
+        self.serve_tar(self.tar)
+        exc = await self.transfer_fails()
+        self.assertIn(f"{self.victim}:prod", exc.error_message)
+        self.assert_untouched()
+        self.serve_tar(self.clean_tar)
+        result = await self.rig.manager.images.transfer(parse_image_ref(f"{self.allowed}:1"), lambda *a, **k: None)
+        self.assertEqual(result["image_id"], self.evil_id)
+
     async def test_clean_archive_still_loads(self) -> None:
         """The same image saved under the requested tag only loads and runs (the filter passes it)."""
         self.serve_tar(self.clean_tar)
