@@ -76,13 +76,30 @@ def _bool(var: str, raw: str) -> bool:
     raise ConfigError(f"{var}={raw!r} is not a boolean; expected true or false")
 
 
-def without_userinfo(url: str) -> str:
-    """C{url} with any C{user:password@} replaced by C{***@} (for messages and display)."""
+def mask_url(url: str) -> str:
+    """
+    C{url} for messages and display: the password in its user info becomes C{***} (the user
+    name and the address stay: they are not secrets); user info without a password (which may
+    be a token) is masked whole.
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if "@" not in parts.netloc:
+        return url
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user, colon, _password = userinfo.partition(":")
+    shown = f"{user}:***" if colon else "***"
+    return parts._replace(netloc=f"{shown}@{host}").geturl()
+
+
+def strip_userinfo(url: str) -> str:
+    """C{url} without its user info."""
     parts = urlsplit(url)
     if "@" not in parts.netloc:
         return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return parts._replace(netloc="***@" + host).geturl()
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
 def _http_url(var: str, raw: str) -> str:
@@ -90,7 +107,16 @@ def _http_url(var: str, raw: str) -> str:
         return _check_http_url(var, raw)
     except ConfigError as e:
         # Messages must not show a password embedded in the URL.
-        raise ConfigError(str(e).replace(repr(raw), repr(without_userinfo(raw.strip())))) from None
+        raise ConfigError(str(e).replace(repr(raw), repr(mask_url(raw.strip())))) from None
+
+
+def _backend_url(var: str, raw: str) -> str:
+    """
+    C{BACKEND_URL}, validated, without user info: the node authenticates with its credential
+    (the Authorization header), so a C{user:password@} there is never sent, and never shown
+    (L{load_config} adds a note saying so).
+    """
+    return strip_userinfo(_http_url(var, raw))
 
 
 def _check_http_url(var: str, raw: str) -> str:
@@ -168,7 +194,7 @@ def _hostname(_: dict[str, Any]) -> str:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("BACKEND_URL", "backend_url", "http://127.0.0.1:8000", _http_url,
+    Setting("BACKEND_URL", "backend_url", "http://127.0.0.1:8000", _backend_url,
             "Base URL of the llm-port backend (may carry a base path)."),
     Setting("AGENT_ID", "agent_id", _hostname, _agent_id,
             "Stable node identity (<= 128 characters)."),
@@ -297,6 +323,8 @@ class AgentConfig:
     pull_stall_sec: float
     model_sync_concurrency: int
     ops_port: int
+    #: Lines to log at start about the configuration (no secrets in them).
+    notes: tuple[str, ...] = ()
 
     @property
     def state_dir(self) -> str:
@@ -309,8 +337,8 @@ class AgentConfig:
             value = getattr(self, s.attr)
             if s.secret:
                 value = mask(value)
-            elif isinstance(value, str) and s.parse in (_http_url, _optional_http_url):
-                value = without_userinfo(value)
+            elif isinstance(value, str) and s.parse in (_http_url, _optional_http_url, _backend_url):
+                value = mask_url(value)
             elif isinstance(value, tuple):
                 value = ",".join(v if isinstance(v, str) else f"{v[0]}={v[1]:g}" for v in value)
             out[s.env] = value
@@ -370,5 +398,12 @@ def load_config(
         )
     if values["ops_port"] > 65535:
         raise ConfigError(f"{PREFIX}OPS_PORT={values['ops_port']} is not a port; expected 0-65535")
+    notes: list[str] = []
+    raw_backend = overrides.get("backend_url") or env.get(f"{PREFIX}BACKEND_URL")
+    if raw_backend and "@" in urlsplit(raw_backend.strip()).netloc:
+        notes.append(
+            f"{PREFIX}BACKEND_URL carries user info ({mask_url(raw_backend.strip())}); it is not "
+            "sent anywhere: the node authenticates with its credential"
+        )
     names = {f.name for f in fields(AgentConfig)}
-    return AgentConfig(**{k: v for k, v in values.items() if k in names})
+    return AgentConfig(**{k: v for k, v in values.items() if k in names}, notes=tuple(notes))

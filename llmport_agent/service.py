@@ -27,7 +27,7 @@ from llmport_agent.commands.base import HandlerSpec
 from llmport_agent.commands.journal import CommandJournal
 from llmport_agent.commands.node import PersistentModes, node_handler_specs
 from llmport_agent.commands.pipeline import CommandPipeline
-from llmport_agent.config import AgentConfig
+from llmport_agent.config import AgentConfig, mask_url
 from llmport_agent.events.outbox import EventOutbox
 from llmport_agent.reporting import HeartbeatReporter, InventoryReporter
 from llmport_agent.session.service import SessionService
@@ -361,9 +361,11 @@ class AgentService(MultiService):
             "llmport-agent {version} started (agent id {agent_id}, backend {url}, state {path})",
             version=VERSION,
             agent_id=self.config.agent_id,
-            url=self.config.backend_url,
+            url=mask_url(self.config.backend_url),
             path=self.state.path,
         )
+        for note in self.config.notes:
+            self.log.warn("{note}", note=note)
         for svc in self._ordered[3:]:
             svc.setServiceParent(self)
 

@@ -3,7 +3,8 @@ The agent's small persistent state (C{STATE_PATH}): credential, node id, backend
 rotation time, node modes (maintenance, draining), the node profile.
 
 Writes are atomic and durable (see L{llmport_agent.storage.atomic_write}), serialized, and run off
-the reactor thread. A corrupt file is moved aside, never silently dropped.
+the reactor thread, serialisation to JSON included. A corrupt file is moved aside, never silently
+dropped.
 """
 
 from __future__ import annotations
@@ -147,11 +148,12 @@ class StateStore:
                 self.data.pop(key, None)
             else:
                 self.data[key] = value
+        # A shallow copy: values are replaced, never changed in place, so the I/O thread can
+        # serialise it while the reactor goes on (a big state never stalls the reactor).
         snapshot = dict(self.data, version=STATE_VERSION)
-        payload = json.dumps(snapshot, indent=1, sort_keys=True).encode()
 
         def write(_: object) -> Deferred[None]:
-            return self.runner.run(self._write, payload)
+            return self.runner.run(self._write, snapshot)
 
         result: Deferred[None] = Deferred()
 
@@ -167,7 +169,9 @@ class StateStore:
         self._chain = d
         return result
 
-    def _write(self, payload: bytes) -> None:
+    def _write(self, snapshot: dict[str, Any]) -> None:
+        """Thread function: serialise and write the state file."""
+        payload = json.dumps(snapshot, indent=1, sort_keys=True).encode()
         ensure_private_dir(os.path.dirname(os.path.abspath(self.path)))
         atomic_write(self.path, payload, 0o600)
         self.writes += 1

@@ -11,6 +11,7 @@ import json
 import os
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -123,32 +124,60 @@ def encode_line(record: dict[str, Any]) -> bytes:
     return json.dumps(record, separators=(",", ":"), sort_keys=True).encode() + b"\n"
 
 
+def append_records(path: str, records: list[dict[str, Any]]) -> int:
+    """Serialise C{records} as JSON lines, append them to C{path} and fsync. Blocking. Returns bytes."""
+    data = b"".join(encode_line(r) for r in records)
+    append_lines(path, [data])
+    return len(data)
+
+
+def rewrite_records(path: str, records: list[dict[str, Any]]) -> int:
+    """Replace C{path} atomically with C{records} as JSON lines. Blocking. Returns bytes."""
+    data = b"".join(encode_line(r) for r in records)
+    atomic_write(path, data)
+    return len(data)
+
+
 class GroupCommitLog:
     """
     An append-only JSON-lines file written with group commit: records appended while a write is
     in flight are written together by the next write, with one fsync. C{append} fires once its
     record is durable. C{rewrite} compacts the file atomically (used by the owner when the log
     grows well past its live content).
+
+    Records are serialised on the worker thread, not on the reactor: the caller hands over
+    dicts it does not change afterwards. One write takes at most L{MAX_BATCH_RECORDS} records,
+    so the callbacks that run when it completes are bounded too.
+
+    @ivar lines_written: lines in the file since the last rewrite (or since opening).
+    @ivar bytes_written: bytes appended since the last rewrite, plus what the rewrite wrote.
+    @ivar rewritten_bytes: the size of the file right after the last rewrite.
     """
+
+    MAX_BATCH_RECORDS = 256
 
     def __init__(self, runner: BlockingRunner, path: str) -> None:
         self._runner = runner
         self.path = path
-        # Operations in order: (lines, waiter, is_rewrite).
-        self._queue: list[tuple[list[bytes], Deferred[None], bool]] = []
+        # Operations in order: (records, waiter, is_rewrite).
+        self._queue: deque[tuple[list[dict[str, Any]], Deferred[None], bool]] = deque()
         self._writing = False
+        self._rewrites = 0  # queued or being written
         self.lines_written = 0
+        self.bytes_written = 0
+        self.rewritten_bytes = 0
 
     def append(self, record: dict[str, Any]) -> Deferred[None]:
         d: Deferred[None] = Deferred()
-        self._queue.append(([encode_line(record)], d, False))
+        self._queue.append(([record], d, False))
         self._kick()
         return d
 
     def rewrite(self, records: Iterable[dict[str, Any]]) -> Deferred[None]:
         """Replace the whole file with C{records}, in order with the appends around it."""
         d: Deferred[None] = Deferred()
-        self._queue.append(([encode_line(r) for r in records], d, True))
+        self._rewrites += 1
+        self._queue.append((list(records), d, True))
         self._kick()
         return d
 
@@ -156,32 +185,45 @@ class GroupCommitLog:
     def idle(self) -> bool:
         return not self._writing and not self._queue
 
+    @property
+    def rewrite_pending(self) -> bool:
+        """A rewrite is queued or being written."""
+        return self._rewrites > 0
+
     def _kick(self) -> None:
         if self._writing or not self._queue:
             return
         self._writing = True
         if self._queue[0][2]:
-            lines, waiter, _ = self._queue.pop(0)
-            d = self._runner.run(atomic_write, self.path, b"".join(lines))
-            d.addBoth(self._done, [waiter], len(lines), True)
+            records, waiter, _ = self._queue.popleft()
+            d = self._runner.run(rewrite_records, self.path, records)
+            d.addBoth(self._done, [waiter], len(records), True)
             return
-        batch: list[bytes] = []
+        batch: list[dict[str, Any]] = []
         waiters: list[Deferred[None]] = []
-        while self._queue and not self._queue[0][2]:
-            lines, waiter, _ = self._queue.pop(0)
-            batch.extend(lines)
+        while self._queue and not self._queue[0][2] and len(batch) < self.MAX_BATCH_RECORDS:
+            records, waiter, _ = self._queue.popleft()
+            batch.extend(records)
             waiters.append(waiter)
-        d = self._runner.run(append_lines, self.path, batch)
+        d = self._runner.run(append_records, self.path, batch)
         d.addBoth(self._done, waiters, len(batch), False)
 
     def _done(self, result: Any, waiters: list[Deferred[None]], count: int, rewrite: bool) -> None:
         self._writing = False
+        if rewrite:
+            self._rewrites -= 1
         if isinstance(result, Failure):
             log.failure("Writing {path} failed", failure=result, path=self.path)
             for w in waiters:
                 w.errback(result)
         else:
-            self.lines_written = count if rewrite else self.lines_written + count
+            size = int(result) if isinstance(result, int) else 0
+            if rewrite:
+                self.lines_written = count
+                self.bytes_written = self.rewritten_bytes = size
+            else:
+                self.lines_written += count
+                self.bytes_written += size
             for w in waiters:
                 w.callback(None)
         self._kick()

@@ -141,8 +141,14 @@ class Harness:
     async def _fails(self, ctx: Any) -> dict[str, Any]:
         raise CommandFailed("runtime_error", "the thing failed")
 
-    def deliver(self, *objs: dict[str, Any], kind: str = "commands") -> None:
+    def deliver(self, *objs: Any, kind: str = "commands") -> None:
         self.pipeline.frame_received({"type": kind, "items": list(objs)})
+        self.drain()
+
+    def drain(self) -> None:
+        """Let the pipeline take in what arrived (a big frame takes several reactor turns)."""
+        while self.pipeline._intake_call is not None:
+            self.clock.advance(0)
 
     def frames_for(self, cid: str) -> list[dict[str, Any]]:
         return [f for f in self.session.frames if f.get("command_id") == cid]

@@ -384,7 +384,7 @@ class LogsTests(WorkloadTestBase):
         """A missing container is a successful result whose text says so."""
         _, result = await self.rig.run("fetch_container_logs", ids_of(httpd_payload()))
         self.assertFalse(result["found"])
-        self.assertIn("No container", result["logs"])
+        self.assertIn("No managed container", result["logs"])
 
     async def test_logs_bad_tail(self) -> None:
         """tail outside 1..10000 is replaced by the default and said so: logs never fail."""

@@ -6,9 +6,20 @@ appended. At start the journal is replayed: commands without a result are resolv
 failed with C{agent_restarted}), results not confirmed as delivered are sent again.
 
 File: C{<state dir>/commands.jsonl}, JSON lines, each a partial record C{{"id": ..., <fields>}};
-the latest value of each field wins. Compacted atomically when it grows past its live content.
-Retention: at most C{max_records} records, finished ones older than C{max_age} are dropped; large
-results are dropped from the journal once delivered.
+the latest value of each field wins. Lines are serialised and written on the I/O pool.
+
+Bounded cost:
+ - an add, update or delivery is O(1) amortised: delivered records are kept in their own
+   delivery-ordered index, so pruning never walks the records that must stay;
+ - retention: delivered records beyond C{max_records}, beyond C{max_bytes} (their estimated
+   size) or older than C{max_age} are dropped, oldest first. Records without a delivered
+   result (received, running, finished but unconfirmed) are never dropped, whatever the bounds
+   say: losing one would leave its command stuck in the backend for ever;
+ - a command's payload is dropped from the journal when it finishes, a large result once it
+   is delivered;
+ - the file is compacted (rewritten with the live records, atomically) by bytes: when what
+   was appended since the last compaction exceeds what it wrote plus L{COMPACT_SLACK}, so the
+   file stays within about twice its live content and the start-up read stays short.
 """
 
 from __future__ import annotations
@@ -96,6 +107,12 @@ def _size(obj: Any) -> int:
         return SMALL_RESULT + 1
 
 
+#: Compact once this much more than the live content has been appended.
+COMPACT_SLACK = 4 * 1024 * 1024
+#: The estimated size of a record without payload or result (JSON).
+_RECORD_BASE = 320
+
+
 @define
 class CommandJournal:
     runner: BlockingRunner
@@ -103,8 +120,13 @@ class CommandJournal:
     clock: Callable[[], float]
     max_records: int = 5000
     max_age: float = 7 * 86400.0
+    max_bytes: int = 16 * 1024 * 1024
     records: OrderedDict[str, JournalRecord] = field(factory=OrderedDict)
     damaged_lines: int = 0
+    #: Delivered records, oldest delivery first, with their estimated size.
+    _delivered: OrderedDict[str, int] = field(factory=OrderedDict)
+    delivered_bytes: int = 0
+    compactions: int = 0
     _log: GroupCommitLog | None = None
 
     def load(self) -> Deferred[None]:
@@ -142,9 +164,15 @@ class CommandJournal:
                     path=self.path,
                     n=self.damaged_lines - damaged,
                 )
+            delivered = sorted(
+                (r for r in self.records.values() if r.state == DELIVERED),
+                key=lambda r: r.finished_at or 0.0,
+            )
+            for rec in delivered:
+                self._index_delivered(rec)
             self._log = GroupCommitLog(self.runner, self.path)
             self._prune()
-            return self._log.rewrite(r.as_dict() for r in self.records.values())
+            return self._compact()
 
         return self.runner.run(read).addCallback(replay)
 
@@ -160,11 +188,14 @@ class CommandJournal:
         forgotten again, so the command is handled afresh when the backend lists it again.
         """
         self.records[rec.id] = rec
+        if rec.state == DELIVERED:
+            self._index_delivered(rec)
         self._prune()
 
         def failed(f: Any) -> Any:
             if self.records.get(rec.id) is rec:
                 del self.records[rec.id]
+                self._unindex(rec.id)
             return f
 
         return self._append(rec.as_dict()).addErrback(failed)
@@ -177,6 +208,8 @@ class CommandJournal:
             return succeed(None)
         for key, value in changes.items():
             setattr(rec, key, value)
+        if rec.state != DELIVERED:
+            self._unindex(command_id)
         return self._append({"id": command_id, **changes})
 
     def note(self, command_id: str, **changes: Any) -> None:
@@ -188,12 +221,20 @@ class CommandJournal:
     def mark_delivered(self, command_id: str) -> Deferred[None]:
         rec = self.records.get(command_id)
         changes: dict[str, Any] = {"state": DELIVERED}
-        if rec is not None and rec.result_frame is not None and _size(rec.result_frame) > SMALL_RESULT:
-            # Large results (logs, diagnostics) are not kept once delivered.
-            small = {k: v for k, v in rec.result_frame.items() if k != "result"}
-            small["result"] = {"_dropped": "large result not kept after delivery"}
-            changes["result_frame"] = small
-        return self.update(command_id, **changes)
+        kept = 0
+        if rec is not None and rec.result_frame is not None:
+            kept = _size(rec.result_frame)
+            if kept > SMALL_RESULT:
+                # Large results (logs, diagnostics) are not kept once delivered.
+                small = {k: v for k, v in rec.result_frame.items() if k != "result"}
+                small["result"] = {"_dropped": "large result not kept after delivery"}
+                changes["result_frame"] = small
+                kept = _size(small)
+        d = self.update(command_id, **changes)
+        if rec is not None:
+            self._index_delivered(rec, kept)
+            self._prune()
+        return d
 
     def unfinished(self) -> list[JournalRecord]:
         return [r for r in self.records.values() if not r.finished]
@@ -206,34 +247,66 @@ class CommandJournal:
         for r in self.records.values():
             counts[r.state] = counts.get(r.state, 0) + 1
         counts["total"] = len(self.records)
+        counts["delivered_bytes"] = self.delivered_bytes
+        if self._log is not None:
+            counts["file_bytes"] = self._log.bytes_written
         return counts
+
+    # -- bounds ------------------------------------------------------------------------
+
+    def _index_delivered(self, rec: JournalRecord, result_size: int | None = None) -> None:
+        """Put a delivered record at the young end of the delivery index (O(1))."""
+        self._unindex(rec.id)
+        if result_size is None:
+            result_size = _size(rec.result_frame) if rec.result_frame is not None else 0
+        size = _RECORD_BASE + len(rec.command_type) + len(rec.correlation_id or "") + result_size
+        self._delivered[rec.id] = size
+        self.delivered_bytes += size
+
+    def _unindex(self, command_id: str) -> None:
+        size = self._delivered.pop(command_id, None)
+        if size is not None:
+            self.delivered_bytes -= size
+
+    def _prune(self) -> None:
+        """
+        Drop delivered records beyond the bounds, oldest delivery first. O(1) amortised: each
+        record is dropped once, and only delivered records are ever looked at.
+        """
+        now = self.clock()
+        while self._delivered:
+            cid, size = next(iter(self._delivered.items()))
+            rec = self.records.get(cid)
+            if rec is None or rec.state != DELIVERED:
+                # A stale index entry (re-opened or forgotten record): not ours to drop.
+                self._unindex(cid)
+                continue
+            over = len(self.records) > self.max_records or self.delivered_bytes > self.max_bytes
+            old = bool(rec.finished_at) and now - (rec.finished_at or 0.0) > self.max_age
+            if not (over or old):
+                break
+            del self.records[cid]
+            self._unindex(cid)
+
+    # -- file ----------------------------------------------------------------------------
 
     def _append(self, line: dict[str, Any]) -> Deferred[None]:
         assert self._log is not None, "journal not loaded"
         d = self._log.append(line)
-        if self._log.lines_written > 4 * len(self.records) + 2000:
+        log_ = self._log
+        grown = log_.bytes_written - log_.rewritten_bytes
+        if (grown > log_.rewritten_bytes + COMPACT_SLACK or log_.lines_written > 4 * len(self.records) + 20000) and (
+            not log_.rewrite_pending
+        ):
             self._compact()
         return d
 
-    def _compact(self) -> None:
+    def _compact(self) -> Deferred[None]:
         assert self._log is not None
         self._prune()
-        self._log.rewrite(r.as_dict() for r in self.records.values())
-
-    def _prune(self) -> None:
-        now = self.clock()
-        for cid in list(self.records):
-            rec = self.records[cid]
-            if rec.state == DELIVERED and rec.finished_at and now - rec.finished_at > self.max_age:
-                del self.records[cid]
-        excess = len(self.records) - self.max_records
-        if excess > 0:
-            for cid in list(self.records):
-                if excess <= 0:
-                    break
-                if self.records[cid].state == DELIVERED:
-                    del self.records[cid]
-                    excess -= 1
+        self.compactions += 1
+        # Shallow snapshots; they are serialised on the I/O pool.
+        return self._log.rewrite([r.as_dict() for r in self.records.values()])
 
     def idle(self) -> bool:
         return self._log is None or self._log.idle

@@ -60,14 +60,45 @@ class PersistentModes:
 
     async def set(self, **flags: Any) -> None:
         if "profile" in flags:
-            from llmport_agent.commands.parse import scrub_for_journal
-
-            self._live_profile = flags["profile"]
-            if flags["profile"] is not None:
-                flags["profile"] = scrub_for_journal(flags["profile"])
+            profile = flags["profile"]
+            self._live_profile = profile
+            if profile is not None:
+                # Scrubbed and measured on the I/O pool: a profile can be megabytes.
+                stored, problem = await self.state.runner.run(stored_profile, profile)
+                if self._live_profile is not profile:
+                    flags.pop("profile")  # a newer profile arrived meanwhile; it is stored instead
+                else:
+                    if problem is not None:
+                        log.warn(
+                            "The node profile is kept in memory only, not in the state file: {problem} "
+                            "(the backend sends it again at every connect)",
+                            problem=problem,
+                        )
+                    flags["profile"] = stored
         await self.state.update(**flags)
         if self.on_change is not None:
             self.on_change()
+
+
+#: The largest profile (JSON, registry credentials removed) kept in the state file.
+MAX_STORED_PROFILE = 1024 * 1024
+
+
+def stored_profile(profile: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """
+    Thread function: the copy of C{profile} for the state file (registry credentials removed),
+    or C{None} and the reason when it is too big or too deep to keep there.
+    """
+    from llmport_agent.commands.parse import TooDeep, json_size, scrub_for_journal
+
+    try:
+        scrubbed = scrub_for_journal(profile)
+    except TooDeep as e:
+        return None, f"it is {e}"
+    size = json_size(scrubbed)
+    if size < 0 or size > MAX_STORED_PROFILE:
+        return None, f"it is {size} bytes as JSON, more than the {MAX_STORED_PROFILE} stored"
+    return scrubbed, None
 
 
 def parse_enabled(value: Any) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 from attrs import frozen
 
 from llmport_agent.commands.base import Command, is_uuid
+from llmport_agent.session.framesplit import UnparsedItem
 
 
 @frozen
@@ -27,6 +28,14 @@ class Malformed:
 
 def parse_command(obj: Any) -> Command | Malformed:
     """Validate the shape of one command object (protocol 3.1)."""
+    if isinstance(obj, UnparsedItem):
+        # Salvaged from a frame that did not parse as a whole: answer it if its id is readable.
+        cid = obj.get("id")
+        corr = obj.get("correlation_id")
+        message = f"the command could not be parsed ({obj.reason}); it was not run"
+        if not is_uuid(cid):
+            return Malformed(None, message)
+        return Malformed(str(uuid.UUID(cid)), message, corr if isinstance(corr, str) and corr else None)
     if not isinstance(obj, dict):
         return Malformed(None, f"command is not a JSON object (got {type(obj).__name__})")
     cid = obj.get("id")
@@ -122,25 +131,59 @@ _SECRET_FIELDS = frozenset({"password", "identitytoken", "registrytoken", "auth"
 MAX_COMMAND_BYTES = 1024 * 1024
 
 
-def scrub_for_journal(obj: Any) -> Any:
-    """A copy of a command object without registry credentials (they never reach the disk)."""
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for key, value in obj.items():
-            if key in _CREDENTIAL_KEYS:
-                out[key] = {"_redacted": "registry credentials are not kept on disk"}
-            elif key in _SECRET_FIELDS and isinstance(value, str):
-                out[key] = "***"
-            else:
-                out[key] = scrub_for_journal(value)
-        return out
-    if isinstance(obj, list):
-        return [scrub_for_journal(v) for v in obj]
-    return obj
+#: A command nested deeper than this (objects and arrays) is refused as invalid: no payload of
+#: the protocol comes near it, and deeper ones would strain every recursive consumer.
+MAX_COMMAND_DEPTH = 64
 
 
-def too_large(obj: Any) -> bool:
+class TooDeep(ValueError):
+    """The value is nested deeper than allowed."""
+
+
+def scrub_for_journal(obj: Any, max_depth: int = MAX_COMMAND_DEPTH) -> Any:
+    """
+    A copy of a command object without registry credentials (they never reach the disk).
+    Iterative (no recursion, whatever the input).
+
+    @raise TooDeep: C{obj} is nested more than C{max_depth} levels deep.
+    """
+    holder: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any, int]] = [(obj, holder, 0, 1)]
+    while stack:
+        value, parent, key, depth = stack.pop()
+        if isinstance(value, dict):
+            if depth > max_depth:
+                raise TooDeep(f"nested more than {max_depth} levels deep")
+            out: dict[str, Any] = {}
+            parent[key] = out
+            for k, v in value.items():
+                if k in _CREDENTIAL_KEYS:
+                    out[k] = {"_redacted": "registry credentials are not kept on disk"}
+                elif k in _SECRET_FIELDS and isinstance(v, str):
+                    out[k] = "***"
+                elif isinstance(v, dict | list):
+                    out[k] = None
+                    stack.append((v, out, k, depth + 1))
+                else:
+                    out[k] = v
+        elif isinstance(value, list):
+            if depth > max_depth:
+                raise TooDeep(f"nested more than {max_depth} levels deep")
+            items: list[Any] = list(value)
+            parent[key] = items
+            for i, v in enumerate(items):
+                if isinstance(v, dict | list):
+                    stack.append((v, items, i, depth + 1))
+        else:
+            parent[key] = value
+    return holder[0]
+
+
+def json_size(obj: Any) -> int:
+    """The length of C{obj} as JSON; -1 when it is too deep to serialise."""
     try:
-        return len(json.dumps(obj, default=str)) > MAX_COMMAND_BYTES
-    except (TypeError, ValueError, RecursionError):
-        return True
+        return len(json.dumps(obj, default=str))
+    except RecursionError:
+        return -1
+    except (TypeError, ValueError):
+        return MAX_COMMAND_BYTES + 1

@@ -20,6 +20,7 @@ Rules (the README repeats them for operators):
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -55,16 +56,26 @@ from llmport_agent.commands.journal import (
     JournalRecord,
 )
 from llmport_agent.commands.parse import (
+    MAX_COMMAND_BYTES,
+    MAX_COMMAND_DEPTH,
     Malformed,
+    TooDeep,
+    json_size,
     parse_command,
     parse_iso8601,
     scrub_for_journal,
     signature_ok,
-    too_large,
 )
+from llmport_agent.session.framesplit import UnparsedItem
 from llmport_agent.session.protocol import ConnectionGone
 
 READ_CONCURRENCY = 16
+#: Commands received per reactor turn (the rest of a big frame follows in the next turns).
+INTAKE_BATCH = 64
+#: Commands being recorded, run or answered at once, at most (more wait in the intake).
+MAX_ADMITTED = 512
+#: Commands waiting to be received, at most (more are left for the backend to list again).
+MAX_INTAKE = 100_000
 
 
 class NodeModes(Protocol):
@@ -142,6 +153,10 @@ class CommandPipeline(Service):
         self._acked_here: set[str] = set()
         self._stopping = False
         self._unknown_frame_types: set[str] = set()
+        # Commands of arrived frames not yet received: a frame of 10 000 commands is taken in
+        # over many reactor turns, in order, so the reactor never stalls on one frame.
+        self._intake: deque[tuple[Any, bool]] = deque()
+        self._intake_call: Any = None
         self.stats = {"received": 0, "duplicates": 0, "malformed": 0, "succeeded": 0, "failed": 0,
                       "timed_out": 0, "results_resent": 0}
 
@@ -192,6 +207,11 @@ class CommandPipeline(Service):
         """Cancel running handlers; their commands stay unfinished and are resolved next start."""
         super().stopService()
         self._stopping = True
+        if self._intake_call is not None and self._intake_call.active():
+            self._intake_call.cancel()
+        self._intake_call = None
+        # Not journaled, so not acked: the backend lists them again after the restart.
+        self._intake.clear()
         for d in list(self._running.values()):
             d.cancel()
         pending = list(self._tasks)
@@ -210,6 +230,7 @@ class CommandPipeline(Service):
             self._tasks.discard(d)
             if hasattr(result, "trap"):
                 self.log.failure("Command task failed", failure=result)
+            self._schedule_intake()
 
         d.addBoth(done)
 
@@ -251,11 +272,44 @@ class CommandPipeline(Service):
                 kind=type(items).__name__,
             )
             return
-        for obj in items:
+        fresh = kind == "hello_ack"
+        if len(self._intake) + len(items) > MAX_INTAKE:
+            self.log.warn(
+                "{n} commands arrived while {queued} are still being received; the newest are "
+                "left for the backend to list again",
+                n=len(items),
+                queued=len(self._intake),
+            )
+            items = items[: max(0, MAX_INTAKE - len(self._intake))]
+        self._intake.extend((obj, fresh) for obj in items)
+        if self._intake_call is None:
+            self._drain_intake()
+
+    def _drain_intake(self) -> None:
+        """
+        Receive at most L{INTAKE_BATCH} commands now, the rest in later reactor turns; while
+        L{MAX_ADMITTED} commands are in the works, wait for some to finish (the heap, and with
+        it every garbage collection, stays small however many arrive at once).
+        """
+        self._intake_call = None
+        for _ in range(min(INTAKE_BATCH, len(self._intake))):
+            if len(self._tasks) >= MAX_ADMITTED:
+                break
+            obj, fresh = self._intake.popleft()
             try:
-                self.receive(obj, fresh=(kind == "hello_ack"))
+                self.receive(obj, fresh=fresh)
             except Exception:
                 self.log.failure("Could not receive a command")
+        self._schedule_intake()
+
+    def _schedule_intake(self) -> None:
+        if (
+            self._intake
+            and self._intake_call is None
+            and not self._stopping
+            and len(self._tasks) < MAX_ADMITTED
+        ):
+            self._intake_call = self.reactor.callLater(0, self._drain_intake)
 
     # -- receipt ---------------------------------------------------------------------------
 
@@ -266,12 +320,22 @@ class CommandPipeline(Service):
         had neither ack nor result processed, whatever we believed.
         """
         parsed = parse_command(obj)
-        if isinstance(parsed, Command) and too_large(obj):
-            parsed = Malformed(
-                parsed.id,
-                "the command is larger than 1 MiB; it was not run",
-                parsed.correlation_id,
-            )
+        journal_copy: dict[str, Any] | None = None
+        if isinstance(parsed, Command):
+            size = json_size(obj)
+            problem = None
+            if size > MAX_COMMAND_BYTES:
+                problem = "the command is larger than 1 MiB; it was not run"
+            else:
+                try:
+                    if size < 0:
+                        raise TooDeep("too deep to serialise")
+                    # Kept for a re-run after a restart; registry credentials never reach the disk.
+                    journal_copy = scrub_for_journal(dict(parsed.raw, id=parsed.id))
+                except TooDeep:
+                    problem = f"the command is nested more than {MAX_COMMAND_DEPTH} levels deep; it was not run"
+            if problem is not None:
+                parsed = Malformed(parsed.id, problem, parsed.correlation_id)
         cid = parsed.command_id if isinstance(parsed, Malformed) else parsed.id
         if cid is None:
             assert isinstance(parsed, Malformed)
@@ -298,7 +362,7 @@ class CommandPipeline(Service):
         self.stats["received"] += 1
         if isinstance(parsed, Malformed):
             self.stats["malformed"] += 1
-            ctype = obj.get("command_type") if isinstance(obj, dict) else None
+            ctype = obj.get("command_type") if isinstance(obj, dict | UnparsedItem) else None
             rec = JournalRecord(
                 id=cid,
                 command_type=ctype if isinstance(ctype, str) else "",
@@ -314,8 +378,7 @@ class CommandPipeline(Service):
             runtime_id=parsed.runtime_id,
             correlation_id=parsed.correlation_id,
             received_at=self._wallclock(),
-            # Kept for a re-run after a restart; registry credentials never reach the disk.
-            command=scrub_for_journal(dict(parsed.raw, id=parsed.id)),
+            command=journal_copy,
         )
         self._track(Deferred.fromCoroutine(self._accept(rec, parsed)))
 

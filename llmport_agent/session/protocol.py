@@ -21,6 +21,7 @@ from autobahn.websocket.types import ConnectingRequest
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
+from llmport_agent.session.framesplit import salvage_frame
 from llmport_agent.tls import describe_connection_error
 
 if TYPE_CHECKING:
@@ -56,6 +57,22 @@ def parse_http_status(status_line: str | None) -> int | None:
 
 
 _log = Logger(namespace="llmport_agent.session.protocol")
+
+#: Deliveries confirmed by one pong are reported this many per reactor turn.
+CONFIRM_SLICE = 128
+
+
+def fire_in_slices(clock: Any, waiters: list[Deferred[None]], size: int = CONFIRM_SLICE) -> None:
+    """
+    Fire C{waiters} in order, C{size} per reactor turn: one pong can confirm thousands of
+    frames, and each confirmation has work attached (journal updates).
+    """
+    now, rest = waiters[:size], waiters[size:]
+    for d in now:
+        if not d.called:
+            d.callback(None)
+    if rest:
+        clock.callLater(0, fire_in_slices, clock, rest, size)
 
 
 class AgentClientProtocol(WebSocketClientProtocol):
@@ -115,11 +132,22 @@ class AgentClientProtocol(WebSocketClientProtocol):
         try:
             frame = json.loads(payload)
         except (ValueError, RecursionError) as e:
+            # One bad command must not cost the others listed with it: take the frame apart.
+            salvaged = salvage_frame(payload)
+            if salvaged is None:
+                _log.warn(
+                    "Ignored a frame from the backend that is not usable JSON: {error}",
+                    error=f"{type(e).__name__}: {str(e)[:200]}",
+                )
+                return
+            frame, problems = salvaged
+            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             _log.warn(
-                "Ignored a frame from the backend that is not usable JSON: {error}",
-                error=f"{type(e).__name__}: {str(e)[:200]}",
+                "A frame from the backend did not parse as a whole ({error}); its parts were "
+                "handled one by one: {problems}",
+                error=f"{type(e).__name__}: {str(e)[:120]}",
+                problems=shown or "nothing was lost",
             )
-            return
         if not isinstance(frame, dict):
             _log.warn(
                 "Ignored a frame from the backend that is not a JSON object (got {kind})",
@@ -170,8 +198,7 @@ class AgentClientProtocol(WebSocketClientProtocol):
         waiters = self._ping_waiters.pop(payload, None)
         if waiters is None:
             return
-        for d in waiters:
-            d.callback(None)
+        fire_in_slices(self.factory.clock, waiters)
         if self._unconfirmed and not self._ping_waiters:
             self._send_confirm_ping()
 

@@ -14,6 +14,7 @@ import docker
 from docker.errors import NotFound
 
 from .spec import (
+    LABEL_AGENT_ID,
     LABEL_CONTAINER_PORT,
     LABEL_HOST_PORT,
     LABEL_MANAGED,
@@ -93,35 +94,68 @@ def host_port_of(snap: dict[str, Any], container_port: int | None = None) -> int
 
 
 def inspect(client: docker.DockerClient, ident: str) -> dict[str, Any] | None:
-    """Snapshot of one container by id or name, or C{None} when it does not exist."""
+    """
+    Snapshot of one container by its full id, or C{None} when it does not exist. (The engine
+    also resolves names and id prefixes here: callers pass ids they got from a listing, or use
+    L{by_exact_name}.)
+    """
     try:
         return snapshot(client.api.inspect_container(ident))
     except NotFound:
         return None
 
 
+def owned_filter(agent_id: str, runtime_id: str | None = None) -> dict[str, list[str]]:
+    """The engine's label filter for containers this agent manages (of one runtime)."""
+    labels = [f"{LABEL_MANAGED}={MANAGED_VALUE}", f"{LABEL_AGENT_ID}={agent_id}"]
+    if runtime_id is not None:
+        labels.append(f"{LABEL_RUNTIME_ID}={runtime_id}")
+    return {"label": labels}
+
+
+def is_owned(labels: dict[str, Any], agent_id: str, runtime_id: str | None = None) -> bool:
+    """Whether labels say: managed by this agent (and of this runtime)."""
+    return (
+        labels.get(LABEL_MANAGED) == MANAGED_VALUE
+        and labels.get(LABEL_AGENT_ID) == agent_id
+        and (runtime_id is None or labels.get(LABEL_RUNTIME_ID) == runtime_id)
+    )
+
+
+def by_exact_name(client: docker.DockerClient, name: str) -> dict[str, Any] | None:
+    """
+    The container called exactly C{name}, or C{None}. The engine's lookup falls back to id
+    prefixes when no container has the name; such a match is not this name's container.
+    """
+    snap = inspect(client, name)
+    if snap is None or snap["name"] != name:
+        return None
+    return snap
+
+
 def find_runtime(
-    client: docker.DockerClient, runtime_id: str, container_name: str | None
+    client: docker.DockerClient, runtime_id: str, container_name: str | None, agent_id: str
 ) -> list[dict[str, Any]]:
     """
-    Every container of a runtime: those labelled with its id, plus the one named
-    C{container_name} if it exists. Each snapshot gets C{foreign: True} when it belongs
-    to neither this runtime's labels nor (older agents) its C{LLM_PORT_RUNTIME_ID}.
-    Canonically named containers come first.
+    Every container of a runtime that this agent manages (labels C{io.llmport.managed},
+    C{io.llmport.agent-id} = C{agent_id}, C{io.llmport.runtime-id}), plus the one called
+    exactly C{container_name} if it exists. Each snapshot gets C{foreign: True} unless this
+    agent manages it for this runtime: a foreign container is never stopped, removed or
+    read, only reported (its name is taken). Canonically named containers come first.
     """
     found: dict[str, dict[str, Any]] = {}
-    rows = client.api.containers(all=True, filters={"label": f"{LABEL_RUNTIME_ID}={runtime_id}"})
+    rows = client.api.containers(all=True, filters=owned_filter(agent_id, runtime_id))
     for row in rows:
         snap = inspect(client, row["Id"])
         if snap is not None:
             found[snap["id"]] = snap
     if container_name and not any(s["name"] == container_name for s in found.values()):
-        snap = inspect(client, container_name)
-        if snap is not None and snap["name"] == container_name:
+        snap = by_exact_name(client, container_name)
+        if snap is not None:
             found[snap["id"]] = snap
     out = []
     for snap in found.values():
-        snap["foreign"] = snap["runtime_id"] != runtime_id
+        snap["foreign"] = not is_owned(snap["labels"], agent_id, runtime_id)
         canonical = (snap["labels"].get(LABEL_NAME) or container_name or snap["name"]) == snap["name"]
         snap["canonical"] = canonical
         out.append(snap)
@@ -130,30 +164,25 @@ def find_runtime(
 
 
 def find_runtime_light(
-    client: docker.DockerClient, runtime_id: str, container_name: str | None
+    client: docker.DockerClient, runtime_id: str, agent_id: str
 ) -> dict[str, Any] | None:
     """
-    One cheap lookup for reads (logs): the labelled container (canonical name first),
-    else the container called C{container_name}. Returns C{{"id", "name"}} or C{None}.
+    One cheap lookup for reads (logs): the container this agent manages for the runtime
+    (canonical name first). Returns C{{"id", "name"}} or C{None}: a container that merely has
+    the expected name, or whose id starts like it, is not this runtime's.
     """
-    rows = client.api.containers(all=True, filters={"label": f"{LABEL_RUNTIME_ID}={runtime_id}"})
+    rows = client.api.containers(all=True, filters=owned_filter(agent_id, runtime_id))
     best = None
     for row in rows:
-        name = (row.get("Names") or ["/"])[0].lstrip("/")
         labels = row.get("Labels") or {}
+        if not is_owned(labels, agent_id, runtime_id):
+            continue
+        name = (row.get("Names") or ["/"])[0].lstrip("/")
         entry = {"id": row["Id"], "name": name}
         if labels.get(LABEL_NAME, name) == name:
             return entry
         best = best or entry
-    if best is not None:
-        return best
-    if container_name:
-        try:
-            info = client.api.inspect_container(container_name)
-        except NotFound:
-            return None
-        return {"id": info["Id"], "name": str(info.get("Name", "")).lstrip("/")}
-    return None
+    return best
 
 
 def list_managed(client: docker.DockerClient) -> list[dict[str, Any]]:

@@ -32,6 +32,7 @@ from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.logger import Logger
 
 from ..commands.base import RUNTIME_ERROR, CommandFailed
+from ..config import mask_url
 from ..threads import PoolService
 
 T = TypeVar("T")
@@ -213,7 +214,9 @@ class DockerEngine(Service):
         self._reactor = reactor
         env = dict(os.environ if environ is None else environ)
         self._client_kwargs: dict[str, Any] = docker.utils.kwargs_from_env(environment=env)
-        self.address: str = str(self._client_kwargs.get("base_url") or DEFAULT_ADDRESS)
+        # For messages and diagnostics: a password in DOCKER_HOST is masked (the client gets
+        # the address as configured, through _client_kwargs).
+        self.address: str = mask_url(str(self._client_kwargs.get("base_url") or DEFAULT_ADDRESS))
         self.call_timeout = call_timeout
         self.stream_timeout = stream_timeout
         self._max_threads = max(1, min(max_threads, 10))

@@ -242,7 +242,9 @@ class WorkloadManager:
         return build_spec(ctx.command.payload, self.settings, self.allowlist, profile)
 
     async def _find(self, runtime_id: str, name: str | None) -> list[dict[str, Any]]:
-        return await self.engine.call(ops.find_runtime, runtime_id, name, what="looking up the workload")
+        return await self.engine.call(
+            ops.find_runtime, runtime_id, name, self.settings.agent_id, what="looking up the workload"
+        )
 
     @staticmethod
     def _primary(found: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -800,8 +802,8 @@ class WorkloadManager:
         )
 
     async def _removeNew(self, spec: WorkloadSpec) -> None:
-        snap = await self.engine.call(ops.inspect, spec.container_name, what="finding the new container")
-        if snap is not None and snap["labels"].get(LABEL_RUNTIME_ID) == spec.runtime_id:
+        snap = await self.engine.call(ops.by_exact_name, spec.container_name, what="finding the new container")
+        if snap is not None and ops.is_owned(snap["labels"], self.settings.agent_id, spec.runtime_id):
             await self.engine.call(ops.remove, snap["id"], what="removing the new container")
 
     def _rollbackLater(self, spec: WorkloadSpec, old: dict[str, Any], backup: str, old_running: bool) -> None:
@@ -908,13 +910,15 @@ class WorkloadManager:
         return result
 
     async def _logs(self, runtime_id: str, name: str, tail: int) -> dict[str, Any]:
-        target = await self.engine.call(ops.find_runtime_light, runtime_id, name, what="finding the container")
+        target = await self.engine.call(
+            ops.find_runtime_light, runtime_id, self.settings.agent_id, what="finding the container"
+        )
         missing = {
             "runtime_id": runtime_id,
             "container_name": name,
             "logs": (
-                f"No container for runtime {runtime_id} (expected name {name}) exists on this "
-                "node, so there are no logs. Deploy or start the runtime to create it."
+                f"No managed container for runtime {runtime_id} (expected name {name}) exists "
+                "on this node, so there are no logs. Deploy or start the runtime to create it."
             ),
             "found": False,
         }

@@ -495,7 +495,9 @@ class HealthWatcher(Service):
         """Re-read one runtime from the engine and report a transition (or, C{force}, its state)."""
         if runtime_id in self._held:
             return None
-        snaps = await self._engine.call(ops.find_runtime, runtime_id, None, what="checking workload health")
+        snaps = await self._engine.call(
+            ops.find_runtime, runtime_id, None, self._settings.agent_id, what="checking workload health"
+        )
         if runtime_id in self._held:
             return None
         return self._apply(

@@ -15,9 +15,9 @@ cancel or failure.
 
 from __future__ import annotations
 
-import queue
+import base64
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
 
@@ -32,7 +32,9 @@ from twisted.web.http import PotentialDataLoss
 
 from ..commands.base import INVALID_COMMAND, CommandFailed
 from .engine import DockerEngine, EngineError, StreamClosed, StreamControl
-from .policy import ImageRef
+from .imageload import BodySource, SourceError, load_thread
+from .policy import ImageRef, parse_image_ref
+from .tarfilter import ImageTarFilter
 
 PULL_FAILED = "pull_failed"
 PULL_STALLED = "pull_stalled"
@@ -47,10 +49,27 @@ _TRANSFER_TAG_RE = re.compile(r"^[a-zA-Z0-9._-]+$")
 
 
 def _scrub(text: str, secrets: tuple[str, ...]) -> str:
-    for secret in secrets:
+    for secret in sorted(secrets, key=len, reverse=True):
         if secret and len(secret) >= 4:
             text = text.replace(secret, "***")
     return text
+
+
+#: The fields of registry credentials whose values are secret (the user name, the e-mail and the
+#: registry address are not: they say which registry and account failed).
+_AUTH_SECRETS = ("password", "identitytoken", "registrytoken", "auth")
+
+
+def auth_secrets(auth: dict[str, str] | None) -> tuple[str, ...]:
+    """The secret values of registry credentials, and their encodings that could be echoed."""
+    if not auth:
+        return ()
+    values = [v for k, v in auth.items() if k in _AUTH_SECRETS and isinstance(v, str) and v]
+    header = docker.auth.encode_header(auth)  # what the engine gets in X-Registry-Auth
+    values.append(header.decode() if isinstance(header, bytes) else str(header))
+    if auth.get("username") and auth.get("password"):
+        values.append(base64.b64encode(f"{auth['username']}:{auth['password']}".encode()).decode())
+    return tuple(values)
 
 
 class PullProgress:
@@ -189,20 +208,17 @@ class _SharedPull:
 class _BodyFeeder(Protocol):
     """
     Receives the transfer's body on the reactor and hands it to the loading thread
-    through a queue, pausing the download while too much is buffered.
+    through a L{BodySource}, pausing the download while too much is buffered.
     """
-
-    END = object()
 
     def __init__(self, engine: DockerEngine, high_water: int = 16 * 1024 * 1024) -> None:
         self._engine = engine
-        self.queue: queue.Queue[Any] = queue.Queue()
+        self.source = BodySource(self._consumedFromThread)
         self.received = 0
         self.consumed = 0
         self.high_water = high_water
         self.paused = False
         self.done: Deferred[None] = Deferred()
-        self.last_data_at: float = 0.0
         self.on_data: Callable[[], None] = lambda: None
 
     def _producer(self) -> Any:
@@ -211,7 +227,7 @@ class _BodyFeeder(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         self.received += len(data)
-        self.queue.put(data)
+        self.source.queue.put(data)
         self.on_data()
         if not self.paused and self.received - self.consumed > self.high_water and self.transport:
             self.paused = True
@@ -219,13 +235,16 @@ class _BodyFeeder(Protocol):
 
     def connectionLost(self, reason: Failure = ResponseDone()) -> None:  # type: ignore[assignment]
         if reason.check(ResponseDone, PotentialDataLoss):
-            self.queue.put(self.END)
+            self.source.queue.put(BodySource.END)
             if not self.done.called:
                 self.done.callback(None)
         else:
-            self.queue.put(ConnectionError(f"the backend connection broke after {self.received} bytes"))
+            self.source.queue.put(SourceError(f"the backend connection broke after {self.received} bytes"))
             if not self.done.called:
                 self.done.errback(reason)
+
+    def _consumedFromThread(self, n: int) -> None:
+        self._engine.callFromThread(self._consumed, n)
 
     def _consumed(self, n: int) -> None:
         self.consumed += n
@@ -235,65 +254,12 @@ class _BodyFeeder(Protocol):
 
     def abort(self) -> None:
         """Stop the download and end the loader's input with an error."""
-        self.queue.put(ConnectionAbortedError("image transfer aborted"))
+        self.source.queue.put(SourceError("image transfer aborted"))
         if self.transport is not None and not self.done.called:
             try:
                 self._producer().stopProducing()
             except Exception:  # noqa: BLE001
                 pass
-
-    def chunks(self, control: StreamControl) -> Iterator[bytes]:
-        """Thread side: the body as it arrives."""
-        while True:
-            item = self.queue.get()
-            if item is self.END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            if control.closed:
-                raise ConnectionAbortedError(control.reason)
-            self._engine.callFromThread(self._consumed, len(item))
-            yield item
-
-
-class _QueueCloser:
-    def __init__(self, feeder: _BodyFeeder) -> None:
-        self._feeder = feeder
-
-    def close(self) -> None:
-        self._feeder.queue.put(ConnectionAbortedError("image transfer aborted"))
-
-
-def _load_thread(
-    client: docker.DockerClient, control: StreamControl, feeder: _BodyFeeder
-) -> dict[str, Any]:
-    """Thread function: POST the arriving tar to the engine's image load."""
-    api = client.api
-    control.attach(_QueueCloser(feeder))
-    response = api._post(
-        api._url("/images/load"),
-        data=feeder.chunks(control),
-        params={"quiet": "0"},
-        headers={"Content-Type": "application/x-tar"},
-        stream=True,
-        timeout=None,
-    )
-    stream = CancellableStream(api._stream_helper(response, decode=True), response)
-    control.attach(stream)
-    api._raise_for_status(response)
-    loaded: list[str] = []
-    error = ""
-    for msg in stream:
-        if not isinstance(msg, dict):
-            continue
-        if msg.get("error") or msg.get("errorDetail"):
-            detail = msg.get("errorDetail") or {}
-            error = str(msg.get("error") or (detail.get("message") if isinstance(detail, dict) else "") or "unknown error")
-        text = msg.get("stream")
-        if isinstance(text, str) and "Loaded image" in text:
-            loaded.append(text.split(":", 1)[1].strip() if ":" in text else text.strip())
-    control.check()
-    return {"loaded": loaded, "error": error}
 
 
 def _inspect_image(client: docker.DockerClient, name: str) -> dict[str, Any] | None:
@@ -407,7 +373,7 @@ class ImageManager:
     async def _runPull(
         self, shared: _SharedPull, ref: ImageRef, auth: dict[str, str] | None
     ) -> dict[str, Any]:
-        secrets = tuple(v for v in (auth or {}).values() if isinstance(v, str))
+        secrets = auth_secrets(auth)
         clock = self._reactor
         state = {"last_change": clock.seconds(), "last_emit": 0.0}
         stalled = {"yes": False}
@@ -604,9 +570,11 @@ class ImageManager:
             control.close("download failed")
 
         feeder.done.addErrback(_bodyFailed)
+        # Only the requested tag may come out of the archive (see tarfilter).
+        tar = ImageTarFilter(f"{name}:{tag}", lambda text: parse_image_ref(text).canonical)
         try:
             outcome = await self._engine.stream(
-                _load_thread, control, feeder, what=f"loading image {name}:{tag}"
+                load_thread, control, feeder.source, tar, what=f"loading image {name}:{tag}"
             )
         except CancelledError:
             feeder.abort()
@@ -635,6 +603,12 @@ class ImageManager:
                 f"Transferring {name}:{tag} failed: the engine's image load failed: {cause}",
                 extra(),
             ) from None
+        except CommandFailed as exc:
+            # The archive was refused (it names other references): the upload was broken off.
+            feeder.abort()
+            self.log.warn("Refused the image archive from the backend: {why}", why=exc.error_message)
+            exc.result.update(extra())
+            raise
         finally:
             if timer is not None and timer.active():
                 timer.cancel()
