@@ -183,8 +183,8 @@ def workload_states(agent: Any) -> dict[str, dict[str, Any]]:
 
 
 def session_state(session: Any) -> str:
-    state = getattr(session, "state", None)
-    return state if isinstance(state, str) else ("connected" if session.connected else "connecting")
+    phase = getattr(session, "phase", None)
+    return phase if isinstance(phase, str) else ("connected" if session.connected else "connecting")
 
 
 # -- the collector -------------------------------------------------------------------------

@@ -70,6 +70,8 @@ class HeartbeatReporter(_PerConnectionLoop):
         self._build = build
         self._expected: float | None = None
         self.sent = 0
+        #: Wall-clock time of the last heartbeat sent (status, ops endpoint).
+        self.last_sent_at: float | None = None
         self.lateness: list[float] = []
 
     def session_opened(self) -> None:
@@ -86,6 +88,9 @@ class HeartbeatReporter(_PerConnectionLoop):
         ok = self.session.send(frame)
         if ok:
             self.sent += 1
+            import time
+
+            self.last_sent_at = time.time()
         return ok
 
     def _tick(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -41,11 +42,15 @@ def _address(value: str) -> str | bytes | None:
     return None  # vsock and other forms: not used by systemd for services on Linux hosts
 
 
-def watchdog_interval(environ: Mapping[str, str], pid: int) -> float | None:
-    """Seconds between C{WATCHDOG=1} pings (half of C{WATCHDOG_USEC}), or None when off."""
+def watchdog_interval(environ: Mapping[str, str], pid: int, ppid: int | None = None) -> float | None:
+    """
+    Seconds between C{WATCHDOG=1} pings (half of C{WATCHDOG_USEC}), or None when off.
+    C{WATCHDOG_PID} names the process the watchdog is for: this one, or (C{ppid}, given in the
+    standalone executable) the one-file bootloader that started this one.
+    """
     raw = environ.get("WATCHDOG_USEC", "")
-    owner = environ.get("WATCHDOG_PID", "")
-    if owner and owner.strip() != str(pid):
+    owner = environ.get("WATCHDOG_PID", "").strip()
+    if owner and owner != str(pid) and (ppid is None or owner != str(ppid)):
         return None
     try:
         usec = int(raw)
@@ -67,8 +72,11 @@ class Notifier:
     def __init__(self, environ: MutableMapping[str, str] | None = None, pid: int | None = None) -> None:
         env = os.environ if environ is None else environ
         pid = os.getpid() if pid is None else pid
+        # The standalone executable runs as two processes: PyInstaller's one-file bootloader
+        # (systemd's main PID, hence NotifyAccess=all in the unit) and this one, its child.
+        ppid = os.getppid() if getattr(sys, "frozen", False) else None
         self.address = _address(env.get("NOTIFY_SOCKET", ""))
-        self.watchdog_sec = watchdog_interval(env, pid) if self.address is not None else None
+        self.watchdog_sec = watchdog_interval(env, pid, ppid) if self.address is not None else None
         for name in _ENV_NAMES:
             env.pop(name, None)
         self._sock: socket.socket | None = None
@@ -158,7 +166,9 @@ class NotifyService(Service):
         self.ready_sent = True
         line = self._current()
         self._last_status = line
-        self.notifier.notify("READY=1", "STATUS=" + line, f"MAINPID={os.getpid()}")
+        # No MAINPID=: in the standalone executable the main PID is PyInstaller's bootloader,
+        # which must stay systemd's main process (it forwards signals and the exit status).
+        self.notifier.notify("READY=1", "STATUS=" + line)
 
     def update_status(self, force: bool = False) -> None:
         if not self.notifier.enabled:
