@@ -7,8 +7,8 @@ from a reactor timer at half of C{$WATCHDOG_USEC} (so a stalled reactor stops th
 systemd restarts the agent) and C{STOPPING=1} when it begins to stop. Without C{$NOTIFY_SOCKET}
 (the foreground, tests) every call is a no-op.
 
-The socket may be a path or an abstract name (C{@name}). Sending never blocks and never raises:
-a lost datagram is systemd's business, not a reason to crash the agent.
+The socket may be a path or an abstract name (C{@name}). Sending waits at most L{SEND_TIMEOUT}
+and never raises: a lost datagram is logged once, never a reason to crash the agent.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from twisted.logger import Logger
 
 #: How often the status line is recomputed (sent only when it changed).
 STATUS_INTERVAL = 5.0
+#: Longest a send may wait for room in the notify socket's queue.
+SEND_TIMEOUT = 0.2
 #: Longest status line sent (systemd shows one line).
 MAX_STATUS = 400
 
@@ -95,7 +97,9 @@ class Notifier:
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-                self._sock.setblocking(False)
+                # systemd reads its notify socket at once; a short timeout (not a non-blocking
+                # send) keeps a burst from being dropped when the queue (10 datagrams) is full.
+                self._sock.settimeout(SEND_TIMEOUT)
             self._sock.sendto(message.encode("utf-8", "replace"), self.address)
         except OSError as e:
             if not self._warned:
