@@ -448,6 +448,8 @@ class AgentService(MultiService):
     def stopService(self) -> Deferred[None]:
         self.running = 0
         self.stopping = True
+        # A stop signal from now on ends the drain at once.
+        self._stop_signals = max(self._stop_signals, 1)
         started = self._started if self._started is not None else succeed(None)
         return started.addBoth(lambda _: Deferred.fromCoroutine(self._stop()))
 
