@@ -401,3 +401,51 @@ class VerifyTests(SynchronousTestCase):
 
 
 _ = Any
+
+
+class TokenFileWarningTests(SynchronousTestCase):
+    """The agent says once when the file holding its token is readable by others (llm-port writes 0644)."""
+
+    def check(self, mode: int, token_line: bool = True) -> list[str]:
+        from twisted.internet.task import Clock
+        from twisted.logger import globalLogPublisher
+
+        from llmport_agent.config import load_config
+        from llmport_agent.service import AgentService
+
+        root = os.path.abspath(self.mktemp())
+        os.makedirs(os.path.join(root, "etc"))
+        path = os.path.join(root, "etc/llmport-agent.env")
+        with open(path, "w") as f:
+            f.write(f"LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN={TOKEN}\n" if token_line else "X=1\n")
+        os.chmod(path, mode)
+        seen: list[str] = []
+
+        def observer(event: dict[str, Any]) -> None:
+            from twisted.logger import formatEvent
+
+            text = formatEvent(event)
+            if "readable by other users" in text:
+                seen.append(text)
+
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        os.environ["LLMPORT_AGENT_SYSTEM_ROOT"] = root
+        self.addCleanup(os.environ.pop, "LLMPORT_AGENT_SYSTEM_ROOT", None)
+        state = os.path.join(root, "state", "state.json")
+        config = load_config({"LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN": TOKEN,
+                              "LLM_PORT_NODE_AGENT_STATE_PATH": state, "LLM_PORT_NODE_AGENT_OPS_PORT": "0"}, {})
+        agent = AgentService(Clock(), config, docker_enabled=False, notify_environ={})
+        agent._check_env_file()
+        return seen
+
+    def test_world_readable_token_file(self) -> None:
+        seen = self.check(0o644)
+        self.assertEqual(len(seen), 1)
+        self.assertIn("chmod 600", seen[0])
+        self.assertIn("0644", seen[0])
+        self.assertNotIn(TOKEN, seen[0])
+
+    def test_private_file_or_no_token_is_quiet(self) -> None:
+        self.assertEqual(self.check(0o600), [])
+        self.assertEqual(self.check(0o644, token_line=False), [])
