@@ -126,9 +126,9 @@ def sigterm_during_deploy(backend: DevBackendProcess, repeat: int, work: str) ->
         cmd = backend.post(f"/dev/nodes/{node_id}/commands",
                            {"command_type": "deploy_workload", "payload": payload})
         timeline = f"/dev/commands/{cmd['id']}/timeline"
-        wait(lambda: any(e.get("event_type") == "progress"
-                         and (e.get("payload") or {}).get("phase") == "waiting_for_ready"
-                         for e in backend.get(timeline)), 60, 0.02)
+        wait(lambda t=timeline: any(e.get("event_type") == "progress"
+                                    and (e.get("payload") or {}).get("phase") == "waiting_for_ready"
+                                    for e in backend.get(t)), 60, 0.02)
         sent = time.monotonic()
         values.append(term(proc))
         status = backend.get(f"/dev/commands/{cmd['id']}")["status"]
