@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
@@ -108,30 +107,10 @@ class EnvFile:
 
 
 def write_private(path: str, text: str, mode: int = 0o600) -> None:
-    """Write C{text} atomically (same-directory temporary file, fsync, rename) with C{mode}."""
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(prefix=".llmport-agent.", dir=directory)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    """Write C{text} atomically and durably (temporary file, fsync, rename, directory fsync)."""
+    from llmport_agent.storage import atomic_write
+
+    atomic_write(path, text.encode("utf-8"), mode, private_dir=False)
 
 
 def setting_name(name: str) -> str:
