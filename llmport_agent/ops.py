@@ -19,7 +19,10 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from llmport_agent import VERSION
-from llmport_agent.metrics import make_registry, render
+from llmport_agent.metrics import AgentCollector, make_registry, render
+
+#: The collector (it lives in llmport_agent.metrics; this name is kept for existing callers).
+_AgentCollector = AgentCollector
 
 
 class _Metrics(Resource):
