@@ -356,6 +356,14 @@ class CommandLineTests(SynchronousTestCase):
         # The console script is next to the interpreter in this environment, or on PATH.
         if "no llmport-agent executable" in done.stderr:
             raise SkipTest("llmport-agent is not installed next to this interpreter")
+        from llmport_agent.installer import unstable_place
+
+        if unstable_place(sys.executable):
+            # This interpreter lives under /tmp (a throw-away venv): start must refuse it.
+            self.assertEqual(done.returncode, 1)
+            self.assertIn("under /tmp", done.stderr)
+            self.assertEqual(h.calls(), [])
+            return
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertIn("daemon-reload", h.calls())
         done = self.run_cli(h, "config", "--set", "LOG_LEVEL=bogus")

@@ -62,7 +62,7 @@ class SandboxTests(AgentTestCase):
             " t(lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW)), t(lambda: socket.socket()),"
             f" t(lambda: os.chown('{rw}/x', 1, 1)), t(lambda: os.setuid(0)))\n"
         )
-        done = subprocess.run([SYSTEM_PYTHON, SANDBOX, "--rw", rw, "--", sys.executable, "-c", probe],
+        done = subprocess.run([SYSTEM_PYTHON, SANDBOX, "--shared-tmp", "--rw", rw, "--", sys.executable, "-c", probe],
                               capture_output=True, text=True, timeout=60)
         self.assertEqual(done.stdout.split(), ["EROFS", "ok", "EAFNOSUPPORT", "ok", "EPERM", "EPERM"], done.stderr)
 
