@@ -505,6 +505,9 @@ class Installer:
             s.say("service:    systemd is not running on this host (no unit to inspect)")
         try:
             config = self.service_config() if os.path.exists(s.env_path) else environ_config or load_config()
+        except PermissionError:
+            s.say(f"config:     {s.env_path} is readable by root only; using this shell's settings (sudo shows the unit's)")
+            config = environ_config or load_config(environ=s.environ)
         except (ConfigError, OSError) as e:
             s.say(f"config:     cannot be read ({e})")
             return EX_FAIL

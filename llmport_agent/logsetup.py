@@ -74,24 +74,28 @@ def _plain(value: Any, secrets: Iterable[str], depth: int = 0) -> Any:
 
 
 def flat_event(event: dict[str, Any], secrets: Iterable[str] = ()) -> dict[str, Any]:
-    """The flat JSON object for one log event."""
+    """
+    The flat JSON object for one log event. The event's fields are redacted, and the message is
+    formatted from the redacted fields, so the literal text of a message is never mangled by a
+    pattern while no field value reaches the line unredacted.
+    """
     level = event.get("log_level")
     when = event.get("log_time")
     stamp = datetime.fromtimestamp(when if isinstance(when, int | float) else 0, UTC)
-    try:
-        message = formatEvent(event)
-    except Exception:
-        message = str(event.get("log_format", ""))
+    fields = {
+        str(key)[:128]: _plain(value, secrets)
+        for key, value in event.items()
+        if not key.startswith("log_") and key not in _INTERNAL
+    }
+    message = _format(event, fields, secrets)
     out: dict[str, Any] = {
         "time": stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
         "level": getattr(level, "name", "info"),
         "logger": str(event.get("log_namespace") or "-"),
-        "message": redact(message[:MAX_FIELD_CHARS], secrets),
+        "message": message[:MAX_FIELD_CHARS],
     }
-    for key, value in event.items():
-        if key.startswith("log_") or key in _INTERNAL or key in out:
-            continue
-        out[str(key)[:128]] = _plain(value, secrets)
+    for key, value in fields.items():
+        out.setdefault(key, value)
     failure = event.get("log_failure")
     if failure is not None:
         try:
@@ -100,6 +104,25 @@ def flat_event(event: dict[str, Any], secrets: Iterable[str] = ()) -> dict[str, 
         except Exception:
             out["error"] = "unprintable failure"
     return out
+
+
+def _format(event: dict[str, Any], fields: dict[str, Any], secrets: Iterable[str]) -> str:
+    plain = {k: v for k, v in event.items() if k.startswith("log_")}
+    # Legacy keys (format, message, why, ...) take part in formatting: redacted too.
+    plain.update({k: redact(v, secrets) if isinstance(v, str) else v for k, v in event.items() if k in _INTERNAL})
+    plain.update(fields)
+    plain.pop("log_failure", None)
+    try:
+        text = formatEvent(plain)
+    except Exception:
+        text = ""
+    if not text or text.startswith("Unable to format event"):
+        # The format string needs the objects themselves ({obj.attr}): format, then redact it all.
+        try:
+            text = redact(formatEvent(event), secrets)
+        except Exception:
+            text = str(event.get("log_format", ""))
+    return text
 
 
 @implementer(ILogObserver)

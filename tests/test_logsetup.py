@@ -54,6 +54,12 @@ class JSONLinesTests(SynchronousTestCase):
         self.assertNotIn(CREDENTIAL, text)
         self.assertNotIn(token, text)
 
+    def test_message_text_is_not_mangled(self) -> None:
+        """Patterns apply to values, not to the agent's own words ("token: mint a new one")."""
+        line = self.emit(lambda log: log.critical("no enrollment token: mint a new one ({why})",
+                                                  why="password=hunter22", reason="x"))[0]
+        self.assertEqual(line["message"], "no enrollment token: mint a new one (password=***)")
+
     def test_level_filter(self) -> None:
         self.assertEqual(self.emit(lambda log: log.debug("hidden"), level="INFO"), [])
 
