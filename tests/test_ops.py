@@ -154,3 +154,42 @@ class OpsTests(AgentTestCase):
         await self.backend_wait(lambda: agent.engine.available, 60)
         code, body = await readyz()
         self.assertEqual((code, body["ready"]), (200, True), body)
+
+
+class ReadinessRulesTests(AgentTestCase):
+    """The NVML and Loki checks of /readyz, on a real agent whose GPU source and shipper are set."""
+
+    async def test_nvml_and_loki_rules(self) -> None:
+        from llmport_agent.inventory.gpu import GPUSnapshot
+        from llmport_agent.ops import readiness
+
+        backend = await self.start_backend()
+        agent = self.start_agent(backend)
+        await self.wait_connected(backend, agent)
+        self.assertTrue(readiness(agent)["ready"])
+        # A host without GPUs (no driver): not unready.
+        agent.collector._last_gpu = GPUSnapshot(vendor="none", gpu_error="NVML Shared Library Not Found")
+        self.assertTrue(readiness(agent)["checks"]["nvml"]["ok"])
+        # A GPU host whose NVML broke: unready, and it says why.
+        agent.collector._last_gpu = GPUSnapshot(vendor="nvidia", gpu_error="NVML stopped answering: GPU is lost")
+        body = readiness(agent)
+        self.assertFalse(body["ready"])
+        self.assertIn("GPU is lost", body["checks"]["nvml"]["detail"])
+        agent.collector._last_gpu = GPUSnapshot()
+
+        class Loki:
+            failures = 0
+
+            def describe(self) -> dict[str, object]:
+                return {"consecutive_failures": self.failures, "last_error": "HTTP 502", "queue_depth": 7}
+
+        agent.loki = Loki()
+        self.assertTrue(readiness(agent)["checks"]["loki"]["ok"])
+        agent.loki.failures = 3
+        body = readiness(agent)
+        self.assertFalse(body["ready"])
+        self.assertIn("HTTP 502", body["checks"]["loki"]["detail"])
+        agent.loki = None
+        agent.stopping = True
+        self.assertEqual(readiness(agent)["status"], "stopping")
+        agent.stopping = False
