@@ -152,6 +152,16 @@ class BinaryTests(_Spawning):
         os.chmod(stand_in, 0o755)
         if os.geteuid() != 0:
             raise SkipTest("start needs root")
+        if os.path.realpath(exe).startswith(("/tmp/", "/var/tmp/")):
+            # Built in a checkout under /tmp (CI's clone may be): start rightly refuses that
+            # place, so install it somewhere stable first, as an operator would.
+            import uuid
+
+            place = f"/run/llmport-test-{uuid.uuid4().hex[:8]}"
+            os.makedirs(place)
+            self.addCleanup(shutil.rmtree, place, True)
+            shutil.copy2(exe, os.path.join(place, "llmport-agent"))
+            exe = os.path.join(place, "llmport-agent")
         env = self.bare_env(LLMPORT_AGENT_SYSTEM_ROOT=root, SYSTEMCTL_LOG=os.path.join(root, "calls"),
                             LLM_PORT_NODE_AGENT_BACKEND_URL="https://llm-port.example",
                             LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN="t" * 32)
