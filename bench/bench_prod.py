@@ -100,8 +100,13 @@ def startup(backend: DevBackendProcess, binary: str | None, repeat: int, work: s
         firsts = []
         for _ in range(repeat):
             first, _, proc, _ = start_and_term(backend, args, work)
-            firsts.append(first)
-            exits.append(term(proc))
+            try:
+                firsts.append(first)
+                exits.append(term(proc))
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         print(f"start-up to the first heartbeat, {name:<14}: {summary(firsts, ' s')}")
     print(f"SIGTERM -> exit, idle agent:                  {summary(exits, ' s')}")
 
@@ -116,31 +121,42 @@ def sigterm_during_deploy(backend: DevBackendProcess, repeat: int, work: str) ->
         print(f"SIGTERM -> exit during a deploy: skipped ({e})")
         return
     values, remaining = [], []
+    os.environ["DOCKER_HOST"] = docker.host  # for the agents started below
     for _ in range(repeat):
         first, _, proc, node_id = start_and_term(
             backend, [sys.executable, "-m", "llmport_agent.cli", "run"], work,
             WORKLOAD_NETWORK="host", SHUTDOWN_GRACE_SEC="60")
-        os.environ["DOCKER_HOST"] = docker.host
-        payload = httpd_payload(script="sleep 5; mkdir -p /www && echo ok > /www/health && "
-                                       "exec httpd -f -p $LLAMA_ARG_PORT -h /www")
-        cmd = backend.post(f"/dev/nodes/{node_id}/commands",
-                           {"command_type": "deploy_workload", "payload": payload})
-        timeline = f"/dev/commands/{cmd['id']}/timeline"
-        wait(lambda t=timeline: any(e.get("event_type") == "progress"
-                                    and (e.get("payload") or {}).get("phase") == "waiting_for_ready"
-                                    for e in backend.get(t)), 60, 0.02)
-        sent = time.monotonic()
-        values.append(term(proc))
-        status = backend.get(f"/dev/commands/{cmd['id']}")["status"]
-        done_at = time.monotonic()
-        remaining.append(done_at - sent)
-        if status != "succeeded":
-            print(f"  deploy ended {status}")
-        client = docker.client()
-        for c in client.containers.list(all=True, filters={"label": f"io.llmport.runtime-id={payload['runtime_id']}"}):
-            c.remove(force=True)
+        try:
+            _deploy_and_term(backend, docker, proc, node_id, values, remaining, httpd_payload)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     print(f"SIGTERM -> exit during a running deploy:      {summary(values, ' s')} "
           "(includes the rest of the deploy: its workload answers 5 s after start)")
+
+
+def _deploy_and_term(backend: DevBackendProcess, docker: Any, proc: subprocess.Popen[bytes], node_id: str,
+                 values: list[float], remaining: list[float], httpd_payload: Any) -> None:
+    payload = httpd_payload(script="sleep 5; mkdir -p /www && echo ok > /www/health && "
+                                   "exec httpd -f -p $LLAMA_ARG_PORT -h /www")
+    cmd = backend.post(f"/dev/nodes/{node_id}/commands",
+                       {"command_type": "deploy_workload", "payload": payload})
+    timeline = f"/dev/commands/{cmd['id']}/timeline"
+    wait(lambda t=timeline: any(e.get("event_type") == "progress"
+                                and (e.get("payload") or {}).get("phase") == "start_container"
+                                for e in backend.get(t)), 60, 0.02)
+    sent = time.monotonic()
+    values.append(term(proc))
+    status = backend.get(f"/dev/commands/{cmd['id']}")["status"]
+    done_at = time.monotonic()
+    remaining.append(done_at - sent)
+    if status != "succeeded":
+        record = backend.get(f"/dev/commands/{cmd['id']}")
+        print(f"  deploy ended {status}: {record.get('error_message')}")
+    client = docker.client()
+    for c in client.containers.list(all=True, filters={"label": f"io.llmport.runtime-id={payload['runtime_id']}"}):
+        c.remove(force=True)
 
 
 def scrape(scrapes: int) -> None:

@@ -135,7 +135,7 @@ class SigtermDuringDeployTests(AgentTestCase):
         self.addCleanup(self._remove, payload["runtime_id"])
         cmd = backend.issue_command(node_id, "deploy_workload", payload)
         await backend.wait_for(lambda: any(
-            e["event_type"] == "progress" and e["payload"].get("phase") == "waiting_for_ready"
+            e["event_type"] == "progress" and e["payload"].get("phase") == "start_container"
             for e in backend.timeline(cmd["id"])), 60)
         proc.send_signal(signal.SIGTERM)
         await backend.wait_for(lambda: proc.poll() is not None, 90)
