@@ -258,6 +258,12 @@ SETTINGS: tuple[Setting, ...] = (
             "Model blobs downloaded at the same time."),
     Setting("OPS_PORT", "ops_port", 9464, _number(0, integer=True),
             "Loopback port of the ops endpoint (/healthz, /readyz, /metrics); 0 = off."),
+    Setting("SHUTDOWN_GRACE_SEC", "shutdown_grace_sec", 30.0, _number(0),
+            "Seconds a stop (SIGTERM) waits for running commands to finish before checkpointing "
+            "the rest (keep it 30 s under the unit's TimeoutStopSec=90)."),
+    Setting("LOG_FORMAT", "log_format", "auto", lambda var, raw: _choice(var, raw, ("auto", "text", "json")),
+            "Log line format on stdout: text, json (one flat object per line) or auto (json when "
+            "stdout is not a terminal)."),
 )
 
 
@@ -325,6 +331,8 @@ class AgentConfig:
     ops_port: int
     #: Lines to log at start about the configuration (no secrets in them).
     notes: tuple[str, ...] = ()
+    shutdown_grace_sec: float = 30.0
+    log_format: str = "auto"
 
     @property
     def state_dir(self) -> str:
@@ -395,6 +403,11 @@ def load_config(
         raise ConfigError(
             f"{PREFIX}HEARTBEAT_INTERVAL_SEC={values['heartbeat_interval_sec']:g} is too long: the "
             "backend closes a silent connection after 120 s; expected 1-60"
+        )
+    if values["shutdown_grace_sec"] > 3600:
+        raise ConfigError(
+            f"{PREFIX}SHUTDOWN_GRACE_SEC={values['shutdown_grace_sec']:g} is too long; expected "
+            "0-3600 (and 30 s under the unit's TimeoutStopSec)"
         )
     if values["ops_port"] > 65535:
         raise ConfigError(f"{PREFIX}OPS_PORT={values['ops_port']} is not a port; expected 0-65535")

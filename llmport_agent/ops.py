@@ -1,17 +1,16 @@
 """
-The ops endpoint on loopback: C{/healthz} (the process is alive), C{/readyz} (connected to the
-backend), C{/metrics} (Prometheus text format). Metrics are read from the running services at
-scrape time; no label ever carries a secret.
+The ops endpoint on loopback: C{/healthz} (the process is alive), C{/readyz} (one check per
+subsystem: session, engine, NVML, Loki; 503 with a JSON body saying what is wrong),
+C{/metrics} (Prometheus text format through prometheus_client; see L{llmport_agent.metrics}).
+Metrics are read from the running services at scrape time; no label ever carries a secret.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import TCP4ServerEndpoint
@@ -19,45 +18,11 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
+from llmport_agent import VERSION
+from llmport_agent.metrics import AgentCollector, make_registry, render
 
-class _AgentCollector:
-    def __init__(self, agent: Any) -> None:
-        self.agent = agent
-
-    def collect(self) -> Iterator[Any]:
-        a = self.agent
-        s = a.session.stats
-        up = GaugeMetricFamily("llmport_agent_connected", "1 while the backend stream is open")
-        up.add_metric([], 1.0 if a.session.connected else 0.0)
-        yield up
-        opens = CounterMetricFamily("llmport_agent_session_opens", "Backend stream opens")
-        opens.add_metric([], s.opens)
-        yield opens
-        refused = CounterMetricFamily("llmport_agent_session_refused", "Refused stream upgrades")
-        refused.add_metric([], s.refused)
-        yield refused
-        commands = CounterMetricFamily(
-            "llmport_agent_commands", "Commands by outcome", labels=["outcome"]
-        )
-        for key, value in a.pipeline.stats.items():
-            commands.add_metric([key], value)
-        yield commands
-        running = GaugeMetricFamily("llmport_agent_commands_running", "Commands running now")
-        running.add_metric([], len(a.pipeline._running))
-        yield running
-        outbox = GaugeMetricFamily("llmport_agent_event_outbox_depth", "Events waiting to be sent")
-        outbox.add_metric([], a.outbox.depth)
-        yield outbox
-        dropped = CounterMetricFamily("llmport_agent_events_dropped", "Events dropped (outbox full)")
-        dropped.add_metric([], a.outbox.dropped)
-        yield dropped
-        hb = CounterMetricFamily("llmport_agent_heartbeats", "Heartbeats sent")
-        hb.add_metric([], a.heartbeat.sent)
-        yield hb
-        mode = GaugeMetricFamily("llmport_agent_mode", "Node mode flags", labels=["mode"])
-        mode.add_metric(["maintenance"], 1.0 if a.modes.maintenance else 0.0)
-        mode.add_metric(["draining"], 1.0 if a.modes.draining else 0.0)
-        yield mode
+#: The collector (it lives in llmport_agent.metrics; this name is kept for existing callers).
+_AgentCollector = AgentCollector
 
 
 class _Metrics(Resource):
@@ -68,8 +33,76 @@ class _Metrics(Resource):
         self.registry = registry
 
     def render_GET(self, request: Any) -> bytes:
-        request.setHeader(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
-        return bytes(generate_latest(self.registry))
+        request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode())
+        return render(self.registry)
+
+
+def readiness(agent: Any) -> dict[str, Any]:
+    """
+    What C{/readyz} answers: one check per subsystem (session, engine, NVML, Loki), each with
+    C{ok} and a C{detail} saying what is wrong; C{ready} when all are ok and no stop is under way.
+    """
+    from llmport_agent.metrics import gpu_snapshot, loki_stats, session_state, workload_states
+
+    session = agent.session
+    state = session_state(session)
+    checks: dict[str, dict[str, Any]] = {
+        "session": {
+            "ok": bool(session.connected),
+            "state": state,
+            "detail": "connected to the backend" if session.connected
+            else (session.stats.last_error or state.replace("_", " ")),
+        }
+    }
+    engine = getattr(agent, "engine", None)
+    if engine is None:
+        checks["engine"] = {"ok": True, "detail": "Docker executor off"}
+    else:
+        checks["engine"] = {
+            "ok": bool(engine.available),
+            "detail": f"Docker engine {engine.version} at {engine.address}" if engine.available
+            else f"Docker engine unreachable: {engine.last_error}",
+        }
+    snap = gpu_snapshot(agent)
+    if snap is None:
+        checks["nvml"] = {"ok": True, "detail": "not read yet", "gpus": 0}
+    else:
+        error = getattr(snap, "gpu_error", "")
+        seen = getattr(snap, "vendor", "none") != "none"
+        checks["nvml"] = {
+            # A host without GPUs (no driver) is not unready; a GPU host whose NVML broke is.
+            "ok": not (error and seen),
+            "detail": error or f"{snap.count} GPU(s)",
+            "gpus": snap.count,
+        }
+    loki = loki_stats(agent)
+    if loki is None:
+        checks["loki"] = {"ok": True, "detail": "log shipping off (no LOKI_URL)"}
+    else:
+        failures = int(loki.get("consecutive_failures", 0) or 0)
+        checks["loki"] = {
+            "ok": failures < 3,
+            "detail": f"{failures} failed pushes in a row: {loki.get('last_error', '')}" if failures
+            else "pushing",
+            "queue_depth": loki.get("queue_depth", 0),
+        }
+    stopping = bool(getattr(agent, "stopping", False))
+    ready = all(c["ok"] for c in checks.values()) and not stopping
+    heartbeat = getattr(agent, "heartbeat", None)
+    return {
+        "ready": ready,
+        "status": "stopping" if stopping else ("ready" if ready else "not_ready"),
+        "checks": checks,
+        "agent": {
+            "version": VERSION,
+            "node_id": session.node_id or "",
+            "agent_id": agent.config.agent_id,
+            "last_heartbeat_at": getattr(heartbeat, "last_sent_at", None),
+            "workloads": len(workload_states(agent)),
+            "commands_running": len(agent.pipeline._running),
+            "heartbeat_status": agent._heartbeat_fields()["status"],
+        },
+    }
 
 
 class _Health(Resource):
@@ -82,12 +115,13 @@ class _Health(Resource):
 
     def render_GET(self, request: Any) -> bytes:
         request.setHeader(b"content-type", b"application/json")
+        request.setHeader(b"cache-control", b"no-store")
         if not self.ready:
             return b'{"status":"ok"}'
-        ok = bool(self.agent.session.connected)
-        if not ok:
+        body = readiness(self.agent)
+        if not body["ready"]:
             request.setResponseCode(503)
-        return json.dumps({"status": "ready" if ok else "not_connected"}).encode()
+        return json.dumps(body, default=str).encode()
 
 
 class OpsService(Service):
@@ -103,8 +137,7 @@ class OpsService(Service):
 
     def startService(self) -> None:
         super().startService()
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_AgentCollector(self.agent))  # type: ignore[arg-type]
+        registry = make_registry(self.agent)
         root = Resource()
         root.putChild(b"metrics", _Metrics(registry))
         root.putChild(b"healthz", _Health(self.agent, ready=False))

@@ -10,6 +10,7 @@ timeout, so a hung NVML call cannot stop the loop.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +89,8 @@ class HeartbeatReporter(_PerConnectionLoop):
         self._change_call: Any = None
         self.sent = 0
         self.sent_on_change = 0
+        #: Wall-clock time of the last heartbeat sent (status, ops endpoint).
+        self.last_sent_at: float | None = None
         self.lateness: list[float] = []
 
     def session_opened(self) -> None:
@@ -113,6 +116,7 @@ class HeartbeatReporter(_PerConnectionLoop):
             self.sent += 1
             self._last_fields = fields
             self._last_sent_at = self._reactor.seconds()
+            self.last_sent_at = time.time()
         return ok
 
     def send_now(self) -> bool:

@@ -3,18 +3,25 @@ The root service: one MultiService holding everything the agent runs.
 
 Start order (dependencies first): thread pools, durable state (state file, command journal,
 event outbox), the Docker executor and health watcher, the command pipeline, heartbeat and
-inventory, the ops endpoint, and last the backend session. Stop runs in reverse: the session
-closes cleanly (WebSocket close 1000), timers stop, running commands are cancelled (their journal
-entries stay, to be resolved at the next start), files are flushed, then the pools stop.
+inventory, the ops endpoint, and last the backend session; then systemd hears C{READY=1}.
+
+A stop (SIGTERM) drains first: systemd hears C{STOPPING=1}, no new command is taken, heartbeats
+go on with status C{draining}, running commands get up to C{SHUTDOWN_GRACE_SEC} to reach their
+result (a second SIGTERM cuts that short), queued events are flushed. Then the rest stops in
+reverse order: the session closes cleanly (WebSocket close 1000), timers stop, commands still
+running are cancelled (their journal entries stay, to be resolved at the next start), logs and
+files are flushed, then the pools stop.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import signal
+import stat
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from twisted.application.service import MultiService, Service
@@ -35,6 +42,30 @@ from llmport_agent.state import StateStore, resolve_state_path
 from llmport_agent.threads import PoolService
 
 START_TIME = time.time()
+
+#: The env file `llmport-agent start` (and llm-port's own installer) writes for the unit.
+ENV_FILE = "/etc/llmport-agent.env"
+#: After the drain, how long a stop waits for queued events to reach the backend.
+EVENT_FLUSH_SEC = 3.0
+
+
+def env_file_path() -> str:
+    """L{ENV_FILE}, under C{$LLMPORT_AGENT_SYSTEM_ROOT} when set (tests of the installer)."""
+    root = os.environ.get("LLMPORT_AGENT_SYSTEM_ROOT", "")
+    return os.path.join(root, ENV_FILE.lstrip("/")) if root else ENV_FILE
+
+
+def install_stop_signals(reactor: Any, agent: AgentService) -> None:
+    """
+    SIGTERM/SIGINT: the first begins a graceful stop (drain), a second ends the drain at once.
+    Installed once the reactor runs (it installs its own handlers first).
+    """
+
+    def handler(signum: int, frame: Any) -> None:
+        reactor.callFromThread(agent.stop_requested, signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def make_http_client(reactor: Any, config: AgentConfig) -> Any:
@@ -72,12 +103,18 @@ class AgentService(MultiService):
         docker_enabled: bool = True,
         docker_environ: dict[str, str] | None = None,
         endpoint_factory: Callable[[str, int, bool], Any] | None = None,
+        notify_environ: MutableMapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         self.reactor = reactor
         self.config = config
         self._fatal_cb = fatal
         self.exit_status: int | None = None
+        #: True from the first stop request (SIGTERM) on: heartbeats say "draining".
+        self.stopping = False
+        self._stop_signals = 0
+        self._force_stop: Deferred[None] | None = None
+        self.drain_report: dict[str, Any] = {}
         state_path, note = resolve_state_path(config.state_path)
         self.state_note = note
         state_dir = os.path.dirname(os.path.abspath(state_path))
@@ -197,6 +234,13 @@ class AgentService(MultiService):
 
             self.ops = OpsService(reactor, self, config.ops_port)
             self._ordered.insert(len(self._ordered) - 1, self.ops)
+        from llmport_agent.metrics import ReactorLatenessProbe
+        from llmport_agent.sdnotify import Notifier, NotifyService
+
+        self.lateness = ReactorLatenessProbe(reactor)
+        self._ordered.insert(3, self.lateness)
+        # Not a child: it must outlive every other service (watchdog pings while draining).
+        self.notify = NotifyService(reactor, Notifier(notify_environ), self.status_line)
         self.recent_errors: list[dict[str, Any]] = []
         self._started: Deferred[None] | None = None
 
@@ -330,6 +374,7 @@ class AgentService(MultiService):
     def startService(self) -> None:
         # The children are started by _start, in order, once durable state is loaded.
         self.running = 1
+        self.notify.startService()
         self._started = Deferred.fromCoroutine(self._start())
         self._started.addErrback(self._start_failed)
 
@@ -346,6 +391,7 @@ class AgentService(MultiService):
     async def _start(self) -> None:
         if self.state_note:
             self.log.warn("{note}", note=self.state_note)
+        self._check_env_file()
         for svc in self._ordered[:3]:
             svc.setServiceParent(self)
         await self.state.load()
@@ -368,6 +414,36 @@ class AgentService(MultiService):
             self.log.warn("{note}", note=note)
         for svc in self._ordered[3:]:
             svc.setServiceParent(self)
+        self.notify.ready()
+
+    def _check_env_file(self) -> None:
+        """Say once when the file holding the enrollment token can be read by other users."""
+        if not self.config.enrollment_token:
+            return
+        path = env_file_path()
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            return
+        if not mode & (stat.S_IRGRP | stat.S_IROTH | stat.S_IWGRP | stat.S_IWOTH):
+            return
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                holds_token = any(
+                    line.strip().startswith("LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN=")
+                    and line.split("=", 1)[1].strip().strip("\"'")
+                    for line in f.read(1 << 20).splitlines()
+                )
+        except OSError:
+            holds_token = True  # cannot tell: the agent's token came from somewhere
+        if holds_token:
+            self.log.warn(
+                "{path} holds the enrollment token and is readable by other users (mode {mode:04o}): "
+                "run `chmod 600 {path}` (llmport-agent start does this); once the node is enrolled "
+                "the token line can be removed",
+                path=path,
+                mode=stat.S_IMODE(mode),
+            )
 
     def whenStarted(self) -> Deferred[None]:
         if self._started is None:
@@ -383,10 +459,96 @@ class AgentService(MultiService):
 
     def stopService(self) -> Deferred[None]:
         self.running = 0
+        self.stopping = True
+        # A stop signal from now on ends the drain at once.
+        self._stop_signals = max(self._stop_signals, 1)
         started = self._started if self._started is not None else succeed(None)
         return started.addBoth(lambda _: Deferred.fromCoroutine(self._stop()))
 
+    def stop_requested(self, signum: int = signal.SIGTERM) -> None:
+        """A stop signal: the first stops the reactor (which drains), a second ends the drain."""
+        self._stop_signals += 1
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = str(signum)
+        if self._stop_signals == 1:
+            self.log.info(
+                "Received {signal}: stopping; running commands get up to {grace:g} s to finish "
+                "(send it again to stop at once)",
+                signal=name,
+                grace=self.config.shutdown_grace_sec,
+            )
+            from twisted.internet.error import ReactorNotRunning
+
+            try:
+                self.reactor.stop()
+            except ReactorNotRunning:
+                pass
+            return
+        self.log.warn("Received {signal} again: stopping now; commands still running are "
+                      "checkpointed in the journal", signal=name)
+        self.force_stop()
+
+    def force_stop(self) -> None:
+        """End the drain now (a second SIGTERM)."""
+        force, self._force_stop = self._force_stop, None
+        if force is not None and not force.called:
+            force.callback(None)
+
+    async def _drain(self) -> None:
+        """Let running commands reach their result, within SHUTDOWN_GRACE_SEC; keep heartbeating."""
+        grace = self.config.shutdown_grace_sec
+        started = self.reactor.seconds()
+        pipeline = self.pipeline
+        if not pipeline.running:
+            return
+        pipeline.begin_drain()
+        busy = pipeline.busy
+        self.notify.stopping(f"stopping: draining, {busy} command(s) running")
+        self.heartbeat.send_now()
+        if busy and grace > 0:
+            self.log.info("Draining: waiting up to {grace:g} s for {n} running command(s)",
+                          grace=grace, n=busy)
+            idle = pipeline.wait_idle()
+            self._force_stop = Deferred()
+            from twisted.internet.defer import DeferredList
+
+            first: Deferred[Any] = DeferredList([idle, self._force_stop], fireOnOneCallback=True,
+                                                consumeErrors=True)
+            first.addTimeout(grace, self.reactor)
+            try:
+                await first
+            except Exception:
+                pass
+            finally:
+                self._force_stop = None
+                if not idle.called:
+                    idle.cancel()
+        left = pipeline.busy
+        self.drain_report = {"waited_sec": round(self.reactor.seconds() - started, 3), "left": left}
+        if left:
+            self.log.warn(
+                "Stopping with {n} command(s) still running after {sec:.1f} s: they stay in the "
+                "journal and are resolved at the next start",
+                n=left,
+                sec=self.reactor.seconds() - started,
+            )
+        # Events of the commands that just finished (command.finished, health) reach the backend.
+        if self.session.connected and self.outbox.depth:
+            from twisted.internet.task import deferLater
+
+            self.outbox.flush()
+            deadline = self.reactor.seconds() + EVENT_FLUSH_SEC
+            while self.outbox.depth and self.session.connected and self.reactor.seconds() < deadline:
+                await deferLater(self.reactor, 0.05, lambda: None)
+
     async def _stop(self) -> None:
+        try:
+            await self._drain()
+        except Exception:
+            self.log.failure("Draining before the stop failed")
+        self.notify.stopping("stopping: closing the backend session")
         pools = (self.io_pool, self.host_pool, self.hash_pool)
         for svc in reversed(list(self)):
             if svc in pools or not getattr(svc, "running", False):
@@ -414,6 +576,7 @@ class AgentService(MultiService):
             if getattr(svc, "running", False):
                 await self._stop_one(svc)
         self.log.info("llmport-agent stopped")
+        self.notify.stopService()
 
     async def _stop_one(self, svc: Any) -> None:
         try:
@@ -438,7 +601,7 @@ class AgentService(MultiService):
         # engine is unknown, not down (a false "degraded" halves the node's score).
         degraded = self.engine is not None and self.engine.checked and not self.engine.available
         return {
-            "status": self.modes.status(degraded=degraded),
+            "status": "draining" if self.stopping else self.modes.status(degraded=degraded),
             "version": VERSION,
             "capabilities": self.collector.last_capabilities(),
             "advertise_host": self.config.advertise_host,
@@ -446,6 +609,29 @@ class AgentService(MultiService):
 
     def _modes_changed(self) -> None:
         self.heartbeat.notify_changed()
+
+    def status_line(self) -> str:
+        """The one line systemd shows (C{STATUS=}): session state, node, workloads, last error."""
+        from llmport_agent.metrics import session_state, workload_states
+
+        state = session_state(self.session)
+        words = {"connected": "connected", "enrolling": "enrolling", "backing_off": "backing off",
+                 "refused": "credential refused", "connecting": "connecting", "stopped": "stopped"}
+        parts = [words.get(state, state)]
+        if self.stopping:
+            parts.insert(0, "draining")
+        parts.append(f"node {self.session.node_id or '-'}")
+        if self.health is not None:
+            parts.append(f"{len(workload_states(self))} workloads")
+        running = len(self.pipeline._running)
+        if running:
+            parts.append(f"{running} commands running")
+        error = self.session.stats.last_error if state != "connected" else ""
+        if error:
+            parts.append(f"last error: {error}")
+        from llmport_agent.logs.redact import redact
+
+        return redact(", ".join(parts), self._secrets())
 
     async def _refresh_inventory(self) -> bool:
         """Send a fresh inventory; if the link is down, send it once it is back (within ~50 s)."""

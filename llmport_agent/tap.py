@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from typing import Any
 
 from twisted.python import usage
@@ -28,13 +29,16 @@ class Options(usage.Options):
         try:
             self.config = load_config(overrides=overrides)
         except ConfigError as e:
-            raise usage.UsageError(str(e)) from None
+            # One line and exit 2, as under `llmport-agent run` (twistd would print its whole
+            # usage and exit 1, and the unit's RestartPreventExitStatus=2 would never apply).
+            print(f"llmport-agent: configuration error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 def makeService(options: Options) -> Any:
     from twisted.internet import reactor
 
-    from llmport_agent.service import AgentService
+    from llmport_agent.service import AgentService, install_stop_signals
 
     def fatal(status: int, message: str) -> None:
         # twistd has no exit status of its own: stop cleanly, then leave with ours.
@@ -48,4 +52,7 @@ def makeService(options: Options) -> Any:
             reactor._exitSignal = None  # type: ignore[attr-defined]
 
     reactor.addSystemEventTrigger("after", "shutdown", clean_exit)
-    return AgentService(reactor, options.config, fatal=fatal)
+    agent = AgentService(reactor, options.config, fatal=fatal)
+    # SIGTERM drains (running commands finish within SHUTDOWN_GRACE_SEC); a second one forces.
+    reactor.callWhenRunning(install_stop_signals, reactor, agent)
+    return agent

@@ -31,7 +31,7 @@ def spawn(args: list[str], env: dict[str, str], log: str) -> subprocess.Popen[by
     return subprocess.Popen(args, cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT)
 
 
-class ProcessTests(TestCase):
+class _ProcessBase(TestCase):
     timeout = 120
 
     async def backend(self) -> Any:
@@ -59,6 +59,9 @@ class ProcessTests(TestCase):
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read()
 
+
+
+class ProcessTests(_ProcessBase):
     async def _run_and_term(self, args: list[str]) -> None:
         b = await self.backend()
         d = os.path.abspath(self.mktemp())
@@ -134,6 +137,73 @@ class ProcessTests(TestCase):
         await deferLater(reactor, 1.0, lambda: None)
         results = [e for e in b.timeline(cmd["id"]) if e["event_type"] == "result"]
         self.assertEqual(len(results), 1)
+
+
+class NotifyAndLogsTests(_ProcessBase):
+    async def test_run_notifies_systemd_and_logs_json(self) -> None:
+        """Under a notify socket: READY=1, STATUS= (connected, node id), WATCHDOG=1, STOPPING=1; JSON lines."""
+        from tests.test_sdnotify import Receiver
+
+        r = Receiver()
+        self.addCleanup(r.close)
+        b = await self.backend()
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        env = agent_env(b, d, ENROLLMENT_TOKEN=b.mint_token()["token"])
+        env.update(NOTIFY_SOCKET=r.address, WATCHDOG_USEC="400000")
+        proc = self.start([sys.executable, "-m", "llmport_agent.cli", "run"], env)
+        agent_id = env["LLM_PORT_NODE_AGENT_AGENT_ID"]
+        await b.wait_for(lambda: b.node_by_agent_id(agent_id) is not None, 30)
+        node_id = b.node_by_agent_id(agent_id)["id"]
+        await b.wait_for(lambda: any(m.startswith("STATUS=connected") for m in r.texts()), 20)
+        await b.wait_for(lambda: r.texts().count("WATCHDOG=1") >= 4, 10)
+        proc.send_signal(signal.SIGTERM)
+        await b.wait_for(lambda: proc.poll() is not None, 30)
+        self.assertEqual(proc.returncode, 0, self.output()[-2000:])
+        texts = r.texts()
+        ready = [m for m in texts if m.startswith("READY=1")]
+        self.assertEqual(len(ready), 1)
+        self.assertTrue(any(m.startswith("STATUS=connected, node " + node_id) for m in texts), texts)
+        self.assertTrue(any(m.startswith("STOPPING=1") for m in texts))
+        self.assertLess(texts.index(ready[0]), [i for i, m in enumerate(texts) if m.startswith("STOPPING=1")][0])
+        lines = [json.loads(line) for line in self.output().splitlines() if line.startswith("{")]
+        self.assertTrue(lines)
+        for line in lines:
+            self.assertLessEqual({"time", "level", "logger", "message"}, set(line))
+        self.assertTrue(any("Received SIGTERM" in str(line["message"]) for line in lines))
+
+    def test_twistd_config_error_is_one_line_and_exit_2(self) -> None:
+        """Under twistd a bad variable is one line and exit 2 (RestartPreventExitStatus applies)."""
+        env = dict(os.environ, PYTHONPATH=ROOT, LLM_PORT_NODE_AGENT_HEARTBEAT_INTERVAL_SEC="abc")
+        done = subprocess.run(
+            [sys.executable, "-c", "import sys; from twisted.scripts.twistd import run; "
+             "sys.argv=['twistd','-n','--pidfile=','llmport-agent']; run()"],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        self.assertEqual(len(lines), 1, lines)
+        self.assertIn("LLM_PORT_NODE_AGENT_HEARTBEAT_INTERVAL_SEC", lines[0])
+
+
+class TwistdJSONTests(SynchronousTestCase):
+    def test_twistd_json_logger(self) -> None:
+        """`twistd --logger llmport_agent.logsetup.twistd_json_observer`: the same JSON lines; exit 78 kept."""
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        env = dict(os.environ, PYTHONPATH=ROOT, LLM_PORT_NODE_AGENT_OPS_PORT="0",
+                   LLM_PORT_NODE_AGENT_STATE_PATH=os.path.join(d, "state.json"))
+        env.pop("LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN", None)
+        done = subprocess.run(
+            [sys.executable, "-c", "import sys; from twisted.scripts.twistd import run; "
+             "sys.argv=['twistd','-n','--pidfile=','--logger','llmport_agent.logsetup.twistd_json_observer',"
+             "'llmport-agent']; run()"],
+            env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        self.assertEqual(done.returncode, 78, done.stdout + done.stderr)
+        lines = [json.loads(line) for line in done.stdout.splitlines()]
+        critical = [x for x in lines if x["level"] == "critical"]
+        self.assertEqual(len(critical), 1)
+        self.assertIn("no enrollment token", critical[0]["message"])
+        self.assertEqual(critical[0]["logger"], "llmport_agent.service.AgentService")
 
 
 class ReadmeTests(SynchronousTestCase):

@@ -129,6 +129,7 @@ class CommandPipeline(Service):
         max_age: float = 0.0,
         deadlines: Mapping[str, float] | None = None,
         wallclock: Callable[[], float] = time.time,
+        calls: Any = None,
     ) -> None:
         self.setName("commands")
         self.reactor = reactor
@@ -152,13 +153,23 @@ class CommandPipeline(Service):
         # frames after an ack, so a listed command is re-acked only after a reconnect.
         self._acked_here: set[str] = set()
         self._stopping = False
+        # A stop in progress (SIGTERM): running commands finish, nothing new starts.
+        self._draining = False
+        self._deferred_ids: set[str] = set()
+        self._finishing = 0
         self._unknown_frame_types: set[str] = set()
         # Commands of arrived frames not yet received: a frame of 10 000 commands is taken in
         # over many reactor turns, in order, so the reactor never stalls on one frame.
         self._intake: deque[tuple[Any, bool]] = deque()
         self._intake_call: Any = None
         self.stats = {"received": 0, "duplicates": 0, "malformed": 0, "succeeded": 0, "failed": 0,
-                      "timed_out": 0, "results_resent": 0}
+                      "timed_out": 0, "results_resent": 0, "deferred_by_stop": 0}
+        if calls is None:
+            from llmport_agent.metrics import command_calls
+
+            calls = command_calls(lambda: self.registry)
+        #: Durations by command type and outcome (metrics).
+        self.calls = calls
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -222,6 +233,44 @@ class CommandPipeline(Service):
         done: Deferred[Any] = DeferredList(pending, consumeErrors=True)
         done.addTimeout(5, self.reactor)
         return done.addBoth(lambda _: None)
+
+    # -- drain (graceful stop) ---------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """
+        Stop taking commands: new ones are neither journaled nor acked (the backend offers them
+        again after the restart), queued ones do not start (they stay in the journal and run at
+        the next start). Running ones go on to their result.
+        """
+        self._draining = True
+
+    @property
+    def busy(self) -> int:
+        """Commands running or whose result is being written or confirmed."""
+        return len(self._running) + self._finishing + len(self._delivering)
+
+    def wait_idle(self, interval: float = 0.05) -> Deferred[None]:
+        """Fires once nothing is L{busy} (checked every C{interval} seconds)."""
+        from twisted.internet.task import LoopingCall
+
+        done: Deferred[None] = Deferred()
+
+        def check() -> None:
+            if not self.busy and not done.called:
+                loop.stop()
+                done.callback(None)
+
+        loop = LoopingCall(check)
+        loop.clock = self.reactor
+        loop.start(interval, now=True).addErrback(lambda f: None)
+
+        def cancelled(d: Deferred[None]) -> None:
+            if loop.running:
+                loop.stop()
+
+        result: Deferred[None] = Deferred(cancelled)
+        done.chainDeferred(result)
+        return result
 
     def _track(self, d: Deferred[Any]) -> None:
         self._tasks.add(d)
@@ -359,6 +408,14 @@ class CommandPipeline(Service):
             elif not known.finished and not known.acked:
                 self._send_ack(known)
             return
+        if self._draining:
+            # Not journaled, not acked: still pending in the backend, offered again later.
+            if cid not in self._deferred_ids and len(self._deferred_ids) < 10000:
+                self._deferred_ids.add(cid)
+                self.stats["deferred_by_stop"] += 1
+                self.log.info("Command {id} arrived while the agent is stopping; leaving it to "
+                              "the next start", id=cid)
+            return
         self.stats["received"] += 1
         if isinstance(parsed, Malformed):
             self.stats["malformed"] += 1
@@ -478,7 +535,8 @@ class CommandPipeline(Service):
         try:
             await semaphore.acquire()
             try:
-                if self._stopping:
+                if self._stopping or self._draining:
+                    # Acked, never started: journaled as received, run at the next start.
                     return
                 await self._execute(rec, command, spec, resumed)
             finally:
@@ -605,6 +663,21 @@ class CommandPipeline(Service):
     ) -> None:
         if rec.finished:
             return
+        self._finishing += 1
+        try:
+            await self._finish_unguarded(rec, success, result, error_code, error_message, started)
+        finally:
+            self._finishing -= 1
+
+    async def _finish_unguarded(
+        self,
+        rec: JournalRecord,
+        success: bool,
+        result: Mapping[str, Any],
+        error_code: str | None,
+        error_message: str | None,
+        started: float | None,
+    ) -> None:
         frame = {
             "type": "command_result",
             "command_id": rec.id,
@@ -629,6 +702,11 @@ class CommandPipeline(Service):
             self.log.error("Could not record the result of command {id} ({error}); sending it anyway",
                            id=rec.id, error=f"{type(e).__name__}: {e}")
         duration = 0.0 if started is None else self.reactor.seconds() - started
+        try:
+            self.calls.observe(rec.command_type or "unknown", "success" if success else (error_code or "failed"),
+                               duration)
+        except Exception:
+            self.log.failure("Could not record the duration of command {id}", id=rec.id)
         payload: dict[str, Any] = {
             "command_id": rec.id,
             "command_type": rec.command_type,

@@ -140,6 +140,8 @@ class InventoryCollector:
         self._quick: dict[str, str] | None = None
         self._last_gpu = GPUSnapshot()
         self._last_report: InventoryReport | None = None
+        self.gpu_source_errors = 0
+        self.gpu_device_errors = 0
         self._inflight: Deferred[InventoryReport] | None = None
         self._waiters: list[Deferred[InventoryReport]] = []
         self._engine_failing = False
@@ -241,6 +243,11 @@ class InventoryCollector:
             )
         else:
             self._gpu_failing = False
+        # Counters for metrics: collections where the source failed / a device reported errors.
+        if gpu.gpu_error:
+            self.gpu_source_errors += 1
+        if any(d.error for d in gpu.devices):
+            self.gpu_device_errors += 1
         self._last_gpu = gpu
         return gpu
 

@@ -273,6 +273,13 @@ class ModelSyncer:
 
     log = Logger()
 
+    def _received(self, progress: _Progress) -> Callable[[int], None]:
+        def add(n: int) -> None:
+            self.bytes_downloaded += n
+            progress.add(n)
+
+        return add
+
     def __init__(
         self,
         reactor: IReactorTime,
@@ -294,6 +301,8 @@ class ModelSyncer:
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        #: Bytes received from the backend's file endpoint, all syncs together (metrics).
+        self.bytes_downloaded = 0
         self._reactor: Any = reactor
         self._http = http
         self._runner = runner
@@ -810,7 +819,7 @@ class ModelSyncer:
             serial,
             part,
             limit,
-            run.progress.add,
+            self._received(run.progress),
             idle_timeout=self._idle_timeout,
         )
         response.deliverBody(receiver)

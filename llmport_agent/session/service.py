@@ -84,6 +84,10 @@ class _NamedEndpoint:
         return self._label
 
 
+#: Inbound frame types counted by name (anything else the backend sends counts as "other").
+INBOUND_TYPES = frozenset({"hello_ack", "commands", "command", "error", "ping", "pong"})
+
+
 @define
 class SessionStats:
     connects: int = 0
@@ -97,6 +101,10 @@ class SessionStats:
     enrollments: int = 0
     rotations: int = 0
     rotation_errors: int = 0
+    #: Frames by type (metrics); inbound types outside INBOUND_TYPES count as "other".
+    frames_out: dict[str, int] = field(factory=dict)
+    frames_in: dict[str, int] = field(factory=dict)
+    last_error: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -194,6 +202,21 @@ class SessionService(Service):
     @property
     def connected(self) -> bool:
         return self.proto is not None
+
+    @property
+    def phase(self) -> str:
+        """connected, enrolling, refused (credential revoked), backing_off, connecting or stopped."""
+        if not self.running:
+            return "stopped"
+        if self.proto is not None:
+            return "connected"
+        if self._enrolling:
+            return "enrolling"
+        if self._revoked:
+            return "refused"
+        if self.stats.closes or self.stats.last_error:
+            return "backing_off"
+        return "connecting"
 
     def credential(self) -> str:
         return self.state.credential or ""
@@ -319,6 +342,7 @@ class SessionService(Service):
                     if self._stopping:
                         return False  # cancelled by the stop: no retry delay after it
                     attempt += 1
+                    self.stats.last_error = f"enrollment failed: {e}"[:200]
                     delay = self.backoff.delay(attempt)
                     self.log.warn(
                         "Enrollment failed ({error}); retrying in {delay:.1f} s",
@@ -449,6 +473,7 @@ class SessionService(Service):
         self.proto = proto
         self.stats.opens += 1
         self.stats.last_open_at = self._wallclock()
+        self.stats.last_error = ""
         self._refusals = 0
         self._first_refusal_at = None
         if self.state.get("refusals") is not None:
@@ -494,6 +519,9 @@ class SessionService(Service):
         if proto is not self.proto:
             return
         self.stats.frames_received += 1
+        kind = frame.get("type")
+        key = kind if isinstance(kind, str) and kind in INBOUND_TYPES else "other"
+        self.stats.frames_in[key] = self.stats.frames_in.get(key, 0) + 1
         if frame.get("type") == "hello_ack":
             sid = frame.get("session_id")
             nid = frame.get("node_id")
@@ -539,8 +567,12 @@ class SessionService(Service):
             return
         if opened_for is None:
             self.stats.refused += 1
+            self.stats.last_error = (
+                f"stream refused (HTTP {http_status})" if http_status else f"could not connect: {reason or 'connection failed'}"
+            )[:200]
             self._refused(http_status, reason, getattr(proto, "lost_reason", None))
         else:
+            self.stats.last_error = f"stream closed (code {code}, {reason or 'no reason'})"[:200]
             self.log.info(
                 "Backend stream closed (code {code}, {reason}) after {seconds:.0f} s; reconnecting",
                 code=code,
@@ -630,6 +662,8 @@ class SessionService(Service):
             self.log.failure("Could not send a {type} frame", type=frame.get("type"))
             return False
         self._last_sent_at = self._reactor.seconds()
+        kind = str(frame.get("type"))[:32]
+        self.stats.frames_out[kind] = self.stats.frames_out.get(kind, 0) + 1
         self._schedule_poll()
         return True
 

@@ -245,6 +245,10 @@ class DockerEngine(Service):
         self.runtimes: tuple[str, ...] = ()
         self.default_runtime = ""
         self.info: dict[str, Any] = {}
+        from llmport_agent.metrics import engine_calls
+
+        #: Durations of calls by operation (the function's name) and outcome (metrics).
+        self.call_stats = engine_calls()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -427,14 +431,19 @@ class DockerEngine(Service):
         label = str(what or getattr(fn, "__name__", "docker call"))
         if not self.running:
             raise EngineError(f"{label} failed: the Docker executor is not running")
+        operation = getattr(fn, "__name__", "call")
+        started = self._reactor.seconds()
         try:
             result = await self._short.run(self._invoke, "short", fn, args)
         except CancelledError:
             raise
         except CommandFailed:
+            self.call_stats.observe(operation, "error", self._reactor.seconds() - started)
             raise
         except Exception as exc:
+            self.call_stats.observe(operation, "error", self._reactor.seconds() - started)
             raise self._failed(label, exc, self.call_timeout) from None
+        self.call_stats.observe(operation, "ok", self._reactor.seconds() - started)
         if not self.available and self._probing is None:
             self.checkNow()
         return result

@@ -1,0 +1,649 @@
+"""
+C{llmport-agent start | stop | status} and C{config --set/--unset}: the agent under systemd.
+
+C{start} (root) writes C{/etc/llmport-agent.env} (0600) from the current
+C{LLM_PORT_NODE_AGENT_*} variables over what the file already holds, validated exactly as at
+start-up; installs the unit with the real path of the installed executable, the configured
+model store and (C{--user}) a dedicated user; creates the directories; then C{daemon-reload},
+C{enable} and C{restart}. Any failure undoes what it did: nothing is left behind.
+
+C{$LLMPORT_AGENT_SYSTEM_ROOT} (tests only) puts every system path under another directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from typing import IO, Any
+
+from attrs import define, field
+
+from llmport_agent.config import PREFIX, SETTINGS, AgentConfig, ConfigError, load_config, mask
+
+UNIT_NAME = "llmport-agent.service"
+EX_FAIL = 1
+EX_CONFIG = 2
+EX_NOT_RUNNING = 3
+DEFAULT_MODEL_STORE = "/srv/llm-port/models"
+DEFAULT_STATE_DIR = "/var/lib/llmport-agent"
+#: Where an executable does not survive a reboot, or is hidden from the unit (PrivateTmp=yes).
+UNSTABLE_PREFIXES = ("/tmp/", "/var/tmp/", "/dev/shm/", "/run/user/")
+SYSTEMCTL_TIMEOUT = 180.0
+
+
+# -- the env file (systemd EnvironmentFile= syntax) -------------------------------------------
+
+
+def _unquote(raw: str) -> str:
+    value = raw.strip()
+    if len(value) >= 2 and value[0] == value[-1] == "'":
+        return value[1:-1]
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        out, escape = [], False
+        for ch in value[1:-1]:
+            if escape:
+                out.append(ch)
+                escape = False
+            elif ch == "\\":
+                escape = True
+            else:
+                out.append(ch)
+        return "".join(out)
+    return value
+
+
+def _quote(value: str) -> str:
+    if value and all(c.isalnum() or c in "-_.:/@%+,=~" for c in value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@define
+class EnvFile:
+    """The lines of an env file; edits keep comments, order and other variables."""
+
+    lines: list[str] = field(factory=list)
+
+    @classmethod
+    def parse(cls, text: str) -> EnvFile:
+        return cls(text.splitlines())
+
+    def _key(self, line: str) -> str | None:
+        stripped = line.strip()
+        if not stripped or stripped[0] in "#;" or "=" not in stripped:
+            return None
+        key = stripped.split("=", 1)[0].strip()
+        if key.startswith("export "):
+            key = key[len("export "):].strip()
+        return key
+
+    def values(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for line in self.lines:
+            key = self._key(line)
+            if key:
+                out[key] = _unquote(line.split("=", 1)[1])
+        return out
+
+    def set(self, key: str, value: str) -> None:
+        new = f"{key}={_quote(value)}"
+        for i, line in enumerate(self.lines):
+            if self._key(line) == key:
+                self.lines[i] = new
+                # Later duplicates would win in systemd: drop them.
+                self.lines[i + 1:] = [x for x in self.lines[i + 1:] if self._key(x) != key]
+                return
+        self.lines.append(new)
+
+    def unset(self, key: str) -> None:
+        self.lines = [x for x in self.lines if self._key(x) != key]
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + ("\n" if self.lines else "")
+
+
+def write_private(path: str, text: str, mode: int = 0o600) -> None:
+    """Write C{text} atomically and durably (temporary file, fsync, rename, directory fsync)."""
+    from llmport_agent.storage import atomic_write
+
+    atomic_write(path, text.encode("utf-8"), mode, private_dir=False)
+
+
+def setting_name(name: str) -> str:
+    """C{BACKEND_URL} or C{LLM_PORT_NODE_AGENT_BACKEND_URL} (any case) -> the variable name."""
+    key = name.strip().upper()
+    if not key.startswith(PREFIX):
+        key = PREFIX + key
+    known = {s.env for s in SETTINGS}
+    if key not in known:
+        raise ConfigError(f"unknown variable {name.strip()!r}; `llmport-agent config` lists them")
+    return key
+
+
+def _is_secret(env_name: str) -> bool:
+    return any(s.env == env_name and s.secret for s in SETTINGS)
+
+
+# -- the system --------------------------------------------------------------------------------
+
+
+@define
+class System:
+    """What the installer touches; everything injectable for tests."""
+
+    root: str = ""
+    environ: Mapping[str, str] = field(factory=lambda: os.environ)
+    geteuid: Callable[[], int] = os.geteuid
+    which: Callable[[str], str | None] = shutil.which
+    executable: str | None = None
+    one_process: bool = True
+    out: IO[str] = field(factory=lambda: sys.stdout)
+    err: IO[str] = field(factory=lambda: sys.stderr)
+
+    @classmethod
+    def from_environment(cls) -> System:
+        return cls(root=os.environ.get("LLMPORT_AGENT_SYSTEM_ROOT", ""))
+
+    def path(self, absolute: str) -> str:
+        return os.path.join(self.root, absolute.lstrip("/")) if self.root else absolute
+
+    @property
+    def unit_path(self) -> str:
+        return self.path("/etc/systemd/system/" + UNIT_NAME)
+
+    @property
+    def env_path(self) -> str:
+        return self.path("/etc/llmport-agent.env")
+
+    def systemd_running(self) -> bool:
+        """sd_booted(): PID 1 is systemd when /run/systemd/system is a directory."""
+        return os.path.isdir(self.path("/run/systemd/system"))
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def fail(self, text: str, code: int = EX_FAIL) -> int:
+        print(f"llmport-agent: {text}", file=self.err, flush=True)
+        return code
+
+    def installed_executable(self) -> tuple[str, bool]:
+        """(path for ExecStart, whether it is one process): the binary or the console script."""
+        if self.executable:
+            return self.executable, self.one_process
+        if getattr(sys, "frozen", False):
+            # PyInstaller one-file: this is the bootloader's path; two processes at run time.
+            return os.path.abspath(sys.executable), False
+        script = os.path.join(os.path.dirname(sys.executable), "llmport-agent")
+        if os.access(script, os.X_OK):
+            return script, True
+        found = self.which("llmport-agent")
+        if found:
+            return os.path.abspath(found), True
+        raise FileNotFoundError("no llmport-agent executable found next to the Python interpreter or on PATH")
+
+
+def unstable_place(path: str) -> str | None:
+    real = os.path.realpath(path)
+    for prefix in UNSTABLE_PREFIXES:
+        if real.startswith(prefix) or path.startswith(prefix):
+            return prefix.rstrip("/")
+    tmp = os.environ.get("TMPDIR", "")
+    if tmp and len(tmp) > 1 and real.startswith(os.path.realpath(tmp).rstrip("/") + "/"):
+        return tmp
+    return None
+
+
+def unit_template() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (
+        os.path.join(here, "data", UNIT_NAME),
+        os.path.join(os.path.dirname(here), "deploy", "systemd", UNIT_NAME),
+    ):
+        if os.path.exists(candidate):
+            with open(candidate, encoding="utf-8") as f:
+                return f.read()
+    raise FileNotFoundError(UNIT_NAME)
+
+
+def render_unit(
+    template: str,
+    *,
+    executable: str,
+    one_process: bool,
+    model_store: str,
+    state_dir: str,
+    user: str | None = None,
+    group: str | None = None,
+    supplementary: tuple[str, ...] = (),
+) -> str:
+    """The unit as C{start} installs it (paths of this host, user, notify access)."""
+    out: list[str] = []
+    for line in template.splitlines():
+        if line.startswith("ExecStart="):
+            line = f"ExecStart={_quote(executable)} run"
+        elif line.startswith("ExecStartPre=+/bin/mkdir -p "):
+            line = f"ExecStartPre=+/bin/mkdir -p {_quote(model_store)}"
+        elif line.startswith("ReadWritePaths="):
+            paths = [model_store]
+            if os.path.abspath(state_dir) != DEFAULT_STATE_DIR:
+                paths.append(state_dir)
+            line = "ReadWritePaths=" + " ".join("-" + _quote(p) for p in paths)
+        elif line.startswith("NotifyAccess="):
+            line = "NotifyAccess=main" if one_process else "NotifyAccess=all"
+        out.append(line)
+        if line == "[Service]" and user:
+            out.append(f"User={user}")
+            out.append(f"Group={group or user}")
+            if supplementary:
+                out.append("SupplementaryGroups=" + " ".join(supplementary))
+    return "\n".join(out) + "\n"
+
+
+class _Undo:
+    """What C{start} changed, to put back if a later step fails."""
+
+    def __init__(self) -> None:
+        self._steps: list[Callable[[], None]] = []
+
+    def file(self, path: str) -> None:
+        try:
+            with open(path, "rb") as f:
+                old: bytes | None = f.read()
+            mode = os.stat(path).st_mode & 0o7777
+        except FileNotFoundError:
+            old, mode = None, 0
+
+        def restore() -> None:
+            if old is None:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            else:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(old)
+                os.chmod(path, mode)
+
+        self._steps.append(restore)
+
+    def directory(self, path: str) -> None:
+        def remove() -> None:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+
+        self._steps.append(remove)
+
+    def call(self, fn: Callable[[], Any]) -> None:
+        self._steps.append(lambda: fn())
+
+    def run(self) -> None:
+        for step in reversed(self._steps):
+            try:
+                step()
+            except Exception:
+                pass
+        self._steps.clear()
+
+
+def _makedirs(path: str, undo: _Undo, mode: int, uid: int = -1, gid: int = -1) -> None:
+    missing: list[str] = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        os.mkdir(d, mode)
+        undo.directory(d)
+        if uid >= 0 or gid >= 0:
+            os.chown(d, uid, gid)
+
+
+# -- the commands --------------------------------------------------------------------------
+
+
+class Installer:
+    def __init__(self, system: System | None = None) -> None:
+        self.sys = system or System.from_environment()
+
+    # helpers ------------------------------------------------------------------------------
+
+    def _systemctl(self, *args: str) -> tuple[int, str]:
+        exe = self.sys.which("systemctl")
+        if exe is None:
+            return 127, "systemctl not found"
+        try:
+            done = subprocess.run([exe, *args], capture_output=True, text=True, timeout=SYSTEMCTL_TIMEOUT,
+                                  env=dict(self.sys.environ))
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return 1, f"{type(e).__name__}: {e}"
+        text = (done.stderr or done.stdout or "").strip().splitlines()
+        return done.returncode, (text[-1] if text else f"exit status {done.returncode}")
+
+    def _needs_systemd(self, what: str) -> str | None:
+        if self.sys.which("systemctl") is None or not self.sys.systemd_running():
+            return (f"systemd is not running on this host (PID 1 is not systemd), so `{what}` cannot "
+                    "manage the agent: run it in the foreground with `llmport-agent run`, or under your "
+                    "own supervisor")
+        return None
+
+    def read_env(self) -> EnvFile:
+        try:
+            with open(self.sys.env_path, encoding="utf-8") as f:
+                return EnvFile.parse(f.read())
+        except FileNotFoundError:
+            return EnvFile()
+
+    def service_config(self) -> AgentConfig:
+        """The configuration the unit runs with: the env file only (no inherited environment)."""
+        return load_config(environ=self.read_env().values())
+
+    # start --------------------------------------------------------------------------------
+
+    def start(self, user: str | None = None) -> int:  # noqa: C901 - one linear procedure
+        s = self.sys
+        if s.geteuid() != 0:
+            return s.fail("`start` installs a systemd unit and needs root: sudo llmport-agent start")
+        problem = self._needs_systemd("start")
+        if problem:
+            return s.fail(problem)
+        try:
+            executable, one_process = s.installed_executable()
+        except FileNotFoundError as e:
+            return s.fail(str(e))
+        unstable = unstable_place(executable)
+        if unstable:
+            return s.fail(
+                f"the agent runs from {executable}, under {unstable}, which the unit cannot see "
+                "(PrivateTmp=yes) and which does not survive a reboot: install it to a stable place "
+                "(the binary to /usr/local/bin, a virtualenv or pipx under /opt or /usr/local) and run "
+                "start from there"
+            )
+        try:
+            env = self.read_env()
+        except OSError as e:
+            return s.fail(f"cannot read {s.env_path} ({e.strerror})")
+        given = {k: v for k, v in s.environ.items() if k.startswith(PREFIX)}
+        for key in given:
+            try:
+                setting_name(key)
+            except ConfigError as e:
+                return s.fail(f"{e}", EX_CONFIG)
+        for key, value in sorted(given.items()):
+            env.set(key, value)
+        values = env.values()
+        if not any(k.startswith(PREFIX) for k in values):
+            return s.fail(
+                f"no configuration: neither {s.env_path} nor LLM_PORT_NODE_AGENT_* variables; pass "
+                "them, e.g. sudo LLM_PORT_NODE_AGENT_BACKEND_URL=https://llm-port.example "
+                "LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN=<token> llmport-agent start",
+                EX_CONFIG,
+            )
+        try:
+            config = load_config(environ=values)
+        except ConfigError as e:
+            return s.fail(f"configuration error: {e}", EX_CONFIG)
+        state_path = s.path(config.state_path) if s.root else config.state_path
+        if not config.enrollment_token and not _has_credential(state_path):
+            return s.fail(
+                f"no credential in {config.state_path} and no LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN: "
+                "mint a token (POST /api/admin/system/nodes/enrollment-tokens) and pass it",
+                EX_CONFIG,
+            )
+        uid = gid = -1
+        supplementary: tuple[str, ...] = ()
+        group = None
+        if user:
+            import grp
+            import pwd
+
+            try:
+                pw = pwd.getpwnam(user)
+            except KeyError:
+                return s.fail(f"no user {user!r}: create it first (useradd --system --no-create-home "
+                              f"--shell /usr/sbin/nologin {user})")
+            uid, gid = pw.pw_uid, pw.pw_gid
+            group = grp.getgrgid(gid).gr_name
+            wanted = []
+            for name in ("docker", "systemd-journal"):
+                try:
+                    grp.getgrnam(name)
+                    wanted.append(name)
+                except KeyError:
+                    pass
+            if "docker" not in wanted:
+                return s.fail("there is no docker group on this host: a dedicated user reaches the Docker "
+                              "engine through it (install Docker first, or run the agent as root)")
+            supplementary = tuple(wanted)
+        text = render_unit(
+            unit_template(),
+            executable=executable,
+            one_process=one_process,
+            model_store=config.model_store,
+            state_dir=config.state_dir,
+            user=user,
+            group=group,
+            supplementary=supplementary,
+        )
+        undo = _Undo()
+        try:
+            for path, content, mode in ((s.env_path, env.text(), 0o600), (s.unit_path, text, 0o644)):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                undo.file(path)
+                write_private(path, content, mode)
+            _makedirs(s.path(config.model_store), undo, 0o755, uid, gid)
+            if config.state_dir != DEFAULT_STATE_DIR:
+                _makedirs(s.path(config.state_dir), undo, 0o700, uid, gid)
+        except OSError as e:
+            undo.run()
+            return s.fail(f"could not write {e.filename or 'a file'} ({e.strerror}); nothing was changed")
+        was_enabled = self._systemctl("is-enabled", "--quiet", UNIT_NAME)[0] == 0
+        for step in (("daemon-reload",), ("enable", "--quiet", UNIT_NAME), ("restart", UNIT_NAME)):
+            rc, message = self._systemctl(*step)
+            if rc != 0:
+                if step[0] == "restart" and not was_enabled:
+                    self._systemctl("disable", "--quiet", UNIT_NAME)
+                undo.run()
+                self._systemctl("daemon-reload")
+                return s.fail(f"systemctl {step[0]} failed ({message}); the unit and configuration were "
+                              "put back as they were. Details: journalctl -u llmport-agent -n 50")
+        who = f"as user {user}" if user else "as root"
+        s.say(f"llmport-agent is running under systemd ({who}, executable {executable}).")
+        s.say(f"  configuration: {s.env_path} (mode 0600; edit with `llmport-agent config --set NAME=VALUE`)")
+        s.say(f"  unit:          {s.unit_path}")
+        s.say("  follow its log: journalctl -u llmport-agent -f")
+        s.say("  check it:       llmport-agent status")
+        return 0
+
+    # stop ---------------------------------------------------------------------------------
+
+    def stop(self) -> int:
+        s = self.sys
+        if s.geteuid() != 0:
+            return s.fail("`stop` changes a systemd unit and needs root: sudo llmport-agent stop")
+        problem = self._needs_systemd("stop")
+        if problem:
+            return s.fail(problem)
+        if not os.path.exists(s.unit_path):
+            s.say(f"llmport-agent is not installed as a systemd unit ({s.unit_path} is absent); nothing to stop")
+            return 0
+        rc, message = self._systemctl("disable", "--now", "--quiet", UNIT_NAME)
+        if rc != 0:
+            return s.fail(f"systemctl disable --now failed ({message})")
+        s.say("llmport-agent stopped and disabled (running commands were given their grace period); "
+              f"{s.unit_path}, {s.env_path} and the state are kept: `sudo llmport-agent start` starts it again")
+        return 0
+
+    # status -------------------------------------------------------------------------------
+
+    def status(self, environ_config: AgentConfig | None = None) -> int:
+        s = self.sys
+        active: bool | None = None
+        if self.sys.which("systemctl") is not None and s.systemd_running():
+            props = self._show()
+            if not props or props.get("LoadState") == "not-found":
+                s.say("service:    not installed (sudo llmport-agent start installs it)")
+                active = False
+            else:
+                active = props.get("ActiveState") == "active"
+                since = props.get("ActiveEnterTimestamp") or "-"
+                s.say(f"service:    {props.get('ActiveState', '?')} ({props.get('SubState', '?')}) since {since}, "
+                      f"{props.get('UnitFileState', '?')}, main pid {props.get('MainPID', '0')}, "
+                      f"restarts {props.get('NRestarts', '0')}, last exit status {props.get('ExecMainStatus', '0')}")
+                if props.get("StatusText"):
+                    s.say(f"its status: {props['StatusText']}")
+        else:
+            s.say("service:    systemd is not running on this host (no unit to inspect)")
+        try:
+            config = self.service_config() if os.path.exists(s.env_path) else environ_config or load_config()
+        except PermissionError:
+            s.say(f"config:     {s.env_path} is readable by root only; using this shell's settings (sudo shows the unit's)")
+            config = environ_config or load_config(environ=s.environ)
+        except (ConfigError, OSError) as e:
+            s.say(f"config:     cannot be read ({e})")
+            return EX_FAIL
+        body = _readyz(config.ops_port) if config.ops_port else None
+        if body is not None:
+            agent = body.get("agent", {})
+            s.say(f"agent:      {body.get('status')} (version {agent.get('version', '?')}), node id "
+                  f"{agent.get('node_id') or '-'}, heartbeat status {agent.get('heartbeat_status', '?')}")
+            last = agent.get("last_heartbeat_at")
+            if isinstance(last, int | float):
+                import time
+
+                s.say(f"heartbeat:  last sent {max(0.0, time.time() - last):.0f} s ago")
+            s.say(f"workloads:  {agent.get('workloads', 0)}, commands running: {agent.get('commands_running', 0)}")
+            for name, check in sorted(body.get("checks", {}).items()):
+                mark = "ok " if check.get("ok") else "BAD"
+                s.say(f"  {mark} {name:<8} {check.get('detail', '')}")
+            if active is None:
+                active = True
+            ready = bool(body.get("ready"))
+        else:
+            ready = False
+            if config.ops_port:
+                s.say(f"agent:      not answering on http://127.0.0.1:{config.ops_port}/readyz")
+            self._state_view(config)
+        if not active:
+            return EX_NOT_RUNNING
+        return 0 if ready else EX_FAIL
+
+    def _show(self) -> dict[str, str]:
+        props = "LoadState,ActiveState,SubState,UnitFileState,MainPID,NRestarts,ExecMainStatus,ActiveEnterTimestamp,StatusText"
+        exe = self.sys.which("systemctl")
+        if exe is None:
+            return {}
+        try:
+            done = subprocess.run([exe, "show", UNIT_NAME, "--property=" + props], capture_output=True,
+                                  text=True, timeout=30, env=dict(self.sys.environ))
+        except (OSError, subprocess.TimeoutExpired):
+            return {}
+        out: dict[str, str] = {}
+        for line in done.stdout.splitlines():
+            key, sep, value = line.partition("=")
+            if sep:
+                out[key] = value
+        return out
+
+    def _state_view(self, config: AgentConfig) -> None:
+        from llmport_agent.state import load_state
+
+        path = self.sys.path(config.state_path) if self.sys.root else config.state_path
+        try:
+            result = load_state(path) if os.path.exists(path) else None
+        except Exception as e:
+            self.sys.say(f"state file: {path} cannot be read ({e})")
+            return
+        data = result.data if result else {}
+        self.sys.say(f"state file: {path} ({'present' if result else 'absent'}), enrolled: "
+                     f"{'yes' if data.get('credential') else 'no'}, node id {data.get('node_id', '-')}, "
+                     f"maintenance {bool(data.get('maintenance'))}, draining {bool(data.get('draining'))}")
+
+    # config --set / --unset ---------------------------------------------------------------
+
+    def edit_config(self, sets: list[str], unsets: list[str]) -> int:
+        s = self.sys
+        try:
+            env = self.read_env()
+        except OSError as e:
+            return s.fail(f"cannot read {s.env_path} ({e.strerror}): run as root (sudo)")
+        before = env.values()
+        changes: list[tuple[str, str | None]] = []
+        try:
+            for item in sets:
+                name, sep, value = item.partition("=")
+                if not sep:
+                    return s.fail(f"--set {item!r}: expected NAME=VALUE", EX_CONFIG)
+                key = setting_name(name)
+                env.set(key, value)
+                changes.append((key, value))
+            for name in unsets:
+                key = setting_name(name)
+                env.unset(key)
+                changes.append((key, None))
+            # Validated exactly as at start-up, with what the unit will see: the file alone.
+            load_config(environ=env.values())
+        except ConfigError as e:
+            return s.fail(f"configuration error: {e}; {s.env_path} was not changed", EX_CONFIG)
+        after = env.values()
+        if after == before:
+            s.say(f"{s.env_path}: unchanged; no restart needed")
+            return 0
+        try:
+            os.makedirs(os.path.dirname(s.env_path), exist_ok=True)
+            write_private(s.env_path, env.text(), 0o600)
+        except OSError as e:
+            return s.fail(f"cannot write {s.env_path} ({e.strerror}): run as root (sudo)")
+        for key, new in changes:
+            if new is None:
+                s.say(f"{key} removed from {s.env_path}")
+            else:
+                shown = mask(new) if _is_secret(key) else new
+                s.say(f"{key}={shown} written to {s.env_path}")
+        changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+        paths = {PREFIX + "MODEL_STORE", PREFIX + "STATE_PATH"} & changed
+        installed = os.path.exists(s.unit_path)
+        if paths and installed:
+            s.say("restart needed, and the unit's writable paths change: sudo llmport-agent start")
+        elif installed and self._systemctl("is-active", "--quiet", UNIT_NAME)[0] == 0:
+            s.say("restart needed: sudo systemctl restart llmport-agent")
+        else:
+            s.say("takes effect at the next start of the agent")
+        return 0
+
+
+def _has_credential(state_path: str) -> bool:
+    try:
+        with open(state_path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and bool(data.get("credential"))
+
+
+def _readyz(port: int) -> dict[str, Any] | None:
+    import urllib.error
+    import urllib.request
+
+    url = f"http://127.0.0.1:{port}/readyz"
+    try:
+        with urllib.request.urlopen(url, timeout=3) as response:  # noqa: S310 - loopback only
+            raw = response.read(1 << 20)
+    except urllib.error.HTTPError as e:
+        raw = e.read(1 << 20)
+    except (OSError, ValueError):
+        return None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None

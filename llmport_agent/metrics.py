@@ -1,0 +1,420 @@
+"""
+Prometheus metrics of the agent, through C{prometheus_client} (its own L{CollectorRegistry},
+exposition by C{generate_latest}).
+
+Most families are read from the subsystems' own counters at scrape time by L{AgentCollector}
+(session, commands, journal, outbox, engine, GPUs, Loki, model sync), so the subsystems keep
+plain counters and know nothing about Prometheus. The two things a counter cannot express,
+latency distributions, are prometheus_client C{Histogram}s kept in small recorder objects:
+L{TimedCalls} (commands by type and outcome, engine calls by operation and outcome) and
+L{ReactorLatenessProbe}.
+
+Label values are bounded: command types outside the handler registry become C{"other"}, engine
+operations are the names of the agent's own functions, GPU labels are index/uuid/name. No
+label ever carries a secret.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from twisted.application.service import Service
+from twisted.internet.task import LoopingCall
+
+from llmport_agent import VERSION
+
+PREFIX = "llmport_agent_"
+
+# No *_created series: they double the size of every histogram for nothing a scrape needs.
+disable_created_metrics()
+
+#: Command latencies span 1 ms (a refused command) to hours (a model sync).
+COMMAND_BUCKETS = (0.005, 0.025, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400)
+#: Engine calls: milliseconds (inspect) to minutes (stop with a grace period).
+ENGINE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+#: Reactor lateness: a healthy reactor is late by well under 10 ms.
+LATENESS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+SESSION_STATES = ("connected", "connecting", "backing_off", "enrolling", "refused", "stopped")
+
+
+class TimedCalls:
+    """
+    Counts and durations of calls by name and outcome, as one prometheus_client Histogram
+    (its C{_count} series is the call count). Names outside C{known} (when given) are
+    recorded as C{"other"}, so input from the network cannot grow the label set.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labels: tuple[str, str],
+        buckets: tuple[float, ...],
+        known: Callable[[], Iterable[str]] | None = None,
+        max_names: int = 64,
+    ) -> None:
+        self.histogram = Histogram(name, documentation, list(labels), buckets=buckets, registry=None)
+        self._known = known
+        self._names: set[str] = set()
+        self._max_names = max_names
+
+    def _label(self, name: str) -> str:
+        name = str(name)[:64]
+        if self._known is not None and name not in set(self._known()):
+            return "other"
+        if name not in self._names:
+            if len(self._names) >= self._max_names:
+                return "other"
+            self._names.add(name)
+        return name
+
+    def observe(self, name: str, outcome: str, seconds: float) -> None:
+        self.histogram.labels(self._label(name), str(outcome)[:64]).observe(max(0.0, seconds))
+
+    def collect(self) -> Iterable[Metric]:
+        return self.histogram.collect()
+
+
+def command_calls(known: Callable[[], Iterable[str]]) -> TimedCalls:
+    return TimedCalls(
+        PREFIX + "command_duration_seconds",
+        "Time from start to result of commands, by type and outcome (success or error_code)",
+        ("type", "outcome"),
+        COMMAND_BUCKETS,
+        known=known,
+    )
+
+
+def engine_calls() -> TimedCalls:
+    return TimedCalls(
+        PREFIX + "engine_call_duration_seconds",
+        "Docker engine calls by operation and outcome (ok or error)",
+        ("operation", "outcome"),
+        ENGINE_BUCKETS,
+    )
+
+
+class ReactorLatenessProbe(Service):
+    """
+    A timer that notes how late the reactor runs it: a blocked reactor shows here (and stops
+    the systemd watchdog) before it shows anywhere else.
+    """
+
+    def __init__(self, reactor: Any, interval: float = 1.0) -> None:
+        self.setName("reactor-lateness")
+        self._reactor = reactor
+        self.interval = interval
+        self.histogram = Histogram(
+            PREFIX + "reactor_lateness_seconds",
+            "How late a 1 s reactor timer fired",
+            buckets=LATENESS_BUCKETS,
+            registry=None,
+        )
+        self.max_recent = 0.0
+        self.last = 0.0
+        self._expected: float | None = None
+        self._loop: LoopingCall | None = None
+
+    def startService(self) -> None:
+        super().startService()
+        self._expected = None
+        self._loop = LoopingCall(self._tick)
+        self._loop.clock = self._reactor
+        self._loop.start(self.interval, now=True)
+
+    def _tick(self) -> None:
+        now = self._reactor.seconds()
+        if self._expected is not None:
+            late = max(0.0, now - self._expected)
+            self.last = late
+            self.max_recent = max(self.max_recent, late)
+            self.histogram.observe(late)
+        self._expected = now + self.interval
+
+    def take_max(self) -> float:
+        """The worst lateness since the last call (each scrape starts a new window)."""
+        value, self.max_recent = self.max_recent, 0.0
+        return value
+
+    def stopService(self) -> None:  # type: ignore[override]
+        super().stopService()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        self._loop = None
+
+
+# -- accessors: small and tolerant, so the subsystems can grow without breaking metrics ------
+
+
+def _get(obj: Any, name: str, default: Any = 0) -> Any:
+    value = getattr(obj, name, default) if obj is not None else default
+    return default if value is None else value
+
+
+def gpu_snapshot(agent: Any) -> Any:
+    """The last GPU snapshot the inventory collector took (no NVML call at scrape time)."""
+    collector = getattr(agent, "collector", None)
+    last = getattr(collector, "last_gpu", None)
+    return last() if callable(last) else last
+
+
+def loki_stats(agent: Any) -> dict[str, Any] | None:
+    loki = getattr(agent, "loki", None)
+    if loki is None:
+        return None
+    try:
+        return dict(loki.describe())
+    except Exception:
+        return None
+
+
+def workload_states(agent: Any) -> dict[str, dict[str, Any]]:
+    health = getattr(agent, "health", None)
+    states = getattr(health, "states", None)
+    if not callable(states):
+        return {}
+    try:
+        return dict(states())
+    except Exception:
+        return {}
+
+
+def session_state(session: Any) -> str:
+    phase = getattr(session, "phase", None)
+    return phase if isinstance(phase, str) else ("connected" if session.connected else "connecting")
+
+
+# -- the collector -------------------------------------------------------------------------
+
+
+def _gauge(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(PREFIX + name, doc, labels=list(labels or {}))
+    family.add_metric(list((labels or {}).values()), float(value))
+    return family
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(PREFIX + name, doc)
+    family.add_metric([], float(value))
+    return family
+
+
+class AgentCollector:
+    """Reads the running agent's counters at scrape time."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        a = self.agent
+        yield from self._build_info()
+        yield from self._session(a.session)
+        yield from self._commands(a)
+        yield from self._reports(a)
+        probe = getattr(a, "lateness", None)
+        if probe is not None:
+            yield from probe.histogram.collect()
+            yield _gauge("reactor_lateness_max_seconds",
+                         "Worst reactor timer lateness since the previous scrape", probe.take_max())
+        yield from self._engine(a)
+        yield from self._workloads(a)
+        yield from self._gpus(a)
+        yield from self._loki(a)
+        yield from self._models(a)
+
+    def _build_info(self) -> Iterator[Metric]:
+        import twisted
+
+        info = GaugeMetricFamily(PREFIX + "build_info", "Agent build",
+                                 labels=["version", "python", "twisted", "frozen"])
+        info.add_metric([VERSION, platform.python_version(), twisted.__version__,
+                         "true" if getattr(sys, "frozen", False) else "false"], 1.0)
+        yield info
+
+    def _session(self, session: Any) -> Iterator[Metric]:
+        s = session.stats
+        current = session_state(session)
+        state = GaugeMetricFamily(PREFIX + "session_state", "Backend session state (1 = current)",
+                                  labels=["state"])
+        for name in SESSION_STATES:
+            state.add_metric([name], 1.0 if name == current else 0.0)
+        yield state
+        yield _gauge("connected", "1 while the backend stream is open", 1.0 if session.connected else 0.0)
+        yield _counter("session_opens", "Backend stream opens", s.opens)
+        yield _counter("session_reconnects", "Backend stream opens after the first", max(0, s.opens - 1))
+        yield _counter("session_closes", "Backend stream closes (opened or not)", s.closes)
+        yield _counter("session_refused", "Stream upgrades refused or failed before opening", s.refused)
+        yield _counter("enrollments", "Successful enrollments", s.enrollments)
+        yield _counter("credential_rotations", "Successful credential rotations", s.rotations)
+        yield _counter("credential_rotation_errors", "Failed or unknown credential rotations",
+                       s.rotation_errors)
+        frames = CounterMetricFamily(PREFIX + "frames", "WebSocket frames by direction and type",
+                                     labels=["direction", "type"])
+        for direction, counts in (("out", _get(s, "frames_out", {})), ("in", _get(s, "frames_in", {}))):
+            for kind, n in sorted(counts.items()):
+                frames.add_metric([direction, kind], n)
+        yield frames
+
+    def _commands(self, a: Any) -> Iterator[Metric]:
+        p = a.pipeline
+        calls = getattr(p, "calls", None)
+        if calls is not None:
+            yield from calls.collect()
+        receipts = CounterMetricFamily(PREFIX + "command_receipts",
+                                       "Commands received, duplicates, malformed, results re-sent, "
+                                       "deferred by a stop", labels=["kind"])
+        for key, value in sorted(p.stats.items()):
+            if key not in ("succeeded", "failed", "timed_out"):
+                receipts.add_metric([key], value)
+        yield receipts
+        outcomes = CounterMetricFamily(PREFIX + "commands", "Commands finished by outcome",
+                                       labels=["outcome"])
+        for key in ("succeeded", "failed", "timed_out"):
+            outcomes.add_metric([key], p.stats.get(key, 0))
+        yield outcomes
+        yield _gauge("commands_running", "Commands running now", len(p._running))
+        journal = GaugeMetricFamily(PREFIX + "command_journal_records",
+                                    "Records in the command journal by state", labels=["state"])
+        for key, value in sorted(a.journal.depth().items()):
+            if key != "total":
+                journal.add_metric([key], value)
+        yield journal
+        yield _gauge("command_journal_depth", "Records in the command journal", a.journal.depth().get("total", 0))
+        yield _gauge("event_outbox_depth", "Events waiting to be sent", a.outbox.depth)
+        yield _counter("events_dropped", "Events dropped (outbox full)", a.outbox.dropped)
+        yield _counter("events_sent", "Events sent to the backend", _get(a.outbox, "sent"))
+        mode = GaugeMetricFamily(PREFIX + "mode", "Node mode flags", labels=["mode"])
+        mode.add_metric(["maintenance"], 1.0 if a.modes.maintenance else 0.0)
+        mode.add_metric(["draining"], 1.0 if a.modes.draining else 0.0)
+        mode.add_metric(["stopping"], 1.0 if getattr(a, "stopping", False) else 0.0)
+        yield mode
+
+    def _reports(self, a: Any) -> Iterator[Metric]:
+        yield _counter("heartbeats", "Heartbeats sent", a.heartbeat.sent)
+        yield _counter("inventories", "Inventory reports sent", a.inventory.sent)
+
+    def _engine(self, a: Any) -> Iterator[Metric]:
+        engine = getattr(a, "engine", None)
+        if engine is None:
+            return
+        yield _gauge("engine_up", "1 while the Docker engine answers", 1.0 if engine.available else 0.0)
+        yield _counter("engine_requests", "HTTP requests made to the Docker engine", _get(engine, "calls"))
+        calls = getattr(engine, "call_stats", None)
+        if calls is not None:
+            yield from calls.collect()
+
+    def _workloads(self, a: Any) -> Iterator[Metric]:
+        if getattr(a, "health", None) is None:
+            return
+        counts: dict[str, int] = {}
+        for state in workload_states(a).values():
+            key = str(state.get("state") or "unknown")[:32]
+            counts[key] = counts.get(key, 0) + 1
+        family = GaugeMetricFamily(PREFIX + "workloads", "Managed workloads by last observed state",
+                                   labels=["state"])
+        for key, n in sorted(counts.items()):
+            family.add_metric([key], n)
+        yield family
+
+    def _gpus(self, a: Any) -> Iterator[Metric]:
+        snap = gpu_snapshot(a)
+        if snap is None:
+            return
+        devices = tuple(getattr(snap, "devices", ()))
+        yield _gauge("gpus", "GPUs seen in the last inventory", len(devices))
+        yield _gauge("gpu_source_up", "1 when the GPU source (NVML) answered the last inventory",
+                     0.0 if getattr(snap, "gpu_error", "") else 1.0)
+        collector = getattr(a, "collector", None)
+        errors = CounterMetricFamily(PREFIX + "nvml_errors",
+                                     "Inventory collections in which NVML failed (source) or a GPU "
+                                     "reported an error (device)", labels=["kind"])
+        errors.add_metric(["source"], _get(collector, "gpu_source_errors"))
+        errors.add_metric(["device"], _get(collector, "gpu_device_errors"))
+        yield errors
+        labels = ["gpu", "uuid", "name"]
+        families = {
+            "memory_total": GaugeMetricFamily(PREFIX + "gpu_memory_total_bytes", "GPU memory", labels=labels),
+            "memory_used": GaugeMetricFamily(PREFIX + "gpu_memory_used_bytes", "GPU memory used", labels=labels),
+            "util": GaugeMetricFamily(PREFIX + "gpu_utilization_ratio", "GPU utilization (0-1)", labels=labels),
+            "mem_util": GaugeMetricFamily(PREFIX + "gpu_memory_utilization_ratio",
+                                          "GPU memory controller utilization (0-1)", labels=labels),
+            "temp": GaugeMetricFamily(PREFIX + "gpu_temperature_celsius", "GPU temperature", labels=labels),
+            "power": GaugeMetricFamily(PREFIX + "gpu_power_watts", "GPU power draw", labels=labels),
+            "power_limit": GaugeMetricFamily(PREFIX + "gpu_power_limit_watts", "GPU power limit", labels=labels),
+            "error": GaugeMetricFamily(PREFIX + "gpu_error", "1 when NVML reported an error for this GPU",
+                                       labels=labels),
+        }
+        ecc = GaugeMetricFamily(PREFIX + "gpu_ecc_errors",
+                                "ECC memory errors (volatile: since boot, aggregate: lifetime)",
+                                labels=[*labels, "counter", "type"])
+        for d in devices:
+            lv = [str(_get(d, "index")), str(_get(d, "uuid", "")), str(_get(d, "name", ""))[:96]]
+            families["memory_total"].add_metric(lv, _get(d, "memory_total_bytes"))
+            families["memory_used"].add_metric(lv, _get(d, "memory_used_bytes"))
+            families["util"].add_metric(lv, _get(d, "utilization_pct") / 100.0)
+            families["mem_util"].add_metric(lv, _get(d, "memory_utilization_pct") / 100.0)
+            families["temp"].add_metric(lv, _get(d, "temperature_c"))
+            families["power"].add_metric(lv, _get(d, "power_draw_w"))
+            families["power_limit"].add_metric(lv, _get(d, "power_limit_w"))
+            families["error"].add_metric(lv, 1.0 if _get(d, "error", "") else 0.0)
+            counts = _get(d, "ecc_errors", None)
+            for counter in ("volatile", "aggregate"):
+                for kind in ("corrected", "uncorrected"):
+                    ecc.add_metric([*lv, counter, kind], _get(counts, f"{counter}_{kind}"))
+        yield from families.values()
+        yield ecc
+
+    def _loki(self, a: Any) -> Iterator[Metric]:
+        stats = loki_stats(a)
+        if stats is None:
+            return
+        yield _counter("loki_lines_sent", "Log lines accepted by Loki", stats.get("sent", 0))
+        pushes = CounterMetricFamily(PREFIX + "loki_pushes", "Loki pushes by outcome", labels=["outcome"])
+        pushes.add_metric(["ok"], stats.get("pushes", 0))
+        pushes.add_metric(["failed"], stats.get("failed_pushes", 0))
+        yield pushes
+        yield _counter("loki_retries", "Loki pushes that failed and were retried", stats.get("failed_pushes", 0))
+        dropped = CounterMetricFamily(PREFIX + "loki_lines_dropped", "Log lines dropped by reason",
+                                      labels=["reason"])
+        for reason in ("overflow", "rejected", "invalid"):
+            dropped.add_metric([reason], stats.get(f"dropped_{reason}", 0))
+        yield dropped
+        yield _gauge("loki_queue_depth", "Log lines waiting to be pushed", stats.get("queue_depth", 0))
+        yield _gauge("loki_lag_seconds", "Seconds since Loki last accepted a push while lines wait",
+                     loki_lag(stats, self.agent.reactor.seconds()))
+
+    def _models(self, a: Any) -> Iterator[Metric]:
+        models = getattr(a, "models", None)
+        if models is None:
+            return
+        yield _counter("model_sync_bytes", "Model bytes downloaded from the backend",
+                       _get(models, "bytes_downloaded"))
+
+
+def loki_lag(stats: dict[str, Any], now: float) -> float:
+    """
+    How far behind the Loki shipper is: 0 with an empty queue, else the age of its last
+    success (reactor seconds, as the shipper records it).
+    """
+    if not stats.get("queue_depth"):
+        return 0.0
+    last = stats.get("last_success_at")
+    if not isinstance(last, int | float) or last <= 0:
+        return 0.0
+    return max(0.0, now - float(last))
+
+
+def make_registry(agent: Any) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AgentCollector(agent))  # type: ignore[arg-type]
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return bytes(generate_latest(registry))

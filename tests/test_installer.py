@@ -1,0 +1,459 @@
+"""
+`llmport-agent start / stop / status / config --set`: against a stand-in `systemctl` on PATH that
+records its calls, without one, without root, from an unstable path; nothing left behind on a
+failure; the unit as `start` writes it passes `systemd-analyze verify`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from typing import Any
+
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
+
+from llmport_agent.installer import EnvFile, Installer, System, render_unit, unit_template
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+STAND_IN = """#!/bin/sh
+# A stand-in systemctl: records its arguments, fails where told.
+echo "$*" >> "$SYSTEMCTL_LOG"
+case " $* " in
+  *" $SYSTEMCTL_FAIL "*) echo "Failed to $1 llmport-agent.service: stand-in failure" >&2; exit 1;;
+esac
+case "$1" in
+  show) printf 'LoadState=loaded\\nActiveState=active\\nSubState=running\\nUnitFileState=enabled\\nMainPID=4242\\nNRestarts=0\\nExecMainStatus=0\\nStatusText=connected, node n-1\\n';;
+  is-active) [ -n "$SYSTEMCTL_ACTIVE" ] || exit 3;;
+  is-enabled) exit 1;;
+esac
+exit 0
+"""
+
+TOKEN = "tok-" + "z" * 28
+
+
+class Host:
+    """A fake root with /run/systemd/system, a stand-in systemctl and an executable."""
+
+    def __init__(self, test: SynchronousTestCase, systemd: bool = True, systemctl: bool = True) -> None:
+        self.root = os.path.abspath(test.mktemp())
+        os.makedirs(os.path.join(self.root, "etc/systemd/system"))
+        if systemd:
+            os.makedirs(os.path.join(self.root, "run/systemd/system"))
+        self.bin = os.path.join(self.root, "bin")
+        os.makedirs(self.bin)
+        self.log = os.path.join(self.root, "systemctl.log")
+        if systemctl:
+            path = os.path.join(self.bin, "systemctl")
+            with open(path, "w") as f:
+                f.write(STAND_IN)
+            os.chmod(path, 0o755)
+        self.exe = "/opt/llmport-agent/bin/llmport-agent"
+        self.fail_on = ""
+        self.active = ""
+        self.out = io.StringIO()
+        self.err = io.StringIO()
+
+    def system(self, euid: int = 0, environ: dict[str, str] | None = None, exe: str | None = None) -> System:
+        env = {"PATH": self.bin, "SYSTEMCTL_LOG": self.log, "SYSTEMCTL_FAIL": self.fail_on,
+               "SYSTEMCTL_ACTIVE": self.active}
+        env.update(environ or {})
+        return System(
+            root=self.root,
+            environ=env,
+            geteuid=lambda: euid,
+            which=lambda name: shutil.which(name, path=self.bin),
+            executable=exe or self.exe,
+            one_process=True,
+            out=self.out,
+            err=self.err,
+        )
+
+    def calls(self) -> list[str]:
+        if not os.path.exists(self.log):
+            return []
+        with open(self.log) as f:
+            return f.read().splitlines()
+
+    def path(self, p: str) -> str:
+        return os.path.join(self.root, p.lstrip("/"))
+
+    def files(self) -> list[str]:
+        out = []
+        for d, _, names in os.walk(self.root):
+            for n in names:
+                rel = os.path.relpath(os.path.join(d, n), self.root)
+                if not rel.startswith(("bin/", "systemctl.log")):
+                    out.append(rel)
+        dirs = [os.path.relpath(d, self.root) for d, _, _ in os.walk(self.root)]
+        return sorted(out + [d + "/" for d in dirs if d.startswith(("srv", "var"))])
+
+
+def agent_vars(**extra: str) -> dict[str, str]:
+    env = {"LLM_PORT_NODE_AGENT_BACKEND_URL": "https://llm-port.example.internal",
+           "LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN": TOKEN}
+    env.update({"LLM_PORT_NODE_AGENT_" + k: v for k, v in extra.items()})
+    return env
+
+
+class StartTests(SynchronousTestCase):
+    def test_start_installs_configures_and_starts(self) -> None:
+        """Env file 0600 from the variables, the unit with the real executable, daemon-reload, enable, restart."""
+        h = Host(self)
+        rc = Installer(h.system(environ=agent_vars())).start()
+        self.assertEqual(rc, 0, h.err.getvalue())
+        env_path = h.path("/etc/llmport-agent.env")
+        self.assertEqual(stat.S_IMODE(os.stat(env_path).st_mode), 0o600)
+        values = EnvFile.parse(open(env_path).read()).values()
+        self.assertEqual(values["LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN"], TOKEN)
+        unit = open(h.path("/etc/systemd/system/llmport-agent.service")).read()
+        self.assertIn(f"ExecStart={h.exe} run\n", unit)
+        self.assertIn("NotifyAccess=main\n", unit)
+        self.assertIn("Type=notify\n", unit)
+        self.assertIn("ReadWritePaths=-/srv/llm-port/models\n", unit)
+        self.assertTrue(os.path.isdir(h.path("/srv/llm-port/models")))
+        self.assertEqual(h.calls()[-3:], ["daemon-reload", "enable --quiet llmport-agent.service",
+                                          "restart llmport-agent.service"])
+        out = h.out.getvalue()
+        self.assertIn("journalctl -u llmport-agent -f", out)
+        self.assertNotIn(TOKEN, out + h.err.getvalue())
+
+    def test_existing_env_file_is_kept_merged_and_tightened(self) -> None:
+        """llm-port's installer writes the file 0644: start keeps its values and makes it 0600."""
+        h = Host(self)
+        env_path = h.path("/etc/llmport-agent.env")
+        with open(env_path, "w") as f:
+            f.write("# written by llmport deploy\nLLM_PORT_NODE_AGENT_BACKEND_URL=http://10.0.0.1:8000\n"
+                    f"LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN={TOKEN}\n")
+        os.chmod(env_path, 0o644)
+        rc = Installer(h.system(environ={"LLM_PORT_NODE_AGENT_MODEL_STORE": "/data/models"})).start()
+        self.assertEqual(rc, 0, h.err.getvalue())
+        text = open(env_path).read()
+        self.assertIn("# written by llmport deploy", text)
+        self.assertIn("LLM_PORT_NODE_AGENT_BACKEND_URL=http://10.0.0.1:8000", text)
+        self.assertIn("LLM_PORT_NODE_AGENT_MODEL_STORE=/data/models", text)
+        self.assertEqual(stat.S_IMODE(os.stat(env_path).st_mode), 0o600)
+        unit = open(h.path("/etc/systemd/system/llmport-agent.service")).read()
+        self.assertIn("ReadWritePaths=-/data/models\n", unit)
+        self.assertIn("ExecStartPre=+/bin/mkdir -p /data/models\n", unit)
+
+    def test_binary_gets_notify_access_all(self) -> None:
+        """The one-file executable is two processes: its notifications come from the child."""
+        h = Host(self)
+        system = h.system(environ=agent_vars())
+        system.one_process = False
+        self.assertEqual(Installer(system).start(), 0, h.err.getvalue())
+        unit = open(h.path("/etc/systemd/system/llmport-agent.service")).read()
+        self.assertIn("NotifyAccess=all\n", unit)
+
+    def test_dedicated_user(self) -> None:
+        """--user: User=, Group=, SupplementaryGroups=docker (and the journal group where present)."""
+        import grp
+        import pwd
+
+        try:
+            grp.getgrnam("docker")
+        except KeyError:
+            raise SkipTest("no docker group on this host") from None
+        user = pwd.getpwuid(os.getuid()).pw_name
+        h = Host(self)
+        self.assertEqual(Installer(h.system(environ=agent_vars())).start(user=user), 0, h.err.getvalue())
+        unit = open(h.path("/etc/systemd/system/llmport-agent.service")).read()
+        self.assertIn(f"User={user}\n", unit)
+        self.assertIn("SupplementaryGroups=docker", unit)
+
+    def test_unknown_user(self) -> None:
+        h = Host(self)
+        rc = Installer(h.system(environ=agent_vars())).start(user="no-such-user-xyz")
+        self.assertEqual(rc, 1)
+        self.assertIn("no user 'no-such-user-xyz'", h.err.getvalue())
+        self.assertEqual(h.files(), [])
+
+    def assertRefused(self, h: Host, rc: int, expected_rc: int, words: str) -> None:
+        self.assertEqual(rc, expected_rc, h.err.getvalue())
+        err = h.err.getvalue()
+        self.assertEqual(len(err.strip().splitlines()), 1, err)
+        self.assertIn(words, err)
+        self.assertEqual(h.files(), [])
+
+    def test_not_root(self) -> None:
+        h = Host(self)
+        self.assertRefused(h, Installer(h.system(euid=1000, environ=agent_vars())).start(), 1, "needs root")
+        self.assertEqual(h.calls(), [])
+
+    def test_without_systemd(self) -> None:
+        """PID 1 is not systemd: one line, nothing written, systemctl never called."""
+        h = Host(self, systemd=False)
+        self.assertRefused(h, Installer(h.system(environ=agent_vars())).start(), 1, "systemd is not running")
+        self.assertEqual(h.calls(), [])
+
+    def test_without_systemctl(self) -> None:
+        h = Host(self, systemctl=False)
+        self.assertRefused(h, Installer(h.system(environ=agent_vars())).start(), 1, "llmport-agent run")
+
+    def test_unstable_path(self) -> None:
+        """A temporary venv: the unit could not see it (PrivateTmp) and it would not survive a reboot."""
+        h = Host(self)
+        rc = Installer(h.system(environ=agent_vars(), exe="/tmp/venv-x/bin/llmport-agent")).start()
+        self.assertRefused(h, rc, 1, "under /tmp")
+
+    def test_no_configuration(self) -> None:
+        """No variables and no env file: refused, no empty env file written."""
+        h = Host(self)
+        self.assertRefused(h, Installer(h.system()).start(), 2, "no configuration")
+
+    def test_invalid_configuration(self) -> None:
+        h = Host(self)
+        rc = Installer(h.system(environ=agent_vars(HEARTBEAT_INTERVAL_SEC="abc"))).start()
+        self.assertRefused(h, rc, 2, "LLM_PORT_NODE_AGENT_HEARTBEAT_INTERVAL_SEC")
+
+    def test_no_token_and_no_credential(self) -> None:
+        h = Host(self)
+        rc = Installer(h.system(environ={"LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:1"})).start()
+        self.assertRefused(h, rc, 2, "no LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN")
+
+    def test_systemctl_failure_leaves_nothing_behind(self) -> None:
+        """restart fails: the unit, the env file and the directories are removed, the unit disabled."""
+        h = Host(self)
+        h.fail_on = "restart"
+        rc = Installer(h.system(environ=agent_vars())).start()
+        self.assertEqual(rc, 1)
+        self.assertIn("systemctl restart failed", h.err.getvalue())
+        self.assertEqual(h.files(), [])
+        self.assertIn("disable --quiet llmport-agent.service", h.calls())
+        self.assertEqual(h.calls()[-1], "daemon-reload")
+
+    def test_systemctl_failure_restores_previous_files(self) -> None:
+        h = Host(self)
+        env_path = h.path("/etc/llmport-agent.env")
+        with open(env_path, "w") as f:
+            f.write(f"LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN={TOKEN}\n")
+        os.chmod(env_path, 0o640)
+        h.fail_on = "daemon-reload"
+        rc = Installer(h.system(environ=agent_vars())).start()
+        self.assertEqual(rc, 1)
+        self.assertEqual(open(env_path).read(), f"LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN={TOKEN}\n")
+        self.assertEqual(stat.S_IMODE(os.stat(env_path).st_mode), 0o640)
+        self.assertFalse(os.path.exists(h.path("/etc/systemd/system/llmport-agent.service")))
+
+
+class StopStatusTests(SynchronousTestCase):
+    def test_stop(self) -> None:
+        h = Host(self)
+        Installer(h.system(environ=agent_vars())).start()
+        self.assertEqual(Installer(h.system()).stop(), 0)
+        self.assertEqual(h.calls()[-1], "disable --now --quiet llmport-agent.service")
+        self.assertIn("stopped and disabled", h.out.getvalue())
+
+    def test_stop_without_root_or_systemd(self) -> None:
+        h = Host(self, systemd=False)
+        self.assertEqual(Installer(h.system()).stop(), 1)
+        self.assertIn("systemd is not running", h.err.getvalue())
+        h2 = Host(self)
+        self.assertEqual(Installer(h2.system(euid=1000)).stop(), 1)
+        self.assertEqual(h2.calls(), [])
+
+    def test_stop_when_not_installed(self) -> None:
+        h = Host(self)
+        self.assertEqual(Installer(h.system()).stop(), 0)
+        self.assertIn("not installed", h.out.getvalue())
+        self.assertEqual(h.calls(), [])
+
+    def test_status_shows_systemd_and_the_state_file(self) -> None:
+        """systemd's view (with the agent's STATUS= line) plus the state file when the agent does not answer."""
+        h = Host(self)
+        state = h.path("/var/lib/llmport-agent/state.json")
+        os.makedirs(os.path.dirname(state))
+        with open(state, "w") as f:
+            json.dump({"credential": "c", "node_id": "n-1"}, f)
+        with open(h.path("/etc/llmport-agent.env"), "w") as f:
+            f.write("LLM_PORT_NODE_AGENT_OPS_PORT=1\n")
+        rc = Installer(h.system()).status()
+        out = h.out.getvalue()
+        self.assertIn("active (running)", out)
+        self.assertIn("its status: connected, node n-1", out)
+        self.assertIn("node id n-1", out)
+        self.assertIn("not answering", out)
+        self.assertEqual(rc, 1)  # running, but the agent does not answer: not ready
+
+    def test_status_without_systemd(self) -> None:
+        h = Host(self, systemd=False)
+        with open(h.path("/etc/llmport-agent.env"), "w") as f:
+            f.write("LLM_PORT_NODE_AGENT_OPS_PORT=0\n")
+        rc = Installer(h.system()).status()
+        self.assertIn("systemd is not running", h.out.getvalue())
+        self.assertEqual(rc, 3)
+
+
+class ConfigSetTests(SynchronousTestCase):
+    def test_set_and_unset(self) -> None:
+        h = Host(self)
+        inst = Installer(h.system())
+        self.assertEqual(inst.edit_config(["BACKEND_URL=https://a.example", f"enrollment_token={TOKEN}"], []), 0)
+        env_path = h.path("/etc/llmport-agent.env")
+        self.assertEqual(stat.S_IMODE(os.stat(env_path).st_mode), 0o600)
+        values = EnvFile.parse(open(env_path).read()).values()
+        self.assertEqual(values["LLM_PORT_NODE_AGENT_BACKEND_URL"], "https://a.example")
+        out = h.out.getvalue()
+        self.assertNotIn(TOKEN, out)
+        self.assertIn("takes effect at the next start", out)
+        self.assertEqual(inst.edit_config([], ["LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN"]), 0)
+        self.assertNotIn("ENROLLMENT_TOKEN", open(env_path).read())
+
+    def test_restart_needed_when_running(self) -> None:
+        h = Host(self)
+        h.active = "1"
+        open(h.path("/etc/systemd/system/llmport-agent.service"), "w").close()
+        self.assertEqual(Installer(h.system()).edit_config(["LOG_LEVEL=debug"], []), 0)
+        self.assertIn("restart needed: sudo systemctl restart llmport-agent", h.out.getvalue())
+        h.out.truncate(0)
+        self.assertEqual(Installer(h.system()).edit_config(["LOG_LEVEL=debug"], []), 0)
+        self.assertIn("unchanged; no restart needed", h.out.getvalue())
+        self.assertEqual(Installer(h.system()).edit_config(["MODEL_STORE=/data/m"], []), 0)
+        self.assertIn("sudo llmport-agent start", h.out.getvalue())
+
+    def test_invalid_value_changes_nothing(self) -> None:
+        """Validated exactly as at start-up: exit 2, one line, the file untouched."""
+        h = Host(self)
+        env_path = h.path("/etc/llmport-agent.env")
+        with open(env_path, "w") as f:
+            f.write("LLM_PORT_NODE_AGENT_LOG_LEVEL=INFO\n")
+        rc = Installer(h.system()).edit_config(["HEARTBEAT_INTERVAL_SEC=600"], [])
+        self.assertEqual(rc, 2)
+        self.assertIn("HEARTBEAT_INTERVAL_SEC", h.err.getvalue())
+        self.assertEqual(open(env_path).read(), "LLM_PORT_NODE_AGENT_LOG_LEVEL=INFO\n")
+        self.assertEqual(Installer(h.system()).edit_config(["NOT_A_SETTING=1"], []), 2)
+        self.assertIn("unknown variable", h.err.getvalue())
+
+    def test_quoting_round_trip(self) -> None:
+        env = EnvFile.parse('# c\nA="x y \\" z"\nB=\'q\'\nexport C=1\n')
+        self.assertEqual(env.values(), {"A": 'x y " z', "B": "q", "C": "1"})
+        env.set("A", 'new "v" \\ w')
+        self.assertEqual(EnvFile.parse(env.text()).values()["A"], 'new "v" \\ w')
+
+
+class CommandLineTests(SynchronousTestCase):
+    """The same commands through the console script, with a stand-in systemctl on PATH."""
+
+    def run_cli(self, h: Host, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        full = {"PATH": h.bin + ":/usr/bin:/bin", "LLMPORT_AGENT_SYSTEM_ROOT": h.root,
+                "SYSTEMCTL_LOG": h.log, "PYTHONPATH": ROOT, "HOME": h.root}
+        full.update(env)
+        return subprocess.run([sys.executable, "-m", "llmport_agent.cli", *args], env=full,
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+    def test_start_and_config_through_the_cli(self) -> None:
+        if os.geteuid() != 0:
+            raise SkipTest("start needs root")
+        h = Host(self)
+        done = self.run_cli(h, "start", **agent_vars())
+        # The console script is next to the interpreter in this environment, or on PATH.
+        if "no llmport-agent executable" in done.stderr:
+            raise SkipTest("llmport-agent is not installed next to this interpreter")
+        from llmport_agent.installer import unstable_place
+
+        if unstable_place(sys.executable):
+            # This interpreter lives under /tmp (a throw-away venv): start must refuse it.
+            self.assertEqual(done.returncode, 1)
+            self.assertIn("under /tmp", done.stderr)
+            self.assertEqual(h.calls(), [])
+            return
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn("daemon-reload", h.calls())
+        done = self.run_cli(h, "config", "--set", "LOG_LEVEL=bogus")
+        self.assertEqual(done.returncode, 2)
+        self.assertEqual(len(done.stderr.strip().splitlines()), 1)
+
+
+class VerifyTests(SynchronousTestCase):
+    def test_systemd_analyze_verify(self) -> None:
+        """The unit as `start` writes it (a real executable path) passes systemd-analyze verify."""
+        analyze = shutil.which("systemd-analyze")
+        if analyze is None:
+            if os.environ.get("CI") == "true":
+                self.fail("systemd-analyze is missing in CI")
+            raise SkipTest("systemd-analyze is not installed")
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        exe = os.path.join(d, "llmport-agent")
+        with open(exe, "w") as f:
+            f.write("#!/bin/sh\nexit 0\n")
+        os.chmod(exe, 0o755)
+        for one_process, user in ((True, None), (False, None), (True, "llmport")):
+            unit = os.path.join(d, "llmport-agent.service")
+            with open(unit, "w") as f:
+                f.write(render_unit(unit_template(), executable=exe, one_process=one_process,
+                                    model_store="/srv/llm-port/models", state_dir="/var/lib/llmport-agent",
+                                    user=user, group=user, supplementary=("docker",) if user else ()))
+            done = subprocess.run([analyze, "verify", unit], capture_output=True, text=True, timeout=60)
+            problems = [line for line in (done.stdout + done.stderr).splitlines()
+                        if "llmport-agent" in line and "docker.service" not in line]
+            self.assertEqual((done.returncode, problems), (0, []), done.stderr)
+
+    def test_packaged_unit_matches_deploy(self) -> None:
+        """The unit in the wheel is the one in deploy/systemd (llm-port copies the latter as it is)."""
+        with open(os.path.join(ROOT, "deploy/systemd/llmport-agent.service")) as f:
+            deploy = f.read()
+        self.assertEqual(unit_template(), deploy)
+        for line in ("Type=notify", "WatchdogSec=", "EnvironmentFile=-/etc/llmport-agent.env",
+                     "Restart=on-failure", "RestartPreventExitStatus=78 2", "StateDirectory=llmport-agent",
+                     "ExecStart=/usr/local/bin/llmport-agent run", "ProtectSystem=strict",
+                     "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK", "NoNewPrivileges=yes"):
+            self.assertIn(line, deploy)
+
+
+_ = Any
+
+
+class TokenFileWarningTests(SynchronousTestCase):
+    """The agent says once when the file holding its token is readable by others (llm-port writes 0644)."""
+
+    def check(self, mode: int, token_line: bool = True) -> list[str]:
+        from twisted.internet.task import Clock
+        from twisted.logger import globalLogPublisher
+
+        from llmport_agent.config import load_config
+        from llmport_agent.service import AgentService
+
+        root = os.path.abspath(self.mktemp())
+        os.makedirs(os.path.join(root, "etc"))
+        path = os.path.join(root, "etc/llmport-agent.env")
+        with open(path, "w") as f:
+            f.write(f"LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN={TOKEN}\n" if token_line else "X=1\n")
+        os.chmod(path, mode)
+        seen: list[str] = []
+
+        def observer(event: dict[str, Any]) -> None:
+            from twisted.logger import formatEvent
+
+            text = formatEvent(event)
+            if "readable by other users" in text:
+                seen.append(text)
+
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        os.environ["LLMPORT_AGENT_SYSTEM_ROOT"] = root
+        self.addCleanup(os.environ.pop, "LLMPORT_AGENT_SYSTEM_ROOT", None)
+        state = os.path.join(root, "state", "state.json")
+        config = load_config({"LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN": TOKEN,
+                              "LLM_PORT_NODE_AGENT_STATE_PATH": state, "LLM_PORT_NODE_AGENT_OPS_PORT": "0"}, {})
+        agent = AgentService(Clock(), config, docker_enabled=False, notify_environ={})
+        agent._check_env_file()
+        return seen
+
+    def test_world_readable_token_file(self) -> None:
+        seen = self.check(0o644)
+        self.assertEqual(len(seen), 1)
+        self.assertIn("chmod 600", seen[0])
+        self.assertIn("0644", seen[0])
+        self.assertNotIn(TOKEN, seen[0])
+
+    def test_private_file_or_no_token_is_quiet(self) -> None:
+        self.assertEqual(self.check(0o600), [])
+        self.assertEqual(self.check(0o644, token_line=False), [])
