@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -19,6 +18,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from llmport_agent.safefs import atomic_write_at, open_dir
 from llmport_agent.threads import BlockingRunner
 
 log = Logger()
@@ -40,35 +40,22 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def atomic_write(
-    path: str, data: bytes, mode: int = 0o600, *, tmp_dir: str | None = None, private_dir: bool = True
-) -> None:
+def atomic_write(path: str, data: bytes, mode: int = 0o600, *, private_dir: bool = True) -> None:
     """
-    Replace C{path} with C{data} atomically and durably: a temporary file (in C{tmp_dir}, by
-    default the target's directory; same file system either way), fsync, rename over the
-    target, fsync of the directory. Blocking.
+    Replace C{path} with C{data} atomically and durably: a new temporary file beside it
+    (C{O_EXCL|O_NOFOLLOW}), fsync, rename over the target (a link there is replaced, never
+    followed), fsync of the directory. Blocking. See L{llmport_agent.safefs.atomic_write_at}.
 
-    @param private_dir: create/tighten the target's directory to 0700 (state files); False for
-        directories shared with workloads (the model store).
+    @param private_dir: create/tighten the target's directory to 0700 (state files).
     """
     directory = os.path.dirname(os.path.abspath(path))
     if private_dir:
         ensure_private_dir(directory)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=tmp_dir or directory)
+    dir_fd = open_dir(directory)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(directory)
+        atomic_write_at(dir_fd, os.path.basename(path), data, mode)
+    finally:
+        os.close(dir_fd)
 
 
 def move_aside(path: str, now: float | None = None) -> str:

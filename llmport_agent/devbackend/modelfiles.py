@@ -6,11 +6,14 @@ big ones) and builds their manifests; L{model_files_resource} serves them the wa
 backend does:
 
     GET <model_id>/manifest            -> the manifest (JSON)
-    GET <model_id>/blob/<blob_hash>    -> the blob; C{Range: bytes=<start>-} -> 206 with
-                                          C{Content-Range: bytes s-e/size}; suffix ranges 416
+    GET <model_id>/blob/<blob_hash>    -> the blob; C{Range: bytes=<start>-} and the bounded
+                                          C{bytes=<start>-<end>} -> 206 with
+                                          C{Content-Range: bytes s-e/size} (an end past the
+                                          blob is clamped to it, as typical servers do);
+                                          suffix ranges and a start past the end: 416
 
 Mount the resource at C{/api/node-files/models}. Fault knobs (L{ModelFaults}) let tests
-and demos exercise the agent's resume, retry and verification paths.
+and demos exercise the agent's resume, retry, fallback and verification paths.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
 _RANGE = re.compile(r"^\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*$", re.IGNORECASE)
-_CHUNK = 256 * 1024
+_CHUNK = 1024 * 1024
 
 
 @define
@@ -41,14 +44,23 @@ class ModelFaults:
     Faults to inject (mutable; change them between requests).
 
     @ivar ignore_range: answer every blob request with 200 and the whole blob.
+    @ivar ignore_range_end: answer a bounded C{bytes=s-e} as if it were C{bytes=s-} (206
+        from C{s} to the end of the blob), as some servers do.
     @ivar cut_after_bytes: once, drop the connection after this many body bytes of a blob
         response (the client sees a truncated body); reset to C{None} when used.
+    @ivar cut_range_start: with C{cut_after_bytes}, cut only the response that starts at
+        this offset.
+    @ivar hold_range_start: hold the response that starts at this offset (send nothing)
+        until another response of the same blob has been sent completely; reset when used.
     @ivar corrupt_blob: serve this blob with one byte changed (its hash no longer matches).
     @ivar fail_5xx_times: answer the next N requests (manifest or blob) with 503.
     """
 
     ignore_range: bool = False
+    ignore_range_end: bool = False
     cut_after_bytes: int | None = None
+    cut_range_start: int | None = None
+    hold_range_start: int | None = None
     corrupt_blob: str | None = None
     fail_5xx_times: int = 0
 
@@ -63,6 +75,7 @@ class ServedRequest:
     range_header: str | None
     status: int
     start: int = 0
+    end: int = -1  # last byte served (inclusive)
 
 
 @frozen
@@ -102,7 +115,20 @@ class ModelRepository:
     def __init__(self) -> None:
         self.faults = ModelFaults()
         self.requests: list[ServedRequest] = []
+        #: blob responses in the order they were sent completely
+        self.finished: list[ServedRequest] = []
         self._models: dict[str, _Model] = {}
+        self._held: list[tuple[str, _BlobProducer]] = []
+
+    def _response_finished(self, served: ServedRequest) -> None:
+        self.finished.append(served)
+        still: list[tuple[str, _BlobProducer]] = []
+        for blob_hash, producer in self._held:
+            if blob_hash == served.blob_hash:
+                producer.release()
+            else:
+                still.append((blob_hash, producer))
+        self._held = still
 
     def add_model(
         self,
@@ -219,6 +245,8 @@ class _BlobProducer:
         length: int,
         cut_after: int | None,
         corrupt: bool,
+        on_finish: Callable[[], None] = lambda: None,
+        held: bool = False,
     ) -> None:
         self._request = request
         self._file: BinaryIO | None = source.open()
@@ -227,16 +255,23 @@ class _BlobProducer:
         self._sent = 0
         self._cut_after = cut_after
         self._corrupt = corrupt
+        self._on_finish = on_finish
+        self._held = held
         self._finished = False
         self._paused = False
         self._producing = False
+
+    def release(self) -> None:
+        """Start sending a held response."""
+        self._held = False
+        self.resumeProducing()
 
     def pauseProducing(self) -> None:
         self._paused = True
 
     def resumeProducing(self) -> None:
         self._paused = False
-        if self._producing:
+        if self._producing or self._held:
             return
         self._producing = True
         try:
@@ -271,6 +306,7 @@ class _BlobProducer:
             self._close()
             self._request.unregisterProducer()
             self._request.finish()
+            self._on_finish()
 
     def _close(self) -> None:
         self._finished = True
@@ -308,10 +344,10 @@ class _ModelFilesResource(Resource):
         elif len(segments) == 3 and segments[1] == "blob":
             kind, blob_hash = "blob", segments[2]
 
-        def served(status: int, start: int = 0) -> None:
-            self._repo.requests.append(
-                ServedRequest(kind, model_id, blob_hash, range_text, status, start)
-            )
+        def served(status: int, start: int = 0, end: int = -1) -> ServedRequest:
+            entry = ServedRequest(kind, model_id, blob_hash, range_text, status, start, end)
+            self._repo.requests.append(entry)
+            return entry
 
         if not self._authorize(cast(IRequest, request)):
             served(401)
@@ -347,7 +383,7 @@ class _ModelFilesResource(Resource):
                     request.setHeader(b"content-range", f"bytes */{size}".encode())
                     return self._json(request, 416, {"detail": "Suffix ranges are not supported."})
                 start = int(first)
-                end = min(int(last), size - 1) if last else size - 1
+                end = min(int(last), size - 1) if last and not faults.ignore_range_end else size - 1
                 if start >= size or end < start:
                     served(416)
                     request.setHeader(b"content-range", f"bytes */{size}".encode())
@@ -355,19 +391,35 @@ class _ModelFilesResource(Resource):
                 status = 206
                 request.setHeader(b"content-range", f"bytes {start}-{end}/{size}".encode())
         length = max(0, end - start + 1)
-        served(status, start)
+        entry = served(status, start, end)
         request.setResponseCode(status)
         request.setHeader(b"content-type", b"application/octet-stream")
         request.setHeader(b"accept-ranges", b"bytes")
         request.setHeader(b"content-length", str(length).encode())
         if length == 0:
+            self._repo._response_finished(entry)
             return b""
         cut = faults.cut_after_bytes
-        if cut is not None:
+        if cut is not None and faults.cut_range_start in (None, start):
             faults.cut_after_bytes = None
+            faults.cut_range_start = None
+        else:
+            cut = None
+        held = faults.hold_range_start == start and status == 206
+        if held:
+            faults.hold_range_start = None
         producer = _BlobProducer(
-            request, source, start, length, cut, faults.corrupt_blob == blob_hash
+            request,
+            source,
+            start,
+            length,
+            cut,
+            faults.corrupt_blob == blob_hash,
+            on_finish=lambda: self._repo._response_finished(entry),
+            held=held,
         )
+        if held:
+            self._repo._held.append((blob_hash, producer))
         request.notifyFinish().addErrback(lambda _: producer.stopProducing())
         request.registerProducer(producer, True)
         producer.resumeProducing()

@@ -1,15 +1,22 @@
 """
-Blocking file-system work of model delivery.
+Blocking file-system work of model delivery, symlink-proof.
 
 Everything here blocks (disk I/O, hashing, fsync) and is called only through a
-L{llmport_agent.threads.BlockingRunner}, never on the reactor thread. Paths are built only
-from names that L{llmport_agent.models.manifest.parse_manifest} validated; L{_inside} is a
-second guard that a built path stays under the model directory.
+L{llmport_agent.threads.BlockingRunner}, never on the reactor thread.
+
+The model store is mounted into workload containers, so anything in it may have been
+planted by one: every operation goes through L{llmport_agent.safefs} and resolves no path at
+all below the store's own directory. A sync opens L{ModelDir} (descriptors of the model
+directory and its four sub-directories, each entered with C{O_DIRECTORY|O_NOFOLLOW}) and
+works relative to those descriptors. Whatever stands where the agent expects its own
+directory or file (a symlink, a FIFO, a device node, a directory instead of a file) is
+removed without being followed, logged once, and listed in the sync's result.
 
 Layout of one model directory (a HuggingFace hub cache repo folder)::
 
     <store>/<model_dir_name>/blobs/<hash>            verified blobs
     <store>/<model_dir_name>/blobs/<hash>.part       a download in progress (resumable)
+    <store>/<model_dir_name>/blobs/<hash>.progress   which byte ranges of the .part are written
     <store>/<model_dir_name>/refs/<name>             commit id, no trailing newline
     <store>/<model_dir_name>/snapshots/<commit>/...  relative symlinks into ../../blobs
     <store>/<model_dir_name>/.llmport-verified.json  what was verified: {hash: size, mtime_ns}
@@ -18,98 +25,170 @@ Layout of one model directory (a HuggingFace hub cache repo folder)::
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
 import os
-import shutil
+import secrets
 import stat
-import tempfile
-from collections.abc import Iterable, Mapping
-from typing import Any, BinaryIO
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
-from attrs import define, frozen
+from attrs import define, field, frozen
+from twisted.logger import Logger
 
+from llmport_agent import safefs
 from llmport_agent.models.manifest import BlobSpec, LinkSpec
-from llmport_agent.storage import atomic_write, fsync_dir
 
 VERIFIED_FILE = ".llmport-verified.json"
 TMP_DIR = ".llmport-tmp"
 PART_SUFFIX = ".part"
-_READ_SIZE = 4 * 1024 * 1024
+PROGRESS_SUFFIX = ".progress"
+SUBDIRS = ("blobs", "refs", "snapshots", TMP_DIR)
+_READ_SIZE = 8 * 1024 * 1024
 _RECORD_VERSION = 1
+_PROGRESS_VERSION = 1
+_MAX_PROGRESS_BYTES = 256 * 1024
+_MAX_PROGRESS_RANGES = 4096
+_MAX_RECORD_BYTES = 16 * 1024 * 1024
+_MAX_FOREIGN_LISTED = 20
+
+log = Logger(namespace="llmport_agent.models.store")
 
 
-class StoreEscape(Exception):
-    """A built path would leave the model directory (a bug: names are validated earlier)."""
+# --- the open model directory -----------------------------------------------------------
 
 
-def _inside(base: str, path: str) -> str:
-    real_base = os.path.normpath(base)
-    norm = os.path.normpath(path)
-    if os.path.commonpath([real_base, norm]) != real_base or norm == real_base:
-        raise StoreEscape(path)
-    return path
+@define(eq=False)
+class ModelDir:
+    """
+    Open descriptors of C{<store>/<name>} and its sub-directories. Close it with L{close}.
+
+    @ivar path: the directory's path (for messages and results only; never resolved).
+    @ivar foreign: what was found in the agent's places and removed, C{"<path>: <what>"}
+        (the first few), for the sync's result.
+    """
+
+    store_dir: str
+    name: str
+    fd: int
+    blobs: int = -1
+    refs: int = -1
+    snapshots: int = -1
+    tmp: int = -1
+    foreign: list[str] = field(factory=list)
+    foreign_count: int = 0
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.store_dir, self.name)
+
+    def full(self, rel: str) -> str:
+        """The path of C{rel} (relative to the model directory) for messages."""
+        return os.path.join(self.path, rel) if rel else self.path
+
+    def report_foreign(self, rel: str, what: str) -> None:
+        """Log (once per finding) what was removed from one of the agent's places."""
+        path = self.full(rel)
+        log.warn(
+            "Removed {what} at {path} from the model store without following it: the agent "
+            "keeps its own files there (a workload container may have planted it)",
+            what=what,
+            path=path,
+        )
+        self.foreign_count += 1
+        if len(self.foreign) < _MAX_FOREIGN_LISTED:
+            self.foreign.append(f"{path}: {what}")
+
+    def close(self) -> None:
+        for attr in ("tmp", "snapshots", "refs", "blobs", "fd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                setattr(self, attr, -1)
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
-def blob_path(model_dir: str, blob_hash: str) -> str:
-    """C{<model_dir>/blobs/<hash>}."""
-    return _inside(model_dir, os.path.join(model_dir, "blobs", blob_hash))
+def open_model_dir(store_dir: str, model_dir_name: str) -> ModelDir:
+    """
+    Open (creating what is missing) C{<store>/<model_dir_name>/{blobs,refs,snapshots,
+    .llmport-tmp}} without following any link below the store, and empty the temporary
+    folder (leftovers of an interrupted run). Operations on one model directory are
+    serialised by the caller, so nothing else of ours is using the temporary folder.
 
-
-def part_path(model_dir: str, blob_hash: str) -> str:
-    """C{<model_dir>/blobs/<hash>.part}."""
-    return _inside(model_dir, os.path.join(model_dir, "blobs", blob_hash + PART_SUFFIX))
-
-
-def _fsync_dir(path: str) -> None:
+    The store's own path (MODEL_STORE) is the operator's and may itself be a link.
+    """
+    os.makedirs(store_dir, exist_ok=True)
+    root = safefs.open_dir(store_dir)
+    model: ModelDir | None = None
     try:
-        fsync_dir(path)
-    except OSError:
-        pass
+        model = ModelDir(store_dir, model_dir_name, -1)
+        model.fd = safefs.open_dir_at(
+            root, model_dir_name, create=True, on_foreign=_at_store(model), where=""
+        )
+        for sub in SUBDIRS:
+            fd = safefs.open_dir_at(
+                model.fd, sub, create=True, on_foreign=model.report_foreign, where=sub
+            )
+            setattr(model, "tmp" if sub == TMP_DIR else sub, fd)
+        with os.scandir(model.tmp) as entries:
+            for entry in entries:
+                safefs.remove_entry(model.tmp, entry.name, where=f"{TMP_DIR}/{entry.name}")
+    except BaseException:
+        if model is not None:
+            model.close()
+        raise
+    finally:
+        os.close(root)
+    return model
 
 
-def prepare_model_dir(store_dir: str, model_dir_name: str) -> str:
-    """
-    Create C{<store>/<model_dir_name>/{blobs,refs,snapshots,.llmport-tmp}} and empty the
-    temporary folder (leftovers of an interrupted run). Operations on one model directory
-    are serialised by the caller, so nothing else is using the temporary folder.
-
-    @return: the model directory path.
-    """
-    model_dir = _inside(store_dir, os.path.join(store_dir, model_dir_name))
-    for sub in ("blobs", "refs", "snapshots", TMP_DIR):
-        os.makedirs(os.path.join(model_dir, sub), exist_ok=True)
-    tmp = os.path.join(model_dir, TMP_DIR)
-    for entry in os.listdir(tmp):
-        full = os.path.join(tmp, entry)
-        if os.path.isdir(full) and not os.path.islink(full):
-            shutil.rmtree(full, ignore_errors=True)
-        else:
-            try:
-                os.unlink(full)
-            except FileNotFoundError:
-                pass
-    return model_dir
+def _at_store(model: ModelDir) -> safefs.ForeignCallback:
+    return lambda _rel, what: model.report_foreign("", what)
 
 
-def free_bytes(path: str) -> int:
-    """Free bytes for an unprivileged writer on the file system holding C{path}."""
-    return shutil.disk_usage(path).free
+def close_model_dir(model: ModelDir) -> None:
+    """Close the model directory's descriptors."""
+    model.close()
+
+
+def free_bytes(model: ModelDir) -> int:
+    """Free bytes for an unprivileged writer on the file system of the model directory."""
+    st = os.statvfs(model.fd)
+    return st.f_bavail * st.f_frsize
 
 
 # --- the verification record ---------------------------------------------------------------
 
 
-def load_record(model_dir: str) -> dict[str, tuple[int, int]]:
+def _read_own_file(model: ModelDir, dir_fd: int, name: str, rel: str, limit: int) -> bytes | None:
+    """A small file of ours, or C{None} when missing; anything else in its place is removed."""
+    try:
+        return safefs.read_file_at(dir_fd, name, limit, where=rel)
+    except FileNotFoundError:
+        return None
+    except safefs.NotRegularFile:
+        st = safefs.lstat_at(dir_fd, name)
+        safefs.remove_entry(dir_fd, name, where=rel)
+        if st is not None:
+            model.report_foreign(rel, safefs.describe_mode(st.st_mode))
+        return None
+
+
+def load_record(model: ModelDir) -> dict[str, tuple[int, int]]:
     """
     Read C{.llmport-verified.json}: C{{hash: (size, mtime_ns)}} of blobs already verified.
     A missing or damaged file is an empty record (everything gets verified again).
     """
+    raw = _read_own_file(model, model.fd, VERIFIED_FILE, VERIFIED_FILE, _MAX_RECORD_BYTES)
+    if raw is None:
+        return {}
     try:
-        with open(os.path.join(model_dir, VERIFIED_FILE), "rb") as f:
-            data = json.loads(f.read(16 * 1024 * 1024))
-    except (OSError, ValueError):
+        data = json.loads(raw)
+    except ValueError:
         return {}
     if not isinstance(data, dict) or data.get("version") != _RECORD_VERSION:
         return {}
@@ -128,15 +207,14 @@ def load_record(model_dir: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def save_record(model_dir: str, record: Mapping[str, tuple[int, int]]) -> None:
+def save_record(model: ModelDir, record: Mapping[str, tuple[int, int]]) -> None:
     """Write the verification record atomically (temporary file, fsync, rename)."""
     payload = {
         "version": _RECORD_VERSION,
         "blobs": {k: {"size": s, "mtime_ns": m} for k, (s, m) in sorted(record.items())},
     }
     data = json.dumps(payload, separators=(",", ":")).encode()
-    atomic_write(os.path.join(model_dir, VERIFIED_FILE), data, 0o644,
-                 tmp_dir=os.path.join(model_dir, TMP_DIR), private_dir=False)
+    safefs.atomic_write_at(model.fd, VERIFIED_FILE, data, 0o644, tmp_dir_fd=model.tmp)
 
 
 # --- surveying what is there ------------------------------------------------------------------
@@ -149,31 +227,37 @@ class BlobSurvey:
 
     @ivar state: C{"reuse"} (present, size and mtime recorded as verified), C{"verify"}
         (present with the right size but not recorded) or C{"fetch"} (missing).
-    @ivar part_size: bytes already in C{<hash>.part} (for C{"fetch"}).
+    @ivar part_done: bytes of a partial download that are already written (for C{"fetch"}).
+    @ivar part_allocated: disk space the partial download already holds.
     @ivar mtime_ns: the blob's mtime (for C{"reuse"}).
     """
 
     blob: BlobSpec
     state: str
-    part_size: int = 0
+    part_done: int = 0
+    part_allocated: int = 0
     mtime_ns: int = 0
 
 
+def _clear_foreign(model: ModelDir, dir_fd: int, name: str, rel: str,
+                   st: os.stat_result) -> None:
+    safefs.remove_entry(dir_fd, name, where=rel)
+    model.report_foreign(rel, safefs.describe_mode(st.st_mode))
+
+
 def survey_blobs(
-    model_dir: str, blobs: Iterable[BlobSpec], record: Mapping[str, tuple[int, int]]
+    model: ModelDir, blobs: Iterable[BlobSpec], record: Mapping[str, tuple[int, int]]
 ) -> list[BlobSurvey]:
     """
-    Classify each blob by C{stat} alone (no hashing). A blob file of the wrong size, or
-    anything that is not a regular file, is removed so it will be fetched again; a partial
-    download larger than the blob is removed too.
+    Classify each blob by C{lstat} alone (no hashing). A blob file of the wrong size is
+    removed so it will be fetched again; anything that is not a regular file where a blob or
+    a partial download belongs is removed without being followed (and reported); a partial
+    download that is larger than its blob, or hard-linked elsewhere, is removed too.
     """
     out: list[BlobSurvey] = []
     for blob in blobs:
-        path = blob_path(model_dir, blob.hash)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            st = None
+        rel = f"blobs/{blob.hash}"
+        st = safefs.lstat_at(model.blobs, blob.hash)
         if st is not None:
             if stat.S_ISREG(st.st_mode) and st.st_size == blob.size:
                 if record.get(blob.hash) == (st.st_size, st.st_mtime_ns):
@@ -181,251 +265,554 @@ def survey_blobs(
                 else:
                     out.append(BlobSurvey(blob, "verify"))
                 continue
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(path)
+            if stat.S_ISREG(st.st_mode):
+                safefs.remove_entry(model.blobs, blob.hash, where=rel)
             else:
-                os.unlink(path)
-        ppath = part_path(model_dir, blob.hash)
-        try:
-            pst = os.lstat(ppath)
-        except FileNotFoundError:
-            pst = None
-        part_size = 0
-        if pst is not None:
-            if stat.S_ISREG(pst.st_mode) and pst.st_size <= blob.size:
-                part_size = pst.st_size
-            elif stat.S_ISDIR(pst.st_mode):
-                shutil.rmtree(ppath)
-            else:
-                os.unlink(ppath)
-        out.append(BlobSurvey(blob, "fetch", part_size=part_size))
+                _clear_foreign(model, model.blobs, blob.hash, rel, st)
+        done, allocated = _survey_part(model, blob)
+        out.append(BlobSurvey(blob, "fetch", part_done=done, part_allocated=allocated))
     return out
 
 
-def hash_file(path: str) -> str:
-    """The sha256 hex digest of a file, read in large blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(_READ_SIZE)
-            if not block:
-                break
-            h.update(block)
-    return h.hexdigest()
+def _survey_part(model: ModelDir, blob: BlobSpec) -> tuple[int, int]:
+    name = blob.hash + PART_SUFFIX
+    rel = f"blobs/{name}"
+    st = safefs.lstat_at(model.blobs, name)
+    if st is None:
+        _drop_progress(model, blob)
+        return 0, 0
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        what = safefs.describe_mode(st.st_mode)
+        if stat.S_ISREG(st.st_mode):
+            what = f"a regular file with {st.st_nlink} hard links"
+        safefs.remove_entry(model.blobs, name, where=rel)
+        model.report_foreign(rel, what)
+        _drop_progress(model, blob)
+        return 0, 0
+    if st.st_size > blob.size:
+        safefs.remove_entry(model.blobs, name, where=rel)
+        _drop_progress(model, blob)
+        return 0, 0
+    allocated = min(blob.size, st.st_blocks * 512)
+    if blob.sha256 is None:
+        return st.st_size, allocated
+    ranges = load_progress(model, blob, st.st_size)
+    return sum(b - a for a, b in ranges), allocated
 
 
-def verify_blob(model_dir: str, blob: BlobSpec) -> tuple[bool, int]:
+# --- hashing -----------------------------------------------------------------------------------
+
+
+def hash_fd(fd: int, start: int, end: int, hasher: Any) -> int:
+    """Feed bytes C{[start, end)} of C{fd} to C{hasher}, in large reads. @return: bytes read."""
+    buf = bytearray(min(_READ_SIZE, max(end - start, 1)))
+    view = memoryview(buf)
+    pos = start
+    while pos < end:
+        n = os.preadv(fd, [view[: min(len(buf), end - pos)]], pos)
+        if n <= 0:
+            break
+        hasher.update(view[:n])
+        pos += n
+    return pos - start
+
+
+def verify_blob(model: ModelDir, blob: BlobSpec) -> tuple[bool, int]:
     """
     Check a present blob that is not in the record: its size, and its sha256 where its name
     is one. A mismatching file is removed.
 
     @return: C{(ok, mtime_ns)}.
     """
-    path = blob_path(model_dir, blob.hash)
-    st = os.stat(path)
-    ok = st.st_size == blob.size
-    expected = blob.sha256
-    if ok and expected is not None:
-        ok = hash_file(path) == expected
-    if not ok:
-        os.unlink(path)
+    rel = f"blobs/{blob.hash}"
+    try:
+        fd, st = safefs.open_file_at(model.blobs, blob.hash, where=rel)
+    except FileNotFoundError:
         return False, 0
-    return True, os.stat(path).st_mtime_ns
+    except safefs.NotRegularFile:
+        lst = safefs.lstat_at(model.blobs, blob.hash)
+        if lst is not None:
+            _clear_foreign(model, model.blobs, blob.hash, rel, lst)
+        return False, 0
+    try:
+        ok = st.st_size == blob.size
+        expected = blob.sha256
+        if ok and expected is not None:
+            h = hashlib.sha256()
+            ok = hash_fd(fd, 0, blob.size, h) == blob.size and h.hexdigest() == expected
+        mtime_ns = os.fstat(fd).st_mtime_ns
+    finally:
+        os.close(fd)
+    if not ok:
+        safefs.remove_entry(model.blobs, blob.hash, where=rel)
+        return False, 0
+    return True, mtime_ns
+
+
+# --- per-range progress of a partial download ---------------------------------------------------
+
+
+def _progress_name(blob: BlobSpec) -> str:
+    return blob.hash + PROGRESS_SUFFIX
+
+
+def _drop_progress(model: ModelDir, blob: BlobSpec) -> None:
+    safefs.remove_entry(model.blobs, _progress_name(blob), where=f"blobs/{_progress_name(blob)}")
+
+
+def normalise_ranges(ranges: Iterable[Sequence[int]], size: int) -> list[tuple[int, int]]:
+    """Sorted, merged half-open ranges inside C{[0, size)}; raises C{ValueError} on nonsense."""
+    out: list[tuple[int, int]] = []
+    for item in sorted((int(r[0]), int(r[1])) for r in ranges):
+        a, b = item
+        if not (0 <= a < b <= size):
+            raise ValueError(f"range {a}-{b} outside 0-{size}")
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def load_progress(model: ModelDir, blob: BlobSpec, part_size: int) -> list[tuple[int, int]]:
+    """
+    Which byte ranges of C{<hash>.part} hold downloaded bytes: from C{<hash>.progress}, or,
+    for a partial file without one (a single-stream download of an earlier version), its
+    first C{part_size} bytes. A damaged record means nothing is kept.
+    """
+    name = _progress_name(blob)
+    raw = _read_own_file(model, model.blobs, name, f"blobs/{name}", _MAX_PROGRESS_BYTES + 1)
+    if raw is None:
+        return [(0, part_size)] if 0 < part_size <= blob.size else []
+    try:
+        data = json.loads(raw)
+        if (
+            len(raw) > _MAX_PROGRESS_BYTES
+            or not isinstance(data, dict)
+            or data.get("version") != _PROGRESS_VERSION
+            or data.get("size") != blob.size
+            or not isinstance(data.get("done"), list)
+            or len(data["done"]) > _MAX_PROGRESS_RANGES
+        ):
+            return []
+        done = data["done"]
+        if not all(
+            isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) for r in done
+        ):
+            return []
+        ranges = normalise_ranges(done, blob.size)
+    except (ValueError, TypeError):
+        return []
+    # Never claim bytes beyond what the file holds.
+    return [(a, min(b, part_size)) for a, b in ranges if a < part_size]
+
+
+def save_progress(part: PartFile, ranges: Sequence[tuple[int, int]]) -> None:
+    """
+    Record which ranges of the part file are written. Not fsynced: the record is a hint for
+    a resume after the agent stops; after a power loss the blob's sha256 catches bytes the
+    disk lost, and the download starts over.
+    """
+    if not part.tracked or part.fd is None:
+        return
+    payload = {
+        "version": _PROGRESS_VERSION,
+        "size": part.blob.size,
+        "done": [[a, b] for a, b in ranges[:_MAX_PROGRESS_RANGES]],
+    }
+    model = part.model
+    safefs.atomic_write_at(
+        model.blobs,
+        _progress_name(part.blob),
+        json.dumps(payload, separators=(",", ":")).encode(),
+        0o644,
+        tmp_dir_fd=model.tmp,
+        durable=False,
+    )
 
 
 # --- partial downloads ----------------------------------------------------------------------
 
 
-@define
+@define(eq=False)
 class PartFile:
     """
-    An open C{<hash>.part}. Only the jobs of one download touch it, one at a time (they are
-    serialised by the caller), so it needs no lock.
+    An open C{<hash>.part}. Writes (C{pwritev} at their offsets) and hash updates run as jobs
+    of their own serial runners; the two never touch the same state.
 
-    @ivar offset: bytes in the file (and fed to C{hasher}).
-    @ivar hasher: a running sha256 of the content, or C{None} for non-sha256 names.
-    @ivar resumed_bytes: bytes that were already on disk when the file was opened.
+    @ivar tracked: sha256 blobs: the file is preallocated to the blob's size and its written
+        ranges are kept in C{<hash>.progress} (downloads may be ranged). Other blobs are
+        appended to in order and resumed from the file's size.
+    @ivar done: ranges already written when the file was opened (resumed bytes).
+    @ivar hasher: a running sha256 (fed in offset order), or C{None} for non-sha256 names.
+    @ivar fd: the writer's descriptor (writer jobs only; closed by one of them).
+    @ivar read_fd: the hasher's own descriptor of the same file (hasher jobs only: each
+        serial closes its own, so neither can close one the other is using).
     """
 
-    path: str
-    final_path: str
-    size: int
-    expected_sha256: str | None
-    fh: BinaryIO | None
-    offset: int = 0
+    model: ModelDir
+    blob: BlobSpec
+    fd: int | None
+    tracked: bool
+    done: list[tuple[int, int]]
     hasher: Any = None
-    resumed_bytes: int = 0
+    read_fd: int | None = None
+
+    @property
+    def resumed_bytes(self) -> int:
+        return sum(b - a for a, b in self.done)
 
 
-def open_part(model_dir: str, blob: BlobSpec) -> PartFile:
-    """
-    Open (or create) the blob's C{.part} file for appending. Existing content is kept for a
-    resume and, for sha256 names, hashed now so the running digest covers the whole file.
-    """
-    path = part_path(model_dir, blob.hash)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    fh = os.fdopen(fd, "r+b")
+_libc: Any = None
+
+
+def _fallocate(fd: int, size: int) -> bool:
+    """Reserve C{size} bytes (Linux fallocate, no zero-filling emulation). @return: done."""
+    global _libc
     try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        fn = _libc.fallocate
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    if fn(fd, 0, 0, size) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+        raise OSError(err, os.strerror(err))
+    return False
+
+
+def preallocate(fd: int, size: int) -> None:
+    """Give the part file its final size, reserving the disk where the file system can."""
+    if size <= 0:
+        return
+    if not _fallocate(fd, size) and os.fstat(fd).st_size < size:
+        os.ftruncate(fd, size)
+
+
+def open_part(model: ModelDir, blob: BlobSpec, *, fresh: bool = False) -> PartFile:
+    """
+    Open (or create) the blob's C{.part}. Existing content is kept for a resume unless
+    C{fresh}; a part that is not a private regular file is removed first. sha256 blobs get
+    their progress record written and the file preallocated to the blob's size.
+    """
+    name = blob.hash + PART_SUFFIX
+    rel = f"blobs/{name}"
+    tracked = blob.sha256 is not None
+    fd: int | None = None
+    st = safefs.lstat_at(model.blobs, name)
+    if st is not None and (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1):
+        what = safefs.describe_mode(st.st_mode)
+        if stat.S_ISREG(st.st_mode):
+            what = f"a regular file with {st.st_nlink} hard links"
+        safefs.remove_entry(model.blobs, name, where=rel)
+        model.report_foreign(rel, what)
+        st = None
+    if st is not None:
+        try:
+            fd, st = safefs.open_file_at(model.blobs, name, os.O_RDWR, where=rel)
+        except (FileNotFoundError, safefs.NotRegularFile):
+            safefs.remove_entry(model.blobs, name, where=rel)
+            fd = None
+        else:
+            if st.st_nlink != 1:  # hard-linked since the lstat: start afresh
+                os.close(fd)
+                safefs.remove_entry(model.blobs, name, where=rel)
+                fd = None
+    if fd is None:
+        _drop_progress(model, blob)
+        fd = safefs.create_file_at(model.blobs, name, 0o644, os.O_RDWR)
+        size = 0
+    else:
         size = os.fstat(fd).st_size
-        expected = blob.sha256
-        hasher = hashlib.sha256() if expected is not None else None
-        if size > blob.size:
-            fh.truncate(0)
+    part: PartFile | None = None
+    try:
+        if fresh or size > blob.size:
+            os.ftruncate(fd, 0)
             size = 0
-        if hasher is not None and size:
-            fh.seek(0)
-            remaining = size
-            while remaining:
-                block = fh.read(min(_READ_SIZE, remaining))
-                if not block:
-                    break
-                hasher.update(block)
-                remaining -= len(block)
-        fh.seek(size)
+            _drop_progress(model, blob)
+        if tracked:
+            done = load_progress(model, blob, size) if size else []
+        else:
+            done = [(0, size)] if size else []
+        part = PartFile(model, blob, fd, tracked, done, hashlib.sha256() if tracked else None)
+        if tracked:
+            part.read_fd = os.dup(fd)
+            # The record first: a preallocated file without one would look complete.
+            save_progress(part, done)
+            preallocate(fd, blob.size)
     except BaseException:
-        fh.close()
+        os.close(fd)
+        if part is not None and part.read_fd is not None:
+            os.close(part.read_fd)
         raise
-    return PartFile(
-        path=path,
-        final_path=blob_path(model_dir, blob.hash),
-        size=blob.size,
-        expected_sha256=expected,
-        fh=fh,
-        offset=size,
-        hasher=hasher,
-        resumed_bytes=size,
-    )
+    return part
 
 
-def write_chunks(part: PartFile, chunks: list[bytes]) -> int:
-    """Append C{chunks} to the part file, feeding the running hash. @return: the new offset."""
-    fh = part.fh
-    assert fh is not None, "part file is closed"
-    hasher = part.hasher
-    for chunk in chunks:
-        fh.write(chunk)
-        if hasher is not None:
-            hasher.update(chunk)
-        part.offset += len(chunk)
-    return part.offset
+def open_fresh_part(model: ModelDir, blob: BlobSpec) -> PartFile:
+    """L{open_part} discarding whatever the part file held."""
+    return open_part(model, blob, fresh=True)
 
 
 def reset_part(part: PartFile) -> None:
-    """Start the part file over from zero (the server sent the whole blob, or resume failed)."""
-    fh = part.fh
-    assert fh is not None, "part file is closed"
-    fh.seek(0)
-    fh.truncate(0)
-    part.offset = 0
-    part.resumed_bytes = 0
-    if part.hasher is not None:
+    """Start the part file over from zero (the server sent the whole blob, or verification failed)."""
+    fd = part.fd
+    assert fd is not None, "part file is closed"
+    os.ftruncate(fd, 0)
+    part.done = []
+    if part.tracked:
         part.hasher = hashlib.sha256()
+        save_progress(part, [])
+        preallocate(fd, part.blob.size)
 
 
-def finish_part(part: PartFile) -> tuple[bool, str, int]:
+def write_batch(part: PartFile, offset: int, chunks: list[bytes]) -> int:
+    """Write C{chunks} at C{offset} with as few C{pwritev} calls as the kernel allows."""
+    fd = part.fd
+    assert fd is not None, "part file is closed"
+    total = 0
+    pending: list[Any] = list(chunks)
+    pos = offset
+    while pending:
+        n = os.pwritev(fd, pending[:1024], pos)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write", part.model.full(f"blobs/{part.blob.hash}.part"))
+        total += n
+        pos += n
+        while pending and n >= len(pending[0]):
+            n -= len(pending[0])
+            pending.pop(0)
+        if n:
+            pending[0] = memoryview(pending[0])[n:]
+    return total
+
+
+def hash_batch(part: PartFile, chunks: list[bytes]) -> None:
+    """Feed C{chunks} (the next bytes in offset order) to the running hash."""
+    hasher = part.hasher
+    for chunk in chunks:
+        hasher.update(chunk)
+
+
+def hash_region(part: PartFile, start: int, end: int) -> None:
+    """Feed bytes C{[start, end)} already on disk (a resumed range) to the running hash."""
+    assert part.read_fd is not None, "part file is closed"
+    got = hash_fd(part.read_fd, start, end, part.hasher)
+    if got != end - start:
+        raise OSError(errno.EIO, "partial download shorter than its progress record")
+
+
+def digest_of(part: PartFile) -> str | None:
+    """The running hash's hex digest (C{None} without one)."""
+    return None if part.hasher is None else part.hasher.hexdigest()
+
+
+def close_reader(part: PartFile) -> None:
+    """Close the hasher's descriptor (a hasher job, after the hasher's other jobs)."""
+    fd, part.read_fd = part.read_fd, None
+    if fd is not None:
+        os.close(fd)
+
+
+def finish_part(part: PartFile, digest: str | None) -> tuple[bool, str, int]:
     """
-    Close the complete part file, check size and sha256, and rename it to its blob name.
-    A mismatching file is removed.
+    Check the complete part file (size, and C{digest} against the sha256 name), fsync it
+    (once), and rename it to its blob name. A mismatching file is removed.
 
     @return: C{(ok, what_was_found, mtime_ns)}; C{what_was_found} describes a mismatch.
     """
-    fh = part.fh
-    assert fh is not None, "part file is closed"
-    fh.flush()
-    os.fsync(fh.fileno())
-    size = os.fstat(fh.fileno()).st_size
-    fh.close()
-    part.fh = None
-    if size != part.size:
-        os.unlink(part.path)
-        return False, f"{size} bytes instead of {part.size}", 0
-    if part.hasher is not None:
-        digest = part.hasher.hexdigest()
-        if digest != part.expected_sha256:
-            os.unlink(part.path)
-            return False, f"sha256 {digest}", 0
-    os.replace(part.path, part.final_path)
-    _fsync_dir(os.path.dirname(part.final_path))
-    return True, "", os.stat(part.final_path).st_mtime_ns
-
-
-def close_part(part: PartFile) -> None:
-    """Close the part file if still open, keeping its content for a later resume."""
-    fh, part.fh = part.fh, None
-    if fh is not None:
+    fd = part.fd
+    assert fd is not None, "part file is closed"
+    model = part.model
+    blob = part.blob
+    name = blob.hash + PART_SUFFIX
+    size = os.fstat(fd).st_size
+    problem = ""
+    if size != blob.size:
+        problem = f"{size} bytes instead of {blob.size}"
+    elif blob.sha256 is not None and digest != blob.sha256:
+        problem = f"sha256 {digest}"
+    if problem:
+        discard_part(part)
+        return False, problem, 0
+    os.fsync(fd)
+    for _ in range(3):
         try:
-            fh.flush()
-        finally:
-            fh.close()
+            os.replace(name, blob.hash, src_dir_fd=model.blobs, dst_dir_fd=model.blobs)
+            break
+        except OSError as e:
+            if e.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            st = safefs.lstat_at(model.blobs, blob.hash)
+            if st is not None:
+                _clear_foreign(model, model.blobs, blob.hash, f"blobs/{blob.hash}", st)
+    else:
+        raise OSError(errno.EEXIST, "a directory keeps appearing", model.full(f"blobs/{blob.hash}"))
+    safefs.fsync_fd(model.blobs)
+    mtime_ns = os.fstat(fd).st_mtime_ns
+    _drop_progress(model, blob)
+    part.fd = None
+    os.close(fd)
+    return True, "", mtime_ns
+
+
+def discard_part(part: PartFile) -> None:
+    """Remove the part file and its progress record."""
+    model = part.model
+    name = part.blob.hash + PART_SUFFIX
+    safefs.remove_entry(model.blobs, name, where=f"blobs/{name}")
+    _drop_progress(model, part.blob)
+    fd, part.fd = part.fd, None
+    if fd is not None:
+        os.close(fd)
+
+
+def close_part(part: PartFile, ranges: Sequence[tuple[int, int]]) -> None:
+    """Close the part file if still open, recording C{ranges} as written for a later resume."""
+    fd = part.fd
+    if fd is None:
+        return
+    try:
+        if part.tracked:
+            save_progress(part, ranges)
+    finally:
+        part.fd = None
+        os.close(fd)
 
 
 # --- snapshots and refs -----------------------------------------------------------------------
 
 
-def _snapshot_matches(root: str, links: Iterable[LinkSpec]) -> bool:
-    for link in links:
-        path = os.path.join(root, *link.path.split("/"))
-        try:
-            if os.readlink(path) != link.target:
-                return False
-        except OSError:
-            return False
-    return True
-
-
-def install_snapshot(model_dir: str, commit: str, links: tuple[LinkSpec, ...]) -> str:
+class _DirChain:
     """
-    Make C{snapshots/<commit>} hold exactly the manifest's links. The tree is built aside (in
-    C{.llmport-tmp}, at the same depth so the relative links are already right) and renamed
-    into place, so a reader never sees half a snapshot.
+    Descriptors of the directories on the way to the current path, below a root descriptor,
+    so a sorted list of paths is walked opening each directory once and holding only one
+    chain of descriptors at a time.
+    """
+
+    def __init__(self, root_fd: int, *, create: bool, model: ModelDir | None = None,
+                 where: str = "") -> None:
+        self._root = root_fd
+        self._create = create
+        self._model = model
+        self._where = where
+        self._names: list[str] = []
+        self._fds: list[int] = []
+
+    def dir_for(self, parts: Sequence[str]) -> int:
+        """The descriptor of directory C{parts} (relative to the root)."""
+        keep = 0
+        while keep < min(len(parts), len(self._names)) and parts[keep] == self._names[keep]:
+            keep += 1
+        while len(self._names) > keep:
+            self._names.pop()
+            os.close(self._fds.pop())
+        for part in parts[keep:]:
+            parent = self._fds[-1] if self._fds else self._root
+            rel = "/".join([self._where, *self._names, part])
+            fd = safefs.open_dir_at(
+                parent,
+                part,
+                create=self._create,
+                on_foreign=self._model.report_foreign if self._model is not None else None,
+                where=rel,
+            )
+            self._names.append(part)
+            self._fds.append(fd)
+        return self._fds[-1] if self._fds else self._root
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.pop())
+        self._names.clear()
+
+
+def _snapshot_matches(snapshots_fd: int, commit: str, links: Iterable[LinkSpec]) -> bool:
+    try:
+        top = safefs.open_dir_at(snapshots_fd, commit)
+    except OSError:
+        return False
+    chain = _DirChain(top, create=False)
+    try:
+        for link in sorted(links, key=lambda x: x.path):
+            *dirs, leaf = link.path.split("/")
+            try:
+                if os.readlink(leaf, dir_fd=chain.dir_for(dirs)) != link.target:
+                    return False
+            except OSError:
+                return False
+        return True
+    finally:
+        chain.close()
+        os.close(top)
+
+
+def install_snapshot(model: ModelDir, commit: str, links: tuple[LinkSpec, ...]) -> str:
+    """
+    Make C{snapshots/<commit>} hold exactly the manifest's links (relative symlinks). The
+    tree is built aside (in C{.llmport-tmp}, at the same depth so the relative links are
+    already right) and renamed into place, so a reader never sees half a snapshot.
 
     @return: C{"kept"} (already correct), C{"created"} or C{"replaced"}.
     """
-    snapshots = os.path.join(model_dir, "snapshots")
-    final = _inside(model_dir, os.path.join(snapshots, commit))
-    if os.path.isdir(final) and not os.path.islink(final) and _snapshot_matches(final, links):
+    if _snapshot_matches(model.snapshots, commit, links):
         return "kept"
-    tmp_root = os.path.join(model_dir, TMP_DIR)
-    build = tempfile.mkdtemp(prefix=f"snapshot-{commit[:12]}-", dir=tmp_root)
+    build = safefs.make_temp_dir_at(model.tmp, f"snapshot-{commit[:12]}-")
     try:
-        os.chmod(build, 0o755)
-        for link in links:
-            dst = _inside(build, os.path.join(build, *link.path.split("/")))
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            os.symlink(link.target, dst)
-        if os.path.lexists(final):
-            old = tempfile.mkdtemp(prefix="old-", dir=tmp_root)
-            os.rename(final, os.path.join(old, "snapshot"))
-            os.rename(build, final)
-            shutil.rmtree(old, ignore_errors=True)
-            outcome = "replaced"
+        build_fd = safefs.open_dir_at(model.tmp, build)
+        chain = _DirChain(build_fd, create=True)
+        try:
+            for link in sorted(links, key=lambda x: x.path):
+                *dirs, leaf = link.path.split("/")
+                os.symlink(link.target, leaf, dir_fd=chain.dir_for(dirs))
+        finally:
+            chain.close()
+            os.close(build_fd)
+        outcome = "created"
+        for _ in range(3):
+            st = safefs.lstat_at(model.snapshots, commit)
+            if st is not None:
+                # Straight into the temporary folder under a fresh name: no path component
+                # on the way that could have been swapped for a link.
+                old = f"old-{secrets.token_hex(6)}"
+                os.rename(commit, old, src_dir_fd=model.snapshots, dst_dir_fd=model.tmp)
+                safefs.remove_entry(model.tmp, old, where=f"{TMP_DIR}/{old}")
+                if not stat.S_ISDIR(st.st_mode):
+                    model.report_foreign(f"snapshots/{commit}", safefs.describe_mode(st.st_mode))
+                outcome = "replaced"
+            try:
+                os.rename(build, commit, src_dir_fd=model.tmp, dst_dir_fd=model.snapshots)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                    raise
         else:
-            os.rename(build, final)
-            outcome = "created"
+            raise OSError(errno.EEXIST, "something keeps taking its place",
+                          model.full(f"snapshots/{commit}"))
     except BaseException:
-        shutil.rmtree(build, ignore_errors=True)
+        safefs.remove_entry(model.tmp, build, where=f"{TMP_DIR}/{build}")
         raise
-    _fsync_dir(snapshots)
+    safefs.fsync_fd(model.snapshots)
     return outcome
 
 
-def write_ref(model_dir: str, name: str, commit: str) -> bool:
+def write_ref(model: ModelDir, name: str, commit: str) -> bool:
     """
     Write C{refs/<name>} containing C{commit} with no trailing newline, atomically.
 
     @return: C{True} when the file changed.
     """
-    refs = os.path.join(model_dir, "refs")
-    path = _inside(refs, os.path.join(refs, *name.split("/")))
+    *dirs, leaf = name.split("/")
+    rel = "refs/" + name
+    dir_fd = safefs.open_path_at(model.refs, dirs, create=True,
+                                 on_foreign=model.report_foreign, where="refs")
     try:
-        with open(path, "rb") as f:
-            if f.read(200) == commit.encode():
-                return False
-    except FileNotFoundError:
-        pass
-    except IsADirectoryError:
-        raise OSError(errno.EISDIR, "a directory is in the way of the ref", path) from None
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    atomic_write(path, commit.encode(), 0o644, tmp_dir=os.path.join(model_dir, TMP_DIR),
-                 private_dir=False)
-    return True
+        # Anything but a regular file there (a link, a directory) is removed as foreign.
+        if _read_own_file(model, dir_fd, leaf, rel, 200) == commit.encode():
+            return False
+        safefs.atomic_write_at(dir_fd, leaf, commit.encode(), 0o644, tmp_dir_fd=model.tmp)
+        return True
+    finally:
+        os.close(dir_fd)

@@ -1,12 +1,13 @@
 """
-HTTP plumbing of model delivery: a body receiver that streams a blob into a part file
-through the blocking runner with back-pressure, C{Content-Range} parsing, and small helpers
-for bodies that are not wanted.
+HTTP plumbing of model delivery: a body receiver that hands a blob's bytes on in batches
+with back-pressure, the byte budget shared by all downloads, C{Content-Range} parsing, and
+small helpers for bodies that are not wanted.
 
-The receiver never writes on the reactor thread: received chunks are batched and handed to
-the runner one job at a time (L{SerialRunner}); when too much is waiting for the disk the
-transport is paused, and resumed once the backlog drains. A body that stops flowing for
-C{idle_timeout} seconds (not counting pauses of our own) is aborted.
+The receiver never touches the disk: received buffers are collected (not copied) and
+handed to its sink (L{llmport_agent.models.transfer.BlobTransfer}) in batches; while too
+much waits for the disk or the hash the transport is paused, and resumed once that drains.
+A body that stops flowing for C{idle_timeout} seconds (not counting pauses of our own) is
+aborted.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 
-from llmport_agent.models import _fs
 from llmport_agent.threads import BlockingRunner
 
 T = TypeVar("T")
@@ -85,6 +85,10 @@ class TransferInterrupted(Exception):
     """The body stopped before it was complete (connection lost, stalled): resumable."""
 
 
+class Retry(Exception):
+    """A transient failure (network error, 5xx, interrupted body): back off and try again."""
+
+
 class BodyTooLong(Exception):
     """The server sent more bytes than the blob can have."""
 
@@ -135,47 +139,115 @@ class SerialRunner:
         job.addBoth(done)
 
 
+class FlowBudget:
+    """
+    Bytes that every download of one syncer holds in memory (received, not yet written and
+    hashed), bounded: while the budget is spent, a receiver whose bytes would only wait
+    (they are beyond the point its blob's hash has reached) pauses its connection, and the
+    receiver at a hash's frontier holds at most one batch - so memory stays under the
+    budget plus one batch (and one socket read) per connection, and every download still
+    progresses.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.used = 0
+        self.peak = 0
+        self._waiting: set[BlobBodyReceiver] = set()
+
+    @property
+    def spent(self) -> bool:
+        return self.used >= self.limit
+
+    def take(self, n: int) -> None:
+        self.used += n
+        if self.used > self.peak:
+            self.peak = self.used
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        self.poke()
+
+    def wait(self, receiver: BlobBodyReceiver) -> None:
+        self._waiting.add(receiver)
+
+    def forget(self, receiver: BlobBodyReceiver) -> None:
+        self._waiting.discard(receiver)
+
+    def poke(self) -> None:
+        """Let paused receivers check whether they may go on."""
+        if self._waiting:
+            for receiver in list(self._waiting):
+                receiver.check_resume()
+
+
+class BatchSink(TypingProtocol):
+    """Where a L{BlobBodyReceiver} hands its bytes (L{llmport_agent.models.transfer})."""
+
+    def accept(self, receiver: BlobBodyReceiver, offset: int, chunks: list[bytes], n: int) -> None:
+        """
+        Take C{n} bytes (C{chunks}) at C{offset}. Call C{receiver.written(n)} once they are
+        on disk, C{receiver.fail(failure)} if they cannot be written, and release their
+        memory from the budget (C{budget.give}) once written and hashed.
+        """
+
+    def at_frontier(self, offset: int) -> bool:
+        """Whether bytes at C{offset} would be hashed at once (nothing before them is missing)."""
+
+
 class BlobBodyReceiver(Protocol):
     """
-    Receives one response body into a part file.
+    Receives one response body: bytes C{[offset, offset + length)} of a blob.
 
-    C{on_bytes(n)} is called as bytes reach the file (progress counts only what is on disk).
+    Received data is handed to the sink in batches of C{batch_size} bytes (the reactor only
+    collects references to the buffers the transport delivered; nothing is copied or
+    joined). The connection is paused while more than C{high_water} bytes of this body are
+    waiting for the disk or the hash, or while the budget is spent and this body is ahead
+    of the hash; it is resumed when that drains.
 
-    L{done} fires with the number of bytes written when the body ended cleanly; it fails
-    with L{TransferInterrupted} when the body was cut off or stalled (everything received
-    before that is written first, so a resume continues from there), with L{BodyTooLong}
-    when the server sent more than C{limit} bytes, or with the runner's error (e.g.
-    C{OSError} from a full disk). Cancelling it aborts the connection.
+    L{done} fires with the number of bytes written once the wanted bytes are all on disk:
+    when the body ends, or as soon as C{length} bytes arrived (a longer body - a server that
+    ignored the end of a bounded range - is then cut off and C{overrun} is set). It fails
+    with L{TransferInterrupted} when the body stopped early or stalled (everything received
+    before that is written first, so a resume continues from C{offset + handed}), with
+    L{BodyTooLong} when more than C{length} bytes came and C{at_eof} (they cannot belong to
+    the blob), or with the sink's error (e.g. C{OSError} from a full disk). Cancelling it
+    aborts the connection.
     """
 
     def __init__(
         self,
         reactor: ReactorTime,
-        serial: SerialRunner,
-        part: _fs.PartFile,
-        limit: int,
-        on_bytes: Callable[[int], None],
+        sink: BatchSink,
+        budget: FlowBudget,
+        offset: int,
+        length: int,
         *,
+        at_eof: bool = True,
         idle_timeout: float = 60.0,
-        write_size: int = 1024 * 1024,
-        high_water: int = 8 * 1024 * 1024,
+        batch_size: int = 2 * 1024 * 1024,
+        high_water: int = 16 * 1024 * 1024,
+        hold: bool = False,
     ) -> None:
         self._reactor = reactor
-        self._serial = serial
-        self._part = part
-        self._limit = limit
-        self._on_bytes = on_bytes
+        self._sink = sink
+        self._budget = budget
+        self.offset = offset
+        self.length = length
+        self._at_eof = at_eof
         self._idle_timeout = idle_timeout
-        self._write_size = write_size
+        self._batch_size = batch_size
         self._high_water = high_water
-        self._low_water = high_water // 4
+        self._hold = hold
         self._pending: list[bytes] = []
         self._pending_len = 0
-        self._inflight_len = 0
-        self._writing = False
-        self._paused = False
         self._received = 0
-        self._bytes_written = 0
+        self.handed = 0  # bytes handed to the sink (they will be written or fail the body)
+        self._written = 0
+        self._outstanding = 0  # received, not yet released (written and hashed)
+        self._paused = False
+        self._complete = False  # all wanted bytes received
+        self.overrun = False
         self._last_data = reactor.seconds()
         self._idle_call: DelayedCall | None = None
         self._ended: Failure | None = None
@@ -188,111 +260,182 @@ class BlobBodyReceiver(Protocol):
         """The body transport: an L{IPushProducer} (C{TransportProxyProducer})."""
         return self.transport
 
+    @property
+    def next_offset(self) -> int:
+        """Offset of the first byte not yet handed to the sink."""
+        return self.offset + self.handed
+
     # -- IProtocol ---------------------------------------------------------------------------
 
     def connectionMade(self) -> None:
+        if self._hold:
+            self._pause()
         self._schedule_idle(self._idle_timeout)
 
     def dataReceived(self, data: bytes) -> None:
-        if self._error is not None or self.done.called:
+        if self._error is not None or self._complete:
             return
-        self._received += len(data)
-        if self._received > self._limit:
-            self._fail(Failure(BodyTooLong(f"more than {self._limit} bytes")))
-            return
+        want = self.length - self._received
+        if len(data) >= want:
+            if len(data) > want:
+                if self._at_eof:
+                    self._fail(Failure(BodyTooLong(f"more than {self.length} bytes")))
+                    return
+                self.overrun = True
+                data = data[:want]
+            self._complete = True
+        n = len(data)
+        self._received += n
         self._last_data = self._reactor.seconds()
-        self._pending.append(data)
-        self._pending_len += len(data)
-        if self._pending_len >= self._write_size:
+        if n:
+            self._budget.take(n)
+            self._outstanding += n
+            self._pending.append(data)
+            self._pending_len += n
+        if self._complete:
+            self._cancel_idle()
             self._flush()
-        if not self._paused and self._pending_len + self._inflight_len >= self._high_water:
-            self._paused = True
-            assert self.transport is not None
-            self._producer.pauseProducing()
+            if self.overrun and self.transport is not None:
+                self._producer.stopProducing()  # the rest is not ours: drop the connection
+            self._maybe_finish()
+            return
+        if self._pending_len >= self._batch_size:
+            self._flush()
+        self.check_pause()
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
         self._cancel_idle()
+        self._budget.forget(self)
         if self._ended is None:
             self._ended = reason
         self._flush()
         self._maybe_finish()
 
+    # -- flow control ------------------------------------------------------------------------
+
+    def check_pause(self) -> None:
+        if not self._paused and self._should_wait():
+            self._pause()
+
+    def check_resume(self) -> None:
+        """Resume the connection if nothing holds it back any more (called by the budget)."""
+        if not self._paused or self._hold or self._should_wait():
+            return
+        if self._ended is not None or self._error is not None or self._complete:
+            self._budget.forget(self)
+            return
+        self._paused = False
+        self._budget.forget(self)
+        self._last_data = self._reactor.seconds()
+        if self.transport is not None:
+            self._producer.resumeProducing()
+
+    def release_hold(self) -> None:
+        """
+        Start handing on a body that was delivered with C{hold=True} (bytes the HTTP client
+        had already buffered arrive at once, and are kept until then).
+        """
+        self._hold = False
+        if self._pending_len >= self._batch_size or self._complete or self._ended is not None:
+            self._flush()
+        self._maybe_finish()
+        self.check_resume()
+
+    def _should_wait(self) -> bool:
+        if self._outstanding >= self._high_water:
+            return True
+        if not self._budget.spent:
+            return False
+        # The budget is spent: a body ahead of the hash waits; the one at the frontier may
+        # still hold one batch (its bytes are hashed and freed next, so it always moves on).
+        return (
+            not self._sink.at_frontier(self.next_offset)
+            or self._outstanding >= self._batch_size
+        )
+
+    def _pause(self) -> None:
+        self._paused = True
+        self._budget.wait(self)
+        if self.transport is not None and self._ended is None:
+            self._producer.pauseProducing()
+
+    # -- the sink's side ---------------------------------------------------------------------
+
+    def written(self, n: int) -> None:
+        """C{n} handed bytes are on disk."""
+        self._written += n
+        self._maybe_finish()
+
+    def released(self, n: int) -> None:
+        """C{n} handed bytes are written and hashed (their memory is free)."""
+        self._outstanding -= n
+        self.check_resume()
+
+    def fail(self, failure: Failure) -> None:
+        """Writing failed: stop receiving; L{done} fails with C{failure}."""
+        self._fail(failure)
+
     # -- internals ---------------------------------------------------------------------------
 
     def _flush(self) -> None:
-        if self._writing or not self._pending or self._error is not None:
+        if not self._pending or self._error is not None or self._hold:
             return
         chunks, self._pending = self._pending, []
-        self._inflight_len, self._pending_len = self._pending_len, 0
-        self._writing = True
-        self._serial.run(_fs.write_chunks, self._part, chunks).addCallbacks(
-            self._written, self._write_failed
-        )
+        n, self._pending_len = self._pending_len, 0
+        offset = self.next_offset
+        self.handed += n
+        self._sink.accept(self, offset, chunks, n)
 
-    def _written(self, _offset: int) -> None:
-        self._writing = False
-        self._bytes_written += self._inflight_len
-        written, self._inflight_len = self._inflight_len, 0
-        self._on_bytes(written)
-        if self._pending_len >= self._write_size or (self._ended is not None and self._pending):
-            self._flush()
-        # Resume once what is not yet handed to the disk is small again; the batch being
-        # written overlaps with the next bytes arriving.
-        if (
-            self._paused
-            and self._ended is None
-            and self._error is None
-            and self._pending_len < self._low_water
-        ):
-            self._paused = False
-            self._last_data = self._reactor.seconds()
-            assert self.transport is not None
-            self._producer.resumeProducing()
-        self._maybe_finish()
-
-    def _write_failed(self, failure: Failure) -> None:
-        self._writing = False
-        self._inflight_len = 0
-        self._fail(failure)
-
-    def _fail(self, failure: Failure) -> None:
-        """Stop receiving; report C{failure} once pending writes are settled."""
-        if self._error is None:
-            self._error = failure
+    def _drop_pending(self) -> None:
+        if self._pending_len:
+            self._budget.give(self._pending_len)
+            self._outstanding -= self._pending_len
         self._pending = []
         self._pending_len = 0
+
+    def _fail(self, failure: Failure) -> None:
+        """Stop receiving; report C{failure} once the connection is gone."""
+        if self._error is None:
+            self._error = failure
+        self._drop_pending()
         self._cancel_idle()
-        if self._ended is None and self.transport is not None:
+        self._budget.forget(self)
+        if self._ended is None and not self._complete and self.transport is not None:
             self._producer.stopProducing()
         self._maybe_finish()
 
     def _maybe_finish(self) -> None:
-        if self.done.called or self._writing:
+        if self.done.called:
             return
         if self._error is not None:
-            if self._ended is not None or self.transport is None:
+            if self._ended is not None or self._complete or self.transport is None:
                 self.done.errback(self._error)
             return
-        if self._ended is None or self._pending:
+        if self._pending or self._written < self.handed:
+            return
+        if self._complete:
+            self.done.callback(self._written)
+            return
+        if self._ended is None:
             return
         if self._stalled is not None:
             self.done.errback(Failure(TransferInterrupted(self._stalled)))
-        elif self._ended.check(ResponseDone, PotentialDataLoss):
-            self.done.callback(self._bytes_written)
+        elif self._ended.check(ResponseDone, PotentialDataLoss) and self._received >= self.length:
+            self.done.callback(self._written)
         else:
-            self.done.errback(
-                Failure(
-                    TransferInterrupted(
-                        _describe(self._ended.value or Exception("connection lost"))
-                    )
-                )
+            why = (
+                "the response ended before the range was complete"
+                if self._ended.check(ResponseDone, PotentialDataLoss)
+                else _describe(self._ended.value or Exception("connection lost"))
             )
+            self.done.errback(Failure(TransferInterrupted(why)))
 
     def _cancel(self, d: Deferred[int]) -> None:
         self._error = self._error or Failure(CancelledError())
-        self._pending = []
+        self._drop_pending()
         self._cancel_idle()
-        if self._ended is None and self.transport is not None:
+        self._budget.forget(self)
+        if self._ended is None and not self._complete and self.transport is not None:
             self._producer.stopProducing()
 
     def _schedule_idle(self, delay: float) -> None:
@@ -305,7 +448,7 @@ class BlobBodyReceiver(Protocol):
 
     def _idle_check(self) -> None:
         self._idle_call = None
-        if self._ended is not None or self._error is not None:
+        if self._ended is not None or self._error is not None or self._complete:
             return
         now = self._reactor.seconds()
         if self._paused:

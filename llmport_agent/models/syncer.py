@@ -47,18 +47,17 @@ from twisted.web.client import (
 from llmport_agent.commands.base import INTERNAL_ERROR, INVALID_COMMAND, CommandFailed
 from llmport_agent.models import _fs
 from llmport_agent.models._http import (
-    BlobBodyReceiver,
-    BodyTooLong,
+    FlowBudget,
     ReactorTime,
+    Retry,
     SerialRunner,
     TransferInterrupted,
-    abandon,
     describe_error,
     detail_of,
-    parse_content_range,
     read_limited,
     read_small,
 )
+from llmport_agent.models._jobs import FileJobs
 from llmport_agent.models.errors import (
     CHECKSUM_MISMATCH,
     CREDENTIAL_REJECTED,
@@ -73,6 +72,7 @@ from llmport_agent.models.manifest import (
     Manifest,
     parse_manifest,
 )
+from llmport_agent.models.transfer import BlobTransfer
 from llmport_agent.threads import BlockingRunner
 
 PHASE = "sync_model"
@@ -94,9 +94,7 @@ _NETWORK_ERRORS: tuple[type[BaseException], ...] = (
 ProgressCallback = Callable[..., None]
 
 
-class _Retry(Exception):
-    """A transient failure (network error, 5xx, interrupted body): back off and try again."""
-
+_Retry = Retry
 
 _RETRYABLE: tuple[type[BaseException], ...] = (_Retry, *_NETWORK_ERRORS)
 
@@ -166,9 +164,10 @@ class _Run:
     """The mutable state of one sync of one model directory."""
 
     manifest: Manifest
-    model_dir: str
+    model: _fs.ModelDir
     progress: _Progress
     record: dict[str, tuple[int, int]]
+    jobs: FileJobs
     record_changed: bool = False
     fetched_count: int = 0
     fetched_bytes: int = 0
@@ -179,6 +178,11 @@ class _Run:
     resumed: int = 0
     retries: int = 0
     range_ignored: int = 0
+    range_end_ignored: int = 0
+
+    @property
+    def model_dir(self) -> str:
+        return self.model.path
 
     @property
     def label(self) -> str:
@@ -260,25 +264,24 @@ class ModelSyncer:
 
     @param reactor: provides L{ReactorTime} (timeouts, backoff, progress pacing).
     @param http: the treq client for the backend (its own connection pool).
-    @param runner: runs blocking file work and hashing off the reactor thread; give it at
-        least C{concurrency} threads.
+    @param runner: runs blocking file work and hashing off the reactor thread; give it
+        C{2 * concurrency + 1} threads (each blob writes and hashes at the same time).
     @param store_dir: MODEL_STORE.
     @param backend_url: LLM_PORT_NODE_AGENT_BACKEND_URL, base path kept.
     @param credential: returns the node credential (called per request; never logged).
     @param concurrency: blobs downloaded at once.
+    @param connections: connections (bounded C{Range} requests) per large sha256 blob;
+        1 = one stream per blob.
+    @param segment_size: bytes per ranged request; blobs smaller than two segments use
+        one stream.
+    @param buffer_bytes: bytes all downloads together may hold in memory (received, not yet
+        written and hashed).
     @param retry_max: consecutive failed attempts (without progress) per blob before giving up.
-    @param free_space: C{free_space(path) -> bytes}; defaults to C{shutil.disk_usage}. Runs
-        on the runner.
+    @param free_space: C{free_space(path) -> bytes}; defaults to C{statvfs} of the model
+        directory. Runs on the runner.
     """
 
     log = Logger()
-
-    def _received(self, progress: _Progress) -> Callable[[int], None]:
-        def add(n: int) -> None:
-            self.bytes_downloaded += n
-            progress.add(n)
-
-        return add
 
     def __init__(
         self,
@@ -290,6 +293,10 @@ class ModelSyncer:
         backend_url: str,
         credential: Callable[[], str],
         concurrency: int = 4,
+        connections: int = 1,
+        segment_size: int = 32 * 1024 * 1024,
+        buffer_bytes: int = 256 * 1024 * 1024,
+        batch_size: int = 2 * 1024 * 1024,
         retry_max: int = 8,
         free_space: Callable[[str], int] | None = None,
         retry_initial_delay: float = 1.0,
@@ -299,10 +306,10 @@ class ModelSyncer:
         progress_interval: float = 1.0,
         rng: _random.Random | None = None,
     ) -> None:
-        if concurrency < 1:
-            raise ValueError("concurrency must be at least 1")
-        #: Bytes received from the backend's file endpoint, all syncs together (metrics).
-        self.bytes_downloaded = 0
+        if concurrency < 1 or connections < 1:
+            raise ValueError("concurrency and connections must be at least 1")
+        if segment_size < 1 or batch_size < 1:
+            raise ValueError("segment_size and batch_size must be at least 1")
         self._reactor: Any = reactor
         self._http = http
         self._runner = runner
@@ -310,8 +317,15 @@ class ModelSyncer:
         self._backend_url = backend_url.rstrip("/")
         self._credential = credential
         self._concurrency = concurrency
+        self._connections = connections
+        self._segment_size = segment_size
+        self._batch_size = batch_size
+        self._stream_high_water = max(4 * batch_size, 8 * 1024 * 1024)
+        self._budget = FlowBudget(buffer_bytes)
+        # None until a server's answer to a bounded range shows whether it honours the end.
+        self._bounded_ranges: bool | None = None
         self._retry_max = max(0, retry_max)
-        self._free_space = free_space or _fs.free_bytes
+        self._free_space = free_space
         self._retry_initial_delay = retry_initial_delay
         self._retry_max_delay = retry_max_delay
         self._request_timeout = request_timeout
@@ -424,19 +438,30 @@ class ModelSyncer:
 
     async def _sync_now(self, op: _Operation) -> dict[str, Any]:
         manifest = op.manifest
+        jobs = FileJobs(self._runner)
+        model = await jobs.run(_fs.open_model_dir, self._store_dir, manifest.model_dir_name)
+        try:
+            return await self._sync_in(op, model, jobs)
+        finally:
+            # No thread may still use the directory's descriptors when they are closed.
+            await jobs.quiesce()
+            model.close()
+
+    async def _sync_in(
+        self, op: _Operation, model: _fs.ModelDir, jobs: FileJobs
+    ) -> dict[str, Any]:
+        manifest = op.manifest
         started = self._reactor.seconds()
         label = manifest.hf_repo_id or manifest.model_id
         progress = _Progress(self._reactor, op.emit, label, self._progress_interval)
         progress.report(f"Checking {label} in the model store", force=True)
-        model_dir = await self._runner.run(
-            _fs.prepare_model_dir, self._store_dir, manifest.model_dir_name
-        )
-        record = await self._runner.run(_fs.load_record, model_dir)
-        survey = await self._runner.run(_fs.survey_blobs, model_dir, manifest.blobs, record)
-        run = _Run(manifest, model_dir, progress, dict(record))
+        model_dir = model.path
+        record = await jobs.run(_fs.load_record, model)
+        survey = await jobs.run(_fs.survey_blobs, model, manifest.blobs, record)
+        run = _Run(manifest, model, progress, dict(record), jobs=jobs)
 
         to_verify: list[BlobSpec] = []
-        to_fetch: list[tuple[BlobSpec, int]] = []
+        to_fetch: list[_fs.BlobSurvey] = []
         for item in survey:
             if item.state == "reuse":
                 run.reused_count += 1
@@ -445,11 +470,14 @@ class ModelSyncer:
                 to_verify.append(item.blob)
             else:
                 run.forget(item.blob)
-                to_fetch.append((item.blob, item.part_size))
+                to_fetch.append(item)
 
-        needed = sum(blob.size - part for blob, part in to_fetch)
+        needed = sum(max(0, item.blob.size - item.part_allocated) for item in to_fetch)
         if needed > 0:
-            free = await self._runner.run(self._free_space, model_dir)
+            if self._free_space is not None:
+                free = await jobs.run(self._free_space, model_dir)
+            else:
+                free = await jobs.run(_fs.free_bytes, model)
             if needed > free:
                 raise CommandFailed(
                     INSUFFICIENT_DISK,
@@ -458,25 +486,25 @@ class ModelSyncer:
                     {"needed_bytes": needed, "free_bytes": free, "path": model_dir},
                 )
 
-        progress.total = sum(blob.size for blob, _ in to_fetch)
-        progress.done = sum(part for _, part in to_fetch)
+        progress.total = sum(item.blob.size for item in to_fetch)
+        progress.done = sum(item.part_done for item in to_fetch)
         progress.files_total = len(to_fetch)
         if to_verify:
             progress.report(f"Verifying {len(to_verify)} cached files of {label}", force=True)
 
-        jobs: list[Callable[[], Awaitable[None]]] = [
+        work: list[Callable[[], Awaitable[None]]] = [
             functools.partial(self._verify_or_fetch, run, blob) for blob in to_verify
         ]
-        jobs += [
-            functools.partial(self._fetch, run, blob)
-            for blob, _ in sorted(to_fetch, key=lambda bp: -bp[0].size)
+        work += [
+            functools.partial(self._fetch, run, item.blob)
+            for item in sorted(to_fetch, key=lambda item: -item.blob.size)
         ]
         try:
-            await self._run_jobs(jobs)
+            await self._run_jobs(work)
         finally:
             if run.record_changed:
                 try:
-                    await self._runner.run(_fs.save_record, model_dir, dict(run.record))
+                    await jobs.run(_fs.save_record, model, dict(run.record))
                 except Exception:
                     self.log.failure(
                         "Could not save the verification record of {model_dir}",
@@ -485,15 +513,11 @@ class ModelSyncer:
 
         snapshots_changed = 0
         for snap in manifest.snapshots:
-            outcome = await self._runner.run(
-                _fs.install_snapshot, model_dir, snap.commit, snap.links
-            )
+            outcome = await jobs.run(_fs.install_snapshot, model, snap.commit, snap.links)
             snapshots_changed += outcome != "kept"
         refs_changed = 0
         for ref in manifest.refs:
-            refs_changed += bool(
-                await self._runner.run(_fs.write_ref, model_dir, ref.name, ref.commit)
-            )
+            refs_changed += bool(await jobs.run(_fs.write_ref, model, ref.name, ref.commit))
 
         duration = self._reactor.seconds() - started
         result = self._result(run, duration, snapshots_changed, refs_changed)
@@ -536,6 +560,8 @@ class ModelSyncer:
             "resumed": run.resumed,
             "retries": run.retries,
             "range_ignored": run.range_ignored,
+            "range_end_ignored": run.range_end_ignored,
+            "removed_foreign": list(run.model.foreign),
             "snapshots_changed": snapshots_changed,
             "refs_changed": refs_changed,
             "duration_s": round(duration, 3),
@@ -574,7 +600,7 @@ class ModelSyncer:
                 value.raiseException()
 
     async def _verify_or_fetch(self, run: _Run, blob: BlobSpec) -> None:
-        ok, mtime_ns = await self._runner.run(_fs.verify_blob, run.model_dir, blob)
+        ok, mtime_ns = await run.jobs.run(_fs.verify_blob, run.model, blob)
         if ok:
             run.remember(blob, mtime_ns)
             run.verified_count += 1
@@ -692,146 +718,46 @@ class ModelSyncer:
 
     async def _fetch(self, run: _Run, blob: BlobSpec) -> None:
         """Download one blob into C{blobs/<hash>}, resuming, retrying and verifying."""
-        serial = SerialRunner(self._runner)
-        part = await serial.run(_fs.open_part, run.model_dir, blob)
-        url = self._url(run.manifest.model_id, "blob", blob.hash)
-        what = f"blob {blob.hash} of {run.label}"
+        writer = SerialRunner(run.jobs)
+        hasher = SerialRunner(run.jobs)
+        part = await writer.run(_fs.open_part, run.model, blob)
         if part.resumed_bytes:
             run.resumed += 1
-        spliced = part.resumed_bytes > 0  # content comes from more than one response
         restarted = False
-        failures = 0
+        transfer: BlobTransfer | None = None
         try:
             while True:
-                if part.offset < blob.size:
-                    before = part.offset
-                    try:
-                        spliced |= await self._transfer(run, blob, part, serial, url, what)
-                        if part.offset < blob.size and part.offset == before:
-                            raise _Retry("the response ended before the blob was complete")
-                        continue
-                    except _Retry as e:
-                        run.retries += 1
-                        failures = 1 if part.offset > before else failures + 1
-                        await self._pause(failures, what, str(e))
-                        continue
-                ok, found, mtime_ns = await serial.run(_fs.finish_part, part)
-                if ok:
-                    run.remember(blob, mtime_ns)
+                transfer = BlobTransfer(self, run, blob, part, writer, hasher, self._budget)
+                if await transfer.run():
+                    run.remember(blob, transfer.mtime_ns)
                     run.fetched_count += 1
                     run.fetched_bytes += blob.size
                     run.progress.files_done += 1
                     run.progress.report()
                     return
                 run.progress.rewind(blob.size)
-                if spliced and not restarted:
-                    # A resumed download may have joined two different contents: once more
-                    # from the start before calling the blob bad.
+                if transfer.spliced and not restarted:
+                    # Content joined from several responses (a resume, ranges) may mix two
+                    # versions: once more from the start before calling the blob bad.
                     self.log.warn(
-                        "Resumed download of {blob} failed verification; starting over",
+                        "Download of {blob} assembled from several responses failed "
+                        "verification; starting over",
                         blob=blob.hash,
                     )
                     restarted = True
-                    spliced = False
-                    part = await serial.run(_fs.open_part, run.model_dir, blob)
+                    await hasher.run(_fs.close_reader, part)
+                    part = await writer.run(_fs.open_fresh_part, run.model, blob)
                     continue
                 raise CommandFailed(
                     CHECKSUM_MISMATCH,
                     f"Blob {blob.hash} of {run.label} failed verification: expected "
-                    f"{blob.size} bytes with that hash, got {found}. The download was discarded.",
+                    f"{blob.size} bytes with that hash, got {transfer.found}. The download "
+                    "was discarded.",
                     {"blob": blob.hash},
                 )
         finally:
-            await serial.run(_fs.close_part, part)
-
-    async def _restart_part(self, run: _Run, part: _fs.PartFile, serial: SerialRunner) -> None:
-        run.progress.rewind(part.offset)
-        await serial.run(_fs.reset_part, part)
-
-    async def _transfer(
-        self,
-        run: _Run,
-        blob: BlobSpec,
-        part: _fs.PartFile,
-        serial: SerialRunner,
-        url: str,
-        what: str,
-    ) -> bool:
-        """
-        One GET of the rest of a blob into its part file.
-
-        @return: whether the content was appended to earlier content (a resume).
-        @raise _Retry: for transient failures (the part file keeps what arrived).
-        """
-        headers = self._headers()
-        offset = part.offset
-        ranged = offset > 0
-        if ranged:
-            headers["Range"] = f"bytes={offset}-"
-        response = await self._get(url, headers)
-        code = response.code
-        limit = blob.size - offset
-        if code == 200:
-            if ranged:
-                self.log.info(
-                    "The backend ignored Range for {blob}; downloading it from the start",
-                    blob=blob.hash,
-                )
-                run.range_ignored += 1
-                await self._restart_part(run, part, serial)
-                limit = blob.size
-            length = response.length
-            if isinstance(length, int) and length != blob.size:
-                abandon(response)
-                raise CommandFailed(
-                    CHECKSUM_MISMATCH,
-                    f"The backend serves {length} bytes for {what}, but the manifest says "
-                    f"{blob.size}.",
-                    {"blob": blob.hash},
-                )
-        elif code == 206 and ranged:
-            header = response.headers.getRawHeaders("content-range") or [None]
-            cr = parse_content_range(header[0])
-            if (
-                cr is None
-                or cr.start != offset
-                or cr.end >= blob.size
-                or (cr.total is not None and cr.total != blob.size)
-            ):
-                self.log.info(
-                    "Unusable Content-Range {value!r} for {blob}; downloading it from the start",
-                    value=header[0],
-                    blob=blob.hash,
-                )
-                abandon(response)
-                await self._restart_part(run, part, serial)
-                return False
-            limit = cr.end + 1 - offset
-        elif code == 416 and ranged:
-            abandon(response)
-            await self._restart_part(run, part, serial)
-            return False
-        else:
-            await self._refuse(response, what)
-
-        receiver = BlobBodyReceiver(
-            self._reactor,
-            serial,
-            part,
-            limit,
-            self._received(run.progress),
-            idle_timeout=self._idle_timeout,
-        )
-        response.deliverBody(receiver)
-        try:
-            await receiver.done
-        except TransferInterrupted as e:
-            raise _Retry(str(e)) from None
-        except BodyTooLong:
-            await self._restart_part(run, part, serial)
-            raise CommandFailed(
-                CHECKSUM_MISMATCH,
-                f"The backend sent more than {blob.size} bytes for {what}.",
-                {"blob": blob.hash},
-            ) from None
-        return ranged and code == 206
+            # Each serial closes its own descriptor after its own jobs (even if this wait
+            # is cancelled, the jobs still run in order).
+            hasher.run(_fs.close_reader, part).addErrback(lambda _: None)
+            ranges = transfer.done.items() if transfer is not None else list(part.done)
+            await writer.run(_fs.close_part, part, ranges)

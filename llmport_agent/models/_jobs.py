@@ -1,0 +1,72 @@
+"""
+The blocking jobs of one model sync, counted, so the sync's directory descriptors are
+closed only once no worker thread can still be using them (closing a descriptor another
+thread is about to use could let it act on whatever file gets that number next).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from llmport_agent.threads import BlockingRunner
+
+T = TypeVar("T")
+
+
+class FileJobs:
+    """
+    A L{BlockingRunner} that counts its jobs. Cancelling a returned Deferred only detaches
+    the caller (the thread cannot be stopped); L{quiesce} waits for the threads themselves.
+    """
+
+    log = Logger()
+
+    def __init__(self, runner: BlockingRunner) -> None:
+        self._runner = runner
+        self._running = 0
+        self._idle: list[Deferred[None]] = []
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Deferred[T]:
+        caller: Deferred[T] = Deferred()
+        self._running += 1
+        inner = self._runner.run(fn, *args, **kwargs)
+
+        def finished(result: object) -> None:
+            self._running -= 1
+            if not caller.called:
+                if isinstance(result, Failure):
+                    caller.errback(result)
+                else:
+                    caller.callback(result)  # type: ignore[arg-type]
+            elif isinstance(result, Failure) and not result.check(CancelledError):
+                self.log.failure(
+                    "file job {job} failed after its caller went away", result,
+                    job=getattr(fn, "__name__", "?"),
+                )
+            if self._running == 0:
+                waiters, self._idle = self._idle, []
+                for w in waiters:
+                    if not w.called:
+                        w.callback(None)
+
+        inner.addBoth(finished)
+        return caller
+
+    async def quiesce(self) -> None:
+        """Return once no job is running (also when the wait itself gets cancelled)."""
+        while self._running:
+            d: Deferred[None] = Deferred()
+            self._idle.append(d)
+            try:
+                await d
+            except CancelledError:
+                continue

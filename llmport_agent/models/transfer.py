@@ -1,0 +1,541 @@
+"""
+One blob from the backend into its part file: a single stream or several ranged connections.
+
+The pipeline keeps the socket, the disk and the hash busy at the same time. The reactor
+only collects the buffers the transport delivers and hands them on in batches; each batch
+is written with one C{pwritev} at its offset (a serial job of the blob's writer) and fed to
+the running sha256 (a serial job of the blob's hasher, in offset order) - the same buffer
+objects, no copy, and the file is never read back. The part file is fsynced once, at the
+end.
+
+Ranged mode (a large sha256 blob, C{connections > 1}): the blob's missing bytes are cut into
+segments of C{segment_size} bytes, fetched with bounded C{Range: bytes=s-e} requests by up to
+C{connections} workers. Segments are handed out in order, so the workers stay close to the
+hash's frontier: bytes ahead of it wait in memory (bounded by the syncer's L{FlowBudget};
+a receiver ahead of the frontier pauses while the budget is spent, the one at the frontier
+never does) until the hash reaches them. Progress per range is kept in C{<hash>.progress},
+so an interrupted range - in this run or after a restart - resumes where it stopped.
+
+Fallbacks: a server that answers a bounded range with more than was asked (it ignored the
+end) gets exactly the wanted bytes read and the connection dropped, and from then on one
+open-ended stream (C{bytes=s-}) for the rest of this blob and every later one; a server
+that answers C{Range} with C{200} (ignores ranges altogether) makes the blob start over
+from zero as one stream.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING, Any
+
+from attrs import define
+from twisted.internet.defer import CancelledError, Deferred, DeferredList
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from llmport_agent.commands.base import CommandFailed
+from llmport_agent.models import _fs
+from llmport_agent.models._http import (
+    BlobBodyReceiver,
+    BodyTooLong,
+    FlowBudget,
+    Retry,
+    SerialRunner,
+    TransferInterrupted,
+    abandon,
+    parse_content_range,
+)
+from llmport_agent.models.errors import CHECKSUM_MISMATCH, DOWNLOAD_FAILED
+from llmport_agent.models.manifest import BlobSpec
+
+if TYPE_CHECKING:
+    from llmport_agent.models.syncer import ModelSyncer, _Run
+
+#: Progress records are rewritten after this many newly written bytes.
+CHECKPOINT_BYTES = 64 * 1024 * 1024
+#: How often one blob may start over from zero (server ignoring Range, spliced content).
+MAX_START_OVERS = 3
+
+
+class Ranges:
+    """A set of byte offsets as sorted, merged, half-open C{[a, b)} ranges."""
+
+    def __init__(self, ranges: list[tuple[int, int]] | None = None) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        for a, b in ranges or []:
+            self.add(a, b)
+
+    def __bool__(self) -> bool:
+        return bool(self._starts)
+
+    def __iter__(self) -> Any:
+        return iter(zip(self._starts, self._ends, strict=True))
+
+    def items(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._ends, strict=True))
+
+    @property
+    def total(self) -> int:
+        return sum(b - a for a, b in self)
+
+    def add(self, a: int, b: int) -> None:
+        if b <= a:
+            return
+        i = bisect.bisect_left(self._ends, a)  # first range that ends at or after a
+        j = bisect.bisect_right(self._starts, b)  # ranges starting after b are untouched
+        if i < j:
+            a = min(a, self._starts[i])
+            b = max(b, self._ends[j - 1])
+        self._starts[i:j] = [a]
+        self._ends[i:j] = [b]
+
+    def pop_first(self, limit: int | None) -> tuple[int, int] | None:
+        """Remove and return the first C{limit} bytes (or the whole first range)."""
+        if not self._starts:
+            return None
+        a, b = self._starts[0], self._ends[0]
+        if limit is not None and b - a > limit:
+            self._starts[0] = a + limit
+            return a, a + limit
+        del self._starts[0], self._ends[0]
+        return a, b
+
+    def starting_at(self, offset: int) -> tuple[int, int] | None:
+        """The range that begins exactly at C{offset}, if any."""
+        i = bisect.bisect_left(self._starts, offset)
+        if i < len(self._starts) and self._starts[i] == offset:
+            return self._starts[i], self._ends[i]
+        return None
+
+
+class _StartOver(Exception):
+    """The blob must be fetched again from zero as one stream (the reason is the message)."""
+
+
+@define(eq=False)
+class _Batch:
+    offset: int
+    chunks: list[bytes]
+    n: int
+    receiver: BlobBodyReceiver
+    waiting: int  # jobs (write, hash) still to finish before its memory is free
+
+
+class BlobTransfer:
+    """
+    Fetches the missing bytes of one blob into its open part file, then verifies and
+    renames it. Create one per attempt of L{ModelSyncer._fetch}.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        syncer: ModelSyncer,
+        run: _Run,
+        blob: BlobSpec,
+        part: _fs.PartFile,
+        writer: SerialRunner,
+        hasher: SerialRunner,
+        budget: FlowBudget,
+    ) -> None:
+        self._syncer = syncer
+        self._run = run
+        self._blob = blob
+        self._part = part
+        self._writer = writer
+        self._hasher = hasher
+        self._budget = budget
+        self.what = f"blob {blob.hash} of {run.label}"
+        self._url = syncer._url(run.manifest.model_id, "blob", blob.hash)
+        self._start_state()
+        self.start_overs = 0
+        self._write_error: Failure | None = None
+        self._active = 0
+        self._streamer: int | None = None
+        self.found = ""
+        self.mtime_ns = 0
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _start_state(self) -> None:
+        blob, part = self._blob, self._part
+        self.done = Ranges(list(part.done))  # written (resumed + this run)
+        self._disk = Ranges(list(part.done))  # on disk but never seen: hashed from the file
+        missing = Ranges([(0, blob.size)] if blob.size else [])
+        gaps = Ranges()
+        pos = 0
+        for a, b in self.done:
+            gaps.add(pos, a)
+            pos = b
+        gaps.add(pos, blob.size)
+        self._missing = gaps if self.done else missing
+        self._hash_next = 0
+        self._held: dict[int, _Batch] = {}
+        self._since_checkpoint = 0
+        self.spliced = bool(self.done)  # content from more than one response
+        self._drain()
+
+    @property
+    def ranged(self) -> bool:
+        """Several bounded requests for this blob (else one open-ended stream)."""
+        s = self._syncer
+        return (
+            self._part.tracked
+            and s._connections > 1
+            and s._bounded_ranges is not False
+            and self._blob.size >= 2 * s._segment_size
+            and not self._stream_only
+        )
+
+    _stream_only = False
+
+    # -- the sink for receivers ----------------------------------------------------------------
+
+    def at_frontier(self, offset: int) -> bool:
+        return self._part.hasher is None or offset <= self._hash_next
+
+    def accept(self, receiver: BlobBodyReceiver, offset: int, chunks: list[bytes], n: int) -> None:
+        hashing = self._part.hasher is not None
+        batch = _Batch(offset, chunks, n, receiver, 2 if hashing else 1)
+        self._writer.run(_fs.write_batch, self._part, offset, chunks).addCallbacks(
+            self._written, self._job_failed, callbackArgs=(batch,), errbackArgs=(batch,)
+        )
+        if hashing:
+            if offset == self._hash_next:
+                self._hash(batch)
+                self._drain()
+            else:
+                self._held[offset] = batch
+        if self._part.hasher is not None:
+            self._budget.poke()
+
+    def _hash(self, batch: _Batch) -> None:
+        self._hash_next = batch.offset + batch.n
+        self._hasher.run(_fs.hash_batch, self._part, batch.chunks).addCallbacks(
+            self._settled, self._job_failed, callbackArgs=(batch,), errbackArgs=(batch,)
+        )
+
+    def _drain(self) -> None:
+        """Feed the hash whatever is now contiguous with its frontier."""
+        if self._part.hasher is None:
+            return
+        while True:
+            batch = self._held.pop(self._hash_next, None)
+            if batch is not None:
+                self._hash(batch)
+                continue
+            region = self._disk.starting_at(self._hash_next)
+            if region is not None:
+                a, b = region
+                self._hash_next = b
+                self._hasher.run(_fs.hash_region, self._part, a, b).addErrback(self._hash_failed)
+                continue
+            break
+
+    def _written(self, _n: int, batch: _Batch) -> None:
+        self.done.add(batch.offset, batch.offset + batch.n)
+        self._run.progress.add(batch.n)
+        batch.receiver.written(batch.n)
+        self._since_checkpoint += batch.n
+        if self._since_checkpoint >= CHECKPOINT_BYTES and self._part.tracked:
+            self._since_checkpoint = 0
+            self._writer.run(_fs.save_progress, self._part, self.done.items()).addErrback(
+                lambda f: self.log.failure("Could not record download progress", f)
+            )
+        self._settled(None, batch)
+
+    def _settled(self, _result: object, batch: _Batch) -> None:
+        batch.waiting -= 1
+        if batch.waiting == 0:
+            batch.chunks = []
+            self._budget.give(batch.n)
+            batch.receiver.released(batch.n)
+
+    def _job_failed(self, failure: Failure, batch: _Batch) -> None:
+        if self._write_error is None:
+            self._write_error = failure
+        batch.receiver.fail(failure)
+        self._settled(None, batch)
+
+    def _hash_failed(self, failure: Failure) -> None:
+        if self._write_error is None:
+            self._write_error = failure
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, {}
+        for batch in held.values():
+            batch.waiting -= 1  # its hash will never run
+            if batch.waiting == 0:
+                self._budget.give(batch.n)
+                batch.receiver.released(batch.n)
+
+    # -- running ------------------------------------------------------------------------------
+
+    async def run(self) -> bool:
+        """
+        Fetch every missing byte; then hash, fsync, verify and rename.
+
+        @return: whether the blob is in place (C{False}: it failed verification and was
+            removed; the caller decides whether to try again).
+        @raise CommandFailed: C{download_failed}, C{checksum_mismatch}.
+        @raise OSError: the store could not be written.
+        """
+        try:
+            while True:
+                try:
+                    await self._fetch_all()
+                    break
+                except _StartOver as e:
+                    await self._start_over(str(e))
+            await self._writer.run(_noop)
+            await self._hasher.run(_noop)
+            if self._write_error is not None:
+                self._write_error.raiseException()
+            if self._missing or self.done.total != self._blob.size:
+                raise CommandFailed(DOWNLOAD_FAILED, f"Could not fetch all of {self.what}.")
+            assert self._hash_next == self._blob.size or self._part.hasher is None
+            digest = await self._hasher.run(_fs.digest_of, self._part)
+            ok, found, mtime_ns = await self._writer.run(_fs.finish_part, self._part, digest)
+        finally:
+            self._release_held()
+        self.found = found
+        self.mtime_ns = mtime_ns
+        return ok
+
+    def _count_start_over(self, reason: str) -> None:
+        self.start_overs += 1
+        if self.start_overs > MAX_START_OVERS:
+            raise CommandFailed(
+                DOWNLOAD_FAILED,
+                f"Could not fetch {self.what}: it had to start over {MAX_START_OVERS} times "
+                f"(last: {reason}).",
+            )
+
+    async def _start_over(self, reason: str) -> None:
+        self._count_start_over(reason)
+        self.log.info("Downloading {blob} from the start: {reason}", blob=self._blob.hash,
+                      reason=reason)
+        await self._reset()
+
+    async def _reset(self) -> None:
+        """Empty the part file once this blob's jobs are done; go on as one stream."""
+        await self._writer.run(_noop)
+        await self._hasher.run(_noop)
+        self._release_held()
+        self._run.progress.rewind(self.done.total)
+        await self._writer.run(_fs.reset_part, self._part)
+        self._stream_only = True
+        self._start_state()
+
+    async def _fetch_all(self) -> None:
+        """Run the workers until nothing is missing (or one fails)."""
+        while self._missing:
+            workers = 1
+            if self.ranged:
+                segments = -(-self._missing.total // self._syncer._segment_size)
+                workers = max(1, min(self._syncer._connections, segments))
+            self._active = workers
+            self._streamer = None
+            deferreds: list[Deferred[None]] = []
+            first: list[Failure] = []
+
+            def failed(f: Failure, deferreds: list[Deferred[None]] = deferreds,
+                       first: list[Failure] = first) -> Failure:
+                if not first and not f.check(CancelledError):
+                    first.append(f)
+                    for w in deferreds:
+                        if not w.called:
+                            w.cancel()
+                return f
+
+            for i in range(workers):
+                d = Deferred.fromCoroutine(self._worker(i))
+                deferreds.append(d)
+                d.addErrback(failed)
+            results = await DeferredList(deferreds, consumeErrors=True)
+            if first:
+                first[0].raiseException()
+            for ok, value in results:
+                if not ok and isinstance(value, Failure):
+                    value.raiseException()
+            # Bytes may still be missing: put back by a worker after the others had stopped
+            # (a switch to one stream), or left by connections that gave up.
+
+    def _take(self, worker: int) -> tuple[int, int] | None:
+        if self.ranged:
+            return self._missing.pop_first(self._syncer._segment_size)
+        # One open-ended stream: one worker takes whole gaps, the others stop.
+        if self._streamer is None:
+            self._streamer = worker
+        if self._streamer != worker:
+            return None
+        return self._missing.pop_first(None)
+
+    async def _worker(self, worker: int) -> None:
+        failures = 0
+        try:
+            while (interval := self._take(worker)) is not None:
+                attempt = _Attempt(*interval)
+                try:
+                    await self._fetch_interval(attempt)
+                    failures = 0
+                except Retry as e:
+                    self._run.retries += 1
+                    failures = 1 if attempt.progressed else failures + 1
+                    if failures > self._syncer._retry_max and self._active > 1:
+                        self.log.info(
+                            "Giving up one connection for {what} after {n} failed attempts "
+                            "({reason}); {left} others go on",
+                            what=self.what, n=failures, reason=str(e), left=self._active - 1,
+                        )
+                        return
+                    await self._syncer._pause(failures, self.what, str(e))
+                finally:
+                    if attempt.next < attempt.end_asked:
+                        self._missing.add(attempt.next, attempt.end_asked)
+        finally:
+            self._active -= 1
+            if self._streamer == worker:
+                self._streamer = None
+
+    async def _fetch_interval(self, attempt: _Attempt) -> None:
+        """
+        One GET for bytes C{[attempt.start, attempt.end)}; C{attempt.next} says how far it
+        got (bytes before it are written or being written).
+
+        @raise Retry: a transient failure.
+        @raise _StartOver: the blob must start over from zero.
+        """
+        syncer = self._syncer
+        blob = self._blob
+        a, b = attempt.start, attempt.end
+        bounded = self.ranged
+        headers = syncer._headers()
+        if bounded:
+            headers["Range"] = f"bytes={a}-{b - 1}"
+        elif a > 0:
+            headers["Range"] = f"bytes={a}-"
+        response = await syncer._get(self._url, headers)
+        code = response.code
+        in_place = False  # the whole blob came for a ranged request: start over with it
+        if code == 200:
+            length = response.length
+            if isinstance(length, int) and length != blob.size:
+                abandon(response)
+                raise CommandFailed(
+                    CHECKSUM_MISMATCH,
+                    f"The backend serves {length} bytes for {self.what}, but the manifest says "
+                    f"{blob.size}.",
+                    {"blob": blob.hash},
+                )
+            if a > 0:
+                self._run.range_ignored += 1
+                if bounded or self._active > 1:
+                    abandon(response)
+                    raise _StartOver("the backend ignored Range")
+                self.log.info(
+                    "The backend ignored Range for {blob}; downloading it from the start",
+                    blob=blob.hash,
+                )
+                in_place = True
+            elif bounded and b < blob.size:
+                self._ignored_end("HTTP 200 with the whole blob")
+        elif code == 206 and (bounded or a > 0):
+            header = response.headers.getRawHeaders("content-range") or [None]
+            cr = parse_content_range(header[0])
+            if (
+                cr is None
+                or cr.start != a
+                or cr.end >= blob.size
+                or (cr.total is not None and cr.total != blob.size)
+            ):
+                abandon(response)
+                raise _StartOver(f"unusable Content-Range {header[0]!r}")
+            if cr.end + 1 < b:
+                attempt.end = b = cr.end + 1  # a shorter range than asked: the rest goes back
+            elif bounded and cr.end + 1 > b:
+                self._ignored_end(f"Content-Range {header[0]}")
+            elif bounded:
+                syncer._bounded_ranges = True
+        elif code == 416 and (bounded or a > 0):
+            abandon(response)
+            raise _StartOver("the backend refused the range (HTTP 416)")
+        else:
+            await syncer._refuse(response, self.what)
+        if in_place:
+            attempt.start = attempt.next = a = 0
+            attempt.end = attempt.end_asked = b = blob.size
+        if a > 0 or self._active > 1 or self.done:
+            self.spliced = True
+        receiver = BlobBodyReceiver(
+            syncer._reactor,
+            self,
+            self._budget,
+            a,
+            b - a,
+            at_eof=b == blob.size,
+            idle_timeout=syncer._idle_timeout,
+            batch_size=syncer._batch_size,
+            # A connection ahead of the hash may hold its whole segment in memory.
+            high_water=(syncer._segment_size if bounded else syncer._stream_high_water)
+            + syncer._batch_size,
+            hold=in_place,
+        )
+        response.deliverBody(receiver)
+        try:
+            if in_place:
+                await self._restart_in_place()
+                receiver.release_hold()
+            await receiver.done
+        except TransferInterrupted as e:
+            raise Retry(str(e)) from None
+        except BodyTooLong:
+            raise CommandFailed(
+                CHECKSUM_MISMATCH,
+                f"The backend sent more than {blob.size} bytes for {self.what}.",
+                {"blob": blob.hash},
+            ) from None
+        except BaseException:
+            if not receiver.done.called:
+                receiver.done.cancel()
+            raise
+        finally:
+            attempt.next = receiver.next_offset
+
+    async def _restart_in_place(self) -> None:
+        """Start over with a response that holds the whole blob (it waits, paused)."""
+        self._count_start_over("the backend ignored Range")
+        await self._reset()
+        self._missing = Ranges()  # this response brings all of it
+
+    def _ignored_end(self, what: str) -> None:
+        syncer = self._syncer
+        if syncer._bounded_ranges is not False:
+            self.log.info(
+                "The backend ignores the end of bounded ranges ({what}); fetching the rest "
+                "of each blob as one stream",
+                what=what,
+            )
+        syncer._bounded_ranges = False
+        self._run.range_end_ignored += 1
+
+
+class _Attempt:
+    """One request's interval and how far it got."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start = start
+        self.end = end
+        self.end_asked = end
+        self.next = start
+
+    @property
+    def progressed(self) -> bool:
+        return self.next > self.start
+
+
+def _noop() -> None:
+    return None
+
