@@ -67,6 +67,21 @@ def _number(minimum: float, integer: bool = False) -> Callable[[str, str], float
     return parse
 
 
+def _int_range(minimum: int, maximum: int) -> Callable[[str, str], int]:
+    def parse(var: str, raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ConfigError(
+                f"{var}={raw!r} is not an integer; expected {minimum}-{maximum}"
+            ) from None
+        if not minimum <= value <= maximum:
+            raise ConfigError(f"{var}={raw!r} is out of range; expected {minimum}-{maximum}")
+        return value
+
+    return parse
+
+
 def _bool(var: str, raw: str) -> bool:
     value = raw.strip().lower()
     if value in {"1", "true", "yes", "y", "on"}:
@@ -256,6 +271,14 @@ SETTINGS: tuple[Setting, ...] = (
             "An image pull or transfer with no progress for this long is abandoned (pull_stalled)."),
     Setting("MODEL_SYNC_CONCURRENCY", "model_sync_concurrency", 4, _number(1, integer=True),
             "Model blobs downloaded at the same time."),
+    Setting("MODEL_SYNC_CONNECTIONS", "model_sync_connections", 1, _int_range(1, 16),
+            "Ranged connections per large sha256 model blob (1 = one stream per blob)."),
+    Setting("MODEL_SYNC_SEGMENT_MB", "model_sync_segment_mb", 32, _int_range(1, 1024),
+            "MiB per ranged request; blobs smaller than two segments use one stream."),
+    Setting("MODEL_SYNC_BUFFER_MB", "model_sync_buffer_mb", 256, _int_range(8, 65536),
+            "MiB all model downloads together may hold in memory (received, not yet written and hashed)."),
+    Setting("MODEL_STORE_READ_ONLY", "model_store_read_only", False, _bool,
+            "Mount the model store read-only into every workload (by default only download_from_hf workloads get it read-write)."),
     Setting("OPS_PORT", "ops_port", 9464, _number(0, integer=True),
             "Loopback port of the ops endpoint (/healthz, /readyz, /metrics); 0 = off."),
     Setting("SHUTDOWN_GRACE_SEC", "shutdown_grace_sec", 30.0, _number(0),
@@ -328,6 +351,10 @@ class AgentConfig:
     readiness_timeout_sec: float
     pull_stall_sec: float
     model_sync_concurrency: int
+    model_sync_connections: int
+    model_sync_segment_mb: int
+    model_sync_buffer_mb: int
+    model_store_read_only: bool
     ops_port: int
     #: Lines to log at start about the configuration (no secrets in them).
     notes: tuple[str, ...] = ()

@@ -71,19 +71,22 @@ def install_stop_signals(reactor: Any, agent: AgentService) -> None:
 def make_http_client(reactor: Any, config: AgentConfig) -> Any:
     """A treq client for the backend with its own connection pool and TLS policy."""
     from treq.client import HTTPClient
-    from twisted.web.client import Agent, HTTPConnectionPool
+    from twisted.web.client import HTTPConnectionPool
 
+    from llmport_agent.http_endpoints import backend_agent
     from llmport_agent.tls import https_policy
 
     pool = HTTPConnectionPool(reactor, persistent=True)
     pool._factory.noisy = False
-    pool.maxPersistentPerHost = max(4, config.model_sync_concurrency + 2)
+    pool.maxPersistentPerHost = max(
+        4, config.model_sync_concurrency * config.model_sync_connections + 2
+    )
     pool.cachedConnectionTimeout = 60
-    agent = Agent(
+    agent = backend_agent(
         reactor,
-        contextFactory=https_policy(config.verify_tls, config.ca_bundle),
-        pool=pool,
-        connectTimeout=config.request_timeout_sec,
+        https_policy(config.verify_tls, config.ca_bundle),
+        pool,
+        connect_timeout=config.request_timeout_sec,
     )
     return HTTPClient(agent), pool
 
@@ -130,7 +133,8 @@ class AgentService(MultiService):
         from llmport_agent.inventory.gpu import NVMLGPUSource
         from llmport_agent.models.syncer import ModelSyncer
 
-        self.hash_pool = PoolService(reactor, "files", max(2, config.model_sync_concurrency))
+        # Each blob being fetched writes and hashes at the same time.
+        self.hash_pool = PoolService(reactor, "files", 2 * config.model_sync_concurrency + 1)
         self.models = ModelSyncer(
             reactor,
             self.http,
@@ -139,6 +143,9 @@ class AgentService(MultiService):
             backend_url=config.backend_url,
             credential=lambda: self.session.credential(),
             concurrency=config.model_sync_concurrency,
+            connections=config.model_sync_connections,
+            segment_size=config.model_sync_segment_mb * 1024 * 1024,
+            buffer_bytes=config.model_sync_buffer_mb * 1024 * 1024,
         )
         self._docker_environ = docker_environ
         self.engine: Any = None
@@ -328,6 +335,7 @@ class AgentService(MultiService):
             advertise_scheme=c.advertise_scheme,
             advertise_host=c.advertise_host,
             model_store=c.model_store,
+            model_store_read_only=c.model_store_read_only,
             image_allowlist=c.image_allowlist,  # type: ignore[arg-type]
             network_mode=c.workload_network,  # type: ignore[arg-type]
             stop_grace_sec=c.stop_grace_sec,

@@ -450,6 +450,21 @@ class ModelFilesResourceTests(SynchronousTestCase):
         code, _, _ = self.get(f"/blob/{self.blob}", Range="bytes=99999-")
         self.assertEqual(code, 416)
 
+    def test_bounded_ranges(self) -> None:
+        """
+        bytes=s-e is served as typical servers do (206, exactly those bytes; an end past
+        the blob clamped); the ignore_range_end fault answers as if the end were absent.
+        """
+        data = bytes(range(256)) * 40
+        code, headers, body = self.get(f"/blob/{self.blob}", Range="bytes=10-19")
+        self.assertEqual((code, headers["content-range"], body), (206, ["bytes 10-19/10240"], data[10:20]))
+        self.assertEqual(headers["length"], ["10"])
+        code, headers, body = self.get(f"/blob/{self.blob}", Range="bytes=10000-99999")
+        self.assertEqual((code, headers["content-range"], body), (206, ["bytes 10000-10239/10240"], data[10000:]))
+        self.repo.faults.ignore_range_end = True
+        code, headers, body = self.get(f"/blob/{self.blob}", Range="bytes=10-19")
+        self.assertEqual((code, headers["content-range"], body), (206, ["bytes 10-10239/10240"], data[10:]))
+
     def test_refusals(self) -> None:
         """No credential is 401 (before anything else); unknown blobs and models are 404."""
         d = self.stub.get(self.base + "/manifest")
@@ -463,8 +478,11 @@ class ModelFilesResourceTests(SynchronousTestCase):
 # --- deterministic syncs through StubTreq -----------------------------------------------------
 
 
-class StubSyncTests(SynchronousTestCase):
+class _StubSync:
     """Retries, backoff, progress pacing and refusals, driven by a Clock."""
+
+    connections = 1
+    segment = 32 * 1024 * 1024
 
     def setUp(self) -> None:
         self.clock = Clock()
@@ -485,6 +503,8 @@ class StubSyncTests(SynchronousTestCase):
             credential=lambda: credential,
             free_space=lambda path: self.free,
             rng=random.Random(1),
+            connections=self.connections,
+            segment_size=self.segment,
             **kw,
         )
 
@@ -535,7 +555,8 @@ class StubSyncTests(SynchronousTestCase):
         self.assertIn("HTTP 401", f.value.error_message)
         self.assertNotIn("wrong-secret-value", f.value.error_message)
         self.assertNotIn("wrong-secret-value", repr(f.value.result))
-        self.assertLessEqual(len(self.repo.requests), 4)  # one per worker, none retried
+        # one per connection, none retried
+        self.assertLessEqual(len(self.repo.requests), 4 + self.connections - 1)
 
     def test_progress_is_paced(self) -> None:
         """Progress reports come at most about once per second of the clock."""
@@ -617,6 +638,17 @@ class StubSyncTests(SynchronousTestCase):
         self.drive(d)
         self.assertEqual(self.successResultOf(d)["blobs_total"], len(self.manifest["blobs"]))
         self.assertTrue(ctx.events)
+
+
+class StubSyncTests(_StubSync, SynchronousTestCase):
+    """The Clock-driven syncs with one stream per blob."""
+
+
+class RangedStubSyncTests(_StubSync, SynchronousTestCase):
+    """The Clock-driven syncs with three ranged connections per large blob."""
+
+    connections = 3
+    segment = 256 * 1024
 
 
 # --- real loopback ----------------------------------------------------------------------------
@@ -1066,3 +1098,107 @@ class RangedLoopbackSyncTests(_LoopbackSync, TestCase):
 
     connections = 3
     segment = 512 * 1024
+
+    async def test_server_ignores_the_end_of_a_bounded_range(self) -> None:
+        """
+        A server that answers C{bytes=s-e} from C{s} to the end of the blob: the agent reads
+        what it asked for, drops that connection, fetches the rest of the blob as one
+        open-ended stream, and remembers it (the next model uses one stream at once).
+        """
+        files = _files(big_mb=3)
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        big = hashlib.sha256(files["model.safetensors"]).hexdigest()
+        self.repo.faults.ignore_range_end = True
+        syncer = self.syncer(concurrency=1)
+        result = await syncer.sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, files)
+        self.assertGreaterEqual(result["range_end_ignored"], 1)
+        reqs = self.repo.blob_requests(big)
+        self.assertRegex(reqs[0].range_header or "", r"^bytes=\d+-\d+$")
+        self.assertRegex(reqs[-1].range_header or "", r"^bytes=\d+-$")
+        self.assertLessEqual(len(reqs), self.connections + 3)  # not one request per segment
+        # The next model's large blob is fetched as one stream from the start.
+        other = {"weights.bin": random.Random(11).randbytes(2 * 1024 * 1024)}
+        m2 = self.repo.add_model("model-2", "acme/other", other)
+        await syncer.sync(m2, lambda *a, **k: None)
+        self.assertEqual([r.range_header for r in self.repo.blob_requests(m2["blobs"][0]["hash"])], [None])
+
+    async def test_last_range_finishes_first(self) -> None:
+        """
+        The server holds the first range until the last one has been sent completely: the
+        last range's bytes wait in memory for the hash (nothing is read back from the file)
+        and the blob verifies.
+        """
+        data = random.Random(12).randbytes(2 * self.segment)
+        files = {"model.safetensors": data}
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        big = manifest["blobs"][0]["hash"]
+        self.repo.faults.hold_range_start = 0
+        syncer = self.syncer(connections=2)
+        await syncer.sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, files)
+        order = [r.start for r in self.repo.finished if r.blob_hash == big]
+        self.assertEqual(order, [self.segment, 0])
+        self.assertNotIn("hash_region", self.runner.names())
+        self.assertEqual(syncer._budget.used, 0)
+
+    async def test_range_breaks_off_mid_body(self) -> None:
+        """The last range breaks off mid-body: only its missing tail is asked again."""
+        data = random.Random(13).randbytes(3 * self.segment)
+        files = {"model.safetensors": data}
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        big = manifest["blobs"][0]["hash"]
+        self.repo.faults.cut_after_bytes = 100_000
+        self.repo.faults.cut_range_start = 2 * self.segment
+        result = await self.syncer().sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, files)
+        again = [r for r in self.repo.blob_requests(big) if r.start == 2 * self.segment + 100_000]
+        self.assertEqual([r.range_header for r in again],
+                         [f"bytes={2 * self.segment + 100_000}-{3 * self.segment - 1}"])
+        self.assertEqual(result["retries"], 1)
+
+    async def test_resume_per_range_from_disk(self) -> None:
+        """
+        A partial download whose progress record lists ranges that are not contiguous (left
+        by an earlier run with several connections): only the gaps are fetched, and the
+        ranges already on disk are hashed from the file once.
+        """
+        data = random.Random(14).randbytes(4 * self.segment)
+        files = {"model.safetensors": data}
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        big = manifest["blobs"][0]["hash"]
+        blobs = os.path.join(self.store, DIR_NAME, "blobs")
+        os.makedirs(blobs)
+        seg = self.segment
+        with open(os.path.join(blobs, big + ".part"), "wb") as f:
+            f.write(data[:seg] + bytes(2 * seg) + data[3 * seg:])
+        with open(os.path.join(blobs, big + ".progress"), "w") as f:
+            json.dump({"version": 1, "size": len(data), "done": [[0, seg], [3 * seg, 4 * seg]]}, f)
+        result = await self.syncer().sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, files)
+        self.assertEqual(result["resumed"], 1)
+        self.assertEqual(
+            {r.range_header for r in self.repo.blob_requests(big)},
+            {f"bytes={seg}-{2 * seg - 1}", f"bytes={2 * seg}-{3 * seg - 1}"},
+        )
+        self.assertEqual(self.runner.names().count("hash_region"), 2)
+        self.assertFalse(os.path.exists(os.path.join(blobs, big + ".progress")))
+
+    async def test_many_blobs_bounded_by_bytes_in_flight(self) -> None:
+        """
+        Ten blobs with a small memory budget: at no time do the downloads hold more than
+        the budget plus one batch and one socket read per connection.
+        """
+        rng = random.Random(15)
+        files = {f"shard-{i}.bin": rng.randbytes(rng.randrange(1, 3) * self.segment + 1234)
+                 for i in range(10)}
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        budget = 2 * 1024 * 1024
+        batch = 256 * 1024
+        syncer = self.syncer(concurrency=4, buffer_bytes=budget, batch_size=batch)
+        await syncer.sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, files)
+        connections = 4 * self.connections
+        self.assertLessEqual(syncer._budget.peak, budget + connections * (batch + 1024 * 1024))
+        self.assertGreater(syncer._budget.peak, 0)
+        self.assertEqual(syncer._budget.used, 0)

@@ -244,6 +244,29 @@ class SpecDefaultsTests(SynchronousTestCase):
         hf = spec_of(payload(model_sync={"source": "download_from_hf", "hf_repo_id": "org/m"}))
         self.assertNotIn("HF_HUB_OFFLINE", hf.environment)
 
+    def test_store_mount_mode(self) -> None:
+        """
+        The store is mounted read-write only into workloads that download into it
+        (download_from_hf); sync_from_server and no model source get it read-only, and
+        MODEL_STORE_READ_ONLY makes every mount read-only.
+        """
+
+        def mode(p: dict[str, Any], settings: WorkloadSettings = SETTINGS) -> str:
+            args = render(spec_of(p, settings), host_port=18000, command_id="c", agent_id="n")
+            return str(args["host_config"]["binds"]["/srv/models"]["mode"])
+
+        hf = payload(model_sync={"source": "download_from_hf", "hf_repo_id": "org/m"})
+        synced = payload(model_sync={"source": "sync_from_server", "hf_repo_id": "org/m"})
+        by_provider = payload(provider_config={"model_source": "download_from_hf"})
+        self.assertEqual(mode(hf), "rw")
+        self.assertEqual(mode(by_provider), "rw")
+        self.assertEqual(mode(synced), "ro")
+        self.assertEqual(mode(payload()), "ro")
+        forced = WorkloadSettings(
+            agent_id="n", model_store="/srv/models", model_store_read_only=True
+        )
+        self.assertEqual(mode(hf, forced), "ro")
+
     def test_sync_needs_model_store(self) -> None:
         """sync_from_server without a model store is an invalid command."""
         settings = WorkloadSettings(agent_id="n")
@@ -370,7 +393,8 @@ class RenderTests(SynchronousTestCase):
         self.assertEqual(hc["ipc_mode"], "host")
         self.assertEqual(hc["mem_limit"], 8 * 1024**3)
         self.assertEqual(hc["nano_cpus"], 4 * 10**9)
-        self.assertEqual(hc["binds"], {"/srv/models": {"bind": "/data/hf-cache", "mode": "rw"}})
+        # No model source: the workload only reads the store.
+        self.assertEqual(hc["binds"], {"/srv/models": {"bind": "/data/hf-cache", "mode": "ro"}})
         self.assertEqual(args["create"]["name"], "llm-port-llama-3-8b")
 
     def test_endpoint_url(self) -> None:

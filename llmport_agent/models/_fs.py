@@ -357,7 +357,13 @@ def _progress_name(blob: BlobSpec) -> str:
 
 
 def _drop_progress(model: ModelDir, blob: BlobSpec) -> None:
-    safefs.remove_entry(model.blobs, _progress_name(blob), where=f"blobs/{_progress_name(blob)}")
+    name = _progress_name(blob)
+    st = safefs.lstat_at(model.blobs, name)
+    if st is not None:
+        if stat.S_ISREG(st.st_mode):
+            safefs.remove_entry(model.blobs, name, where=f"blobs/{name}")
+        else:
+            _clear_foreign(model, model.blobs, name, f"blobs/{name}", st)
 
 
 def normalise_ranges(ranges: Iterable[Sequence[int]], size: int) -> list[tuple[int, int]]:

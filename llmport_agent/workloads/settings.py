@@ -29,6 +29,9 @@ class WorkloadSettings:
     @ivar advertise_host: host of C{endpoint_url} (C{ADVERTISE_HOST}).
     @ivar model_store: host directory mounted at C{/data/hf-cache} (C{MODEL_STORE}), or
         C{None} for none.
+    @ivar model_store_read_only: mount it read-only into every workload
+        (C{MODEL_STORE_READ_ONLY}); otherwise only C{download_from_hf} workloads, which
+        download into it themselves, get it read-write.
     @ivar image_allowlist: C{IMAGE_ALLOWLIST} entries; empty admits every image.
     @ivar network_mode: C{bridge} publishes ports from the engine's default bridge
         (llm-port's default); C{host} runs workloads in the host's network namespace and
@@ -54,6 +57,7 @@ class WorkloadSettings:
     advertise_scheme: str = "http"
     advertise_host: str = "127.0.0.1"
     model_store: str | None = field(default=None, validator=_absolute_or_none)
+    model_store_read_only: bool = False
     image_allowlist: tuple[str, ...] = field(default=(), converter=tuple)
     network_mode: NetworkMode = field(
         default="bridge", validator=validators.in_(("bridge", "host"))

@@ -119,6 +119,7 @@ class WorkloadSpec:
     nano_cpus: int | None
     network_mode: str
     model_store: str | None
+    model_store_mode: str  # "ro" or "rw" (only download_from_hf writes into the store)
     model_source: str | None
     model_sync: dict[str, Any] | None = field(eq=False, repr=False)
     model_name: str | None
@@ -535,6 +536,11 @@ def build_spec(
         nano_cpus=cpus,
         network_mode=settings.network_mode,
         model_store=settings.model_store,
+        model_store_mode=(
+            "rw"
+            if model_source == "download_from_hf" and not settings.model_store_read_only
+            else "ro"
+        ),
         model_source=model_source,
         model_sync=model_sync,
         model_name=model_name,
@@ -634,7 +640,7 @@ def render(
     if spec.nano_cpus is not None:
         host_config["nano_cpus"] = spec.nano_cpus
     if spec.model_store:
-        host_config["binds"] = {spec.model_store: {"bind": MODEL_MOUNT, "mode": "rw"}}
+        host_config["binds"] = {spec.model_store: {"bind": MODEL_MOUNT, "mode": spec.model_store_mode}}
     return {"create": create, "host_config": host_config}
 
 

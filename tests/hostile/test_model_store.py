@@ -1,0 +1,377 @@
+"""
+Hostile tests of the model store: MODEL_STORE is mounted into workload containers, so a
+container can plant symbolic links, FIFOs and device nodes where the agent (root) keeps its
+own directories and files. The agent must never follow them: a sentinel directory outside
+the store, which the planted links point at, must come out of every sync untouched.
+
+ - L{PlantedStoreTests}: the plants are made by the test process (runs everywhere).
+ - L{ContainerPlantedStoreTests}: the same plants made by a container on the real Docker
+   engine through its mount of the store, before the sync.
+ - L{ReadOnlyStoreMountTests}: a C{sync_from_server} workload (and every workload with
+   C{MODEL_STORE_READ_ONLY}) gets the store read-only: a write from inside fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import stat
+from typing import Any
+
+from treq.client import HTTPClient
+from twisted.internet import reactor as _global_reactor
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import TestCase
+from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.server import Site
+
+from llmport_agent.devbackend.modelfiles import ModelRepository
+from llmport_agent.models import ModelSyncer
+from llmport_agent.threads import PoolService
+from tests.support.docker_env import BUSYBOX, require_docker
+from tests.support.rig import SERVE, WorkloadTestBase, httpd_payload
+from tests.test_models import SECRET, _backend_root, _TrackingFactory
+
+reactor: Any = _global_reactor
+
+# (model, relative path in the model directory, kind, target in the sentinel or "")
+# kind: "link" (a symlink to the sentinel path), "fifo", "chardev", "dir"
+PLANTS: list[tuple[str, str, str, str]] = [
+    ("tmp", ".llmport-tmp", "link", "tmpdir"),  # was emptied: the sentinel lost its files
+    ("blobs", "blobs", "link", "blobsdir"),  # blobs were written into the sentinel as root
+    ("refs", "refs", "link", "refsdir"),
+    ("refs", "snapshots", "link", "snapdir"),
+    ("files", "blobs/{big}", "link", "victim-blob.txt"),
+    ("files", "blobs/{tok}.part", "link", "victim-part.txt"),
+    ("files", "blobs/{cfg}.progress", "link", "victim-progress.txt"),
+    ("files", "refs/main", "link", "victim-ref.txt"),
+    ("files", ".llmport-verified.json", "link", "victim-record.txt"),
+    ("files", "snapshots/{commit}", "link", "snapdir2"),
+    ("dir", "", "link", "modeldir"),  # the model directory itself
+    ("fifo", "blobs/{big}.part", "fifo", ""),  # opening it would block a thread
+    ("fifo", "blobs/{tok}", "fifo", ""),
+    ("fifo", "blobs/{cfg}.part", "chardev", ""),  # /dev/zero's numbers: never opened
+    ("deep", "refs/pr", "link", "prdir"),  # the ref pr/1 would have been written into it
+    ("deep", ".llmport-tmp/x/y", "dir", ""),
+    ("deep", ".llmport-tmp/x/y/escape", "link", "tmpdir2"),  # cleanup removes the link only
+]
+MODELS = sorted({m for m, *_ in PLANTS})
+
+
+def _files() -> dict[str, bytes]:
+    rng = random.Random(21)
+    return {
+        "config.json": b'{"model_type": "llama"}',
+        "tokenizer.json": rng.randbytes(40_000),
+        "model.safetensors": rng.randbytes(3 * 1024 * 1024 + 17),
+    }
+
+
+def make_sentinel(root: str) -> str:
+    """A directory tree outside the store with content the planted links point at."""
+    sentinel = os.path.join(root, "sentinel")
+    for d in ("tmpdir/sub", "tmpdir2", "blobsdir", "refsdir", "snapdir", "snapdir2", "prdir",
+              "modeldir"):
+        os.makedirs(os.path.join(sentinel, d))
+    for rel in ("tmpdir/a", "tmpdir/sub/b", "tmpdir2/c", "snapdir2/d", "modeldir/e",
+                "victim-blob.txt", "victim-part.txt", "victim-progress.txt", "victim-ref.txt",
+                "victim-record.txt"):
+        with open(os.path.join(sentinel, rel), "wb") as f:
+            f.write(b"host data that must survive: " + rel.encode())
+    return sentinel
+
+
+def tree_state(root: str) -> dict[str, tuple[str, int, str]]:
+    """Every entry under C{root} (not following links): kind, mode, content hash."""
+    out: dict[str, tuple[str, int, str]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            full = os.path.join(dirpath, name)
+            st = os.lstat(full)
+            digest = ""
+            if stat.S_ISREG(st.st_mode):
+                with open(full, "rb") as f:
+                    digest = hashlib.sha256(f.read()).hexdigest()
+            out[os.path.relpath(full, root)] = (stat.filemode(st.st_mode), st.st_size, digest)
+    return out
+
+
+class _StoreRig:
+    """The stand-in backend on 127.0.0.1 with one model per plant group, and a syncer."""
+
+    def __init__(self, case: TestCase, store: str) -> None:
+        self.repo = ModelRepository()
+        self.files = _files()
+        self.manifests = {
+            name: self.repo.add_model(f"model-{name}", f"acme/{name}", self.files, ref="main")
+            for name in MODELS
+        }
+        self.manifests["deep"] = self.repo.add_model(
+            "model-deep", "acme/deep", self.files, ref="pr/1"
+        )
+        h = {k: hashlib.sha256(v).hexdigest() for k, v in self.files.items()}
+        self.names = {
+            "big": h["model.safetensors"],
+            "tok": h["tokenizer.json"],
+            "cfg": h["config.json"],
+            "commit": self.manifests["files"]["refs"][0]["commit"],
+        }
+        site = Site(_backend_root(self.repo))
+        self.factory = _TrackingFactory(site)
+        self.port = reactor.listenTCP(0, self.factory, interface="127.0.0.1")
+        self.pool = PoolService(reactor, "store-hostile", 9)
+        self.pool.startService()
+        self.http_pool = HTTPConnectionPool(reactor, persistent=True)
+        self.store = store
+        self.syncer = ModelSyncer(
+            reactor,
+            HTTPClient(Agent(reactor, pool=self.http_pool)),
+            self.pool,
+            store_dir=store,
+            backend_url=f"http://127.0.0.1:{self.port.getHost().port}",
+            credential=lambda: SECRET,
+            retry_initial_delay=0.01,
+            retry_max_delay=0.05,
+            connections=2,
+            segment_size=1024 * 1024,
+        )
+        case.addCleanup(self.stop)
+
+    async def stop(self) -> None:
+        await self.http_pool.closeCachedConnections()
+        await self.pool.stopService()
+        await self.port.stopListening()
+        await self.factory.close_all()
+
+    def plant_path(self, model: str, rel: str) -> str:
+        return os.path.join(f"models--acme--{model}", rel.format(**self.names)).rstrip("/")
+
+
+class _PlantedStoreChecks:
+    """What must hold after a sync of a store full of plants."""
+
+    timeout = 120
+
+    def setUp(self) -> None:
+        root = os.path.abspath(self.mktemp())  # type: ignore[attr-defined]
+        self.store = os.path.join(root, "store")
+        os.makedirs(self.store)
+        self.sentinel = make_sentinel(root)
+        self.before = tree_state(self.sentinel)
+        self.rig = _StoreRig(self, self.store)  # type: ignore[arg-type]
+
+    async def sync_all_and_check(self, planted: bool = True) -> None:
+        results: dict[str, dict[str, Any]] = {}
+        for name in MODELS:
+            results[name] = await self.rig.syncer.sync(
+                self.rig.manifests[name], lambda *a, **k: None
+            )
+        # The sentinel is exactly as it was: nothing deleted, written, created or moved.
+        self.assertEqual(tree_state(self.sentinel), self.before)  # type: ignore[attr-defined]
+        for name, result in results.items():
+            self.assertValidModel(name, self.rig.manifests[name])
+            removed = " ".join(result["removed_foreign"])
+            if not planted:
+                self.assertEqual(removed, "")  # type: ignore[attr-defined]
+                continue
+            for rel in [rel for m, rel, *_ in PLANTS if m == name]:
+                if rel.startswith(".llmport-tmp/x"):
+                    continue  # inside the temporary folder: removed with it, not reported
+                path = os.path.join(self.store, self.rig.plant_path(name, rel))
+                self.assertIn(path + ":", removed + " ", f"{name}: {rel} not reported")
+        # The only links left in the store are the snapshot links the agent made: relative,
+        # pointing into the model's own blobs.
+        for dirpath, dirnames, filenames in os.walk(self.store):
+            for entry in dirnames + filenames:
+                full = os.path.join(dirpath, entry)
+                st = os.lstat(full)
+                if stat.S_ISLNK(st.st_mode):
+                    rel = os.path.relpath(full, self.store).split(os.sep)
+                    self.assertEqual(rel[1], "snapshots", full)  # type: ignore[attr-defined]
+                    target = os.readlink(full)
+                    self.assertFalse(os.path.isabs(target), full)  # type: ignore[attr-defined]
+                    resolved = os.path.realpath(full)
+                    self.assertEqual(  # type: ignore[attr-defined]
+                        os.path.dirname(resolved),
+                        os.path.realpath(os.path.join(self.store, rel[0], "blobs")),
+                    )
+                else:
+                    self.assertTrue(  # type: ignore[attr-defined]
+                        stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode), full
+                    )
+
+    def assertValidModel(self, name: str, manifest: dict[str, Any]) -> None:  # noqa: N802
+        model_dir = os.path.join(self.store, manifest["model_dir_name"])
+        self.assertFalse(os.path.islink(model_dir))  # type: ignore[attr-defined]
+        for blob in manifest["blobs"]:
+            path = os.path.join(model_dir, "blobs", blob["hash"])
+            st = os.lstat(path)
+            self.assertTrue(stat.S_ISREG(st.st_mode), path)  # type: ignore[attr-defined]
+            with open(path, "rb") as f:
+                self.assertEqual(hashlib.sha256(f.read()).hexdigest(), blob["hash"])  # type: ignore[attr-defined]
+        for ref in manifest["refs"]:
+            path = os.path.join(model_dir, "refs", *ref["name"].split("/"))
+            self.assertTrue(stat.S_ISREG(os.lstat(path).st_mode), path)  # type: ignore[attr-defined]
+            with open(path, "rb") as f:
+                self.assertEqual(f.read(), ref["commit"].encode())  # type: ignore[attr-defined]
+        for snap in manifest["snapshots"]:
+            root = os.path.join(model_dir, "snapshots", snap["commit"])
+            self.assertFalse(os.path.islink(root))  # type: ignore[attr-defined]
+            for link in snap["links"]:
+                with open(os.path.join(root, *link["path"].split("/")), "rb") as f:
+                    self.assertEqual(hashlib.sha256(f.read()).hexdigest(), link["blob_hash"])  # type: ignore[attr-defined]
+
+
+class PlantedStoreTests(_PlantedStoreChecks, TestCase):
+    """The plants made by the test process itself (no engine needed)."""
+
+    def plant(self) -> None:
+        for model, rel, kind, target in PLANTS:
+            path = os.path.join(self.store, self.rig.plant_path(model, rel))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if kind == "link":
+                os.symlink(os.path.join(self.sentinel, target), path)
+            elif kind == "fifo":
+                os.mkfifo(path)
+            elif kind == "chardev":
+                if os.geteuid() == 0:
+                    os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 5))
+                else:
+                    os.mkfifo(path)
+            else:
+                os.makedirs(path, exist_ok=True)
+
+    async def test_planted_links_are_not_followed(self) -> None:
+        """
+        Symlinks planted for the temporary folder, blobs/, refs/, snapshots/, a blob, a
+        .part, a progress record, a ref, the verification record, a snapshot, the model
+        directory itself and a ref's parent directory, plus FIFOs and a device node where
+        files belong: every sync succeeds, every plant is removed without being followed
+        and reported in the result, and the sentinel they point at is untouched.
+        """
+        self.plant()
+        await self.sync_all_and_check()
+
+    async def test_repeat_syncs_stay_clean(self) -> None:
+        """Planting again after a good sync is cleaned up by the next one just the same."""
+        await self.sync_all_and_check(planted=False)
+        self.before = tree_state(self.sentinel)
+        for name in MODELS:  # the model dirs exist now: plants go over the real ones
+            model_dir = os.path.join(self.store, f"models--acme--{name}")
+            for sub in ("blobs", "refs", "snapshots", ".llmport-tmp"):
+                path = os.path.join(model_dir, sub)
+                for dirpath, dirnames, filenames in os.walk(path, topdown=False):
+                    for f in filenames:
+                        os.unlink(os.path.join(dirpath, f))
+                    for d in dirnames:
+                        full = os.path.join(dirpath, d)
+                        (os.unlink if os.path.islink(full) else os.rmdir)(full)
+                os.rmdir(path)
+            os.unlink(os.path.join(model_dir, ".llmport-verified.json"))
+            os.rmdir(model_dir)
+        self.plant()
+        await self.sync_all_and_check()
+
+
+class ContainerPlantedStoreTests(_PlantedStoreChecks, TestCase):
+    """The plants made by a workload container through its read-write mount of the store."""
+
+    def script(self) -> str:
+        lines = ["set -e", "cd /data/hf-cache"]
+        for model, rel, kind, target in PLANTS:
+            path = self.rig.plant_path(model, rel)
+            parent = os.path.dirname(path)
+            if parent:
+                lines.append(f"mkdir -p '{parent}'")
+            if kind == "link":
+                lines.append(f"ln -s '{os.path.join(self.sentinel, target)}' '{path}'")
+            elif kind == "fifo":
+                lines.append(f"mkfifo '{path}'")
+            elif kind == "chardev":
+                lines.append(f"mknod '{path}' c 1 5 || mkfifo '{path}'")
+            else:
+                lines.append(f"mkdir -p '{path}'")
+        lines.append("echo planted")
+        return "\n".join(lines)
+
+    async def test_container_plants_links_before_sync(self) -> None:
+        """
+        A container with the store mounted read-write (as a download_from_hf workload has
+        it) plants links to a host directory in the tmp folder, blobs, refs, snapshots and a
+        blob file (and the rest of the plants); the next syncs leave the host directory
+        untouched.
+        """
+        env = require_docker()
+        script = self.script()
+
+        def run_container() -> bytes:
+            client = env.client()
+            container = client.containers.create(
+                BUSYBOX,
+                ["sh", "-c", script],
+                volumes={self.store: {"bind": "/data/hf-cache", "mode": "rw"}},
+                network_mode="none",
+            )
+            try:
+                container.start()
+                status = container.wait(timeout=60)
+                logs: bytes = container.logs()
+                if status.get("StatusCode") != 0:
+                    raise AssertionError(f"planting failed: {logs!r}")
+                return logs
+            finally:
+                container.remove(force=True)
+
+        logs = await deferToThread(run_container)
+        self.assertIn(b"planted", logs)
+        self.assertTrue(os.path.islink(os.path.join(self.store, "models--acme--dir")))
+        await self.sync_all_and_check()
+
+
+class ReadOnlyStoreMountTests(WorkloadTestBase):
+    """Who may write into the store from inside a container."""
+
+    async def deploy_and_touch(self, model_sync: dict[str, Any], **overrides: Any) -> int:
+        """Deploy an httpd workload with the store; return the exit code of a write inside."""
+        store = os.path.abspath(self.mktemp())
+        os.makedirs(store)
+
+        async def sync_model(ms: dict[str, Any], progress: Any) -> dict[str, Any]:
+            return {"fetched": 0}
+
+        from tests.support.rig import Rig
+
+        await self.rig.stop()
+        self.rig = Rig(reactor, self.env, sync_model=sync_model, model_store=store, **overrides)
+        await self.rig.start()
+        payload = httpd_payload(script=SERVE, model_sync=model_sync)
+        await self.rig.run("deploy_workload", payload)
+        [container] = self.env.managed_containers(payload["runtime_id"])
+
+        def touch() -> int:
+            listing = container.exec_run(["ls", "/data/hf-cache"])
+            if listing.exit_code != 0:
+                raise AssertionError(f"the store is not readable inside: {listing.output!r}")
+            return int(container.exec_run(["touch", "/data/hf-cache/probe"]).exit_code)
+
+        code = await deferToThread(touch)
+        self.assertEqual(os.path.exists(os.path.join(store, "probe")), code == 0)
+        return code
+
+    async def test_sync_from_server_workload_cannot_write(self) -> None:
+        """A sync_from_server workload gets the store read-only: a write from inside fails."""
+        code = await self.deploy_and_touch(
+            {"source": "sync_from_server", "hf_repo_id": "org/m", "model_id": "m", "blobs": []}
+        )
+        self.assertNotEqual(code, 0)
+
+    async def test_download_from_hf_writes_unless_forced_read_only(self) -> None:
+        """
+        A download_from_hf workload downloads into the store (read-write), unless the
+        operator set MODEL_STORE_READ_ONLY.
+        """
+        hf = {"source": "download_from_hf", "hf_repo_id": "org/m"}
+        self.assertEqual(await self.deploy_and_touch(hf), 0)
+        self.env.remove_all_containers()
+        self.assertNotEqual(await self.deploy_and_touch(hf, model_store_read_only=True), 0)
