@@ -271,7 +271,7 @@ SETTINGS: tuple[Setting, ...] = (
             "An image pull or transfer with no progress for this long is abandoned (pull_stalled)."),
     Setting("MODEL_SYNC_CONCURRENCY", "model_sync_concurrency", 4, _number(1, integer=True),
             "Model blobs downloaded at the same time."),
-    Setting("MODEL_SYNC_CONNECTIONS", "model_sync_connections", 1, _int_range(1, 16),
+    Setting("MODEL_SYNC_CONNECTIONS", "model_sync_connections", 4, _int_range(1, 16),
             "Ranged connections per large sha256 model blob (1 = one stream per blob)."),
     Setting("MODEL_SYNC_SEGMENT_MB", "model_sync_segment_mb", 32, _int_range(1, 1024),
             "MiB per ranged request; blobs smaller than two segments use one stream."),

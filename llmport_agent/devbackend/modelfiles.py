@@ -54,6 +54,8 @@ class ModelFaults:
         until another response of the same blob has been sent completely; reset when used.
     @ivar corrupt_blob: serve this blob with one byte changed (its hash no longer matches).
     @ivar fail_5xx_times: answer the next N requests (manifest or blob) with 503.
+    @ivar rate_limit: bytes per second per blob response (0 = unlimited): a link or a
+        proxy that limits each connection (benchmarks of ranged downloads).
     """
 
     ignore_range: bool = False
@@ -63,6 +65,7 @@ class ModelFaults:
     hold_range_start: int | None = None
     corrupt_blob: str | None = None
     fail_5xx_times: int = 0
+    rate_limit: int = 0
 
 
 @frozen
@@ -112,7 +115,10 @@ class ModelRepository:
     commit adds a snapshot (and moves the ref).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Any = None) -> None:
+        if clock is None:
+            from twisted.internet import reactor as clock
+        self.clock = clock
         self.faults = ModelFaults()
         self.requests: list[ServedRequest] = []
         #: blob responses in the order they were sent completely
@@ -247,6 +253,8 @@ class _BlobProducer:
         corrupt: bool,
         on_finish: Callable[[], None] = lambda: None,
         held: bool = False,
+        rate_limit: int = 0,
+        clock: Any = None,
     ) -> None:
         self._request = request
         self._file: BinaryIO | None = source.open()
@@ -257,6 +265,10 @@ class _BlobProducer:
         self._corrupt = corrupt
         self._on_finish = on_finish
         self._held = held
+        self._rate = rate_limit
+        self._clock = clock
+        self._started: float | None = None
+        self._wakeup: Any = None
         self._finished = False
         self._paused = False
         self._producing = False
@@ -271,14 +283,31 @@ class _BlobProducer:
 
     def resumeProducing(self) -> None:
         self._paused = False
-        if self._producing or self._held:
+        self._run()
+
+    def _run(self) -> None:
+        if self._producing or self._held or self._paused:
             return
         self._producing = True
         try:
             while not self._paused and not self._finished:
+                if self._rate and self._throttled():
+                    return
                 self._step()
         finally:
             self._producing = False
+
+    def _throttled(self) -> bool:
+        """Ahead of C{rate_limit}: come back when the budget allows the next chunk."""
+        now = self._clock.seconds()
+        if self._started is None:
+            self._started = now
+        ahead = self._sent / self._rate - (now - self._started)
+        if ahead <= 0:
+            return False
+        if self._wakeup is None or not self._wakeup.active():
+            self._wakeup = self._clock.callLater(ahead, self._run)
+        return True
 
     def stopProducing(self) -> None:
         self._close()
@@ -310,6 +339,8 @@ class _BlobProducer:
 
     def _close(self) -> None:
         self._finished = True
+        if self._wakeup is not None and self._wakeup.active():
+            self._wakeup.cancel()
         f, self._file = self._file, None
         if f is not None:
             f.close()
@@ -417,6 +448,8 @@ class _ModelFilesResource(Resource):
             faults.corrupt_blob == blob_hash,
             on_finish=lambda: self._repo._response_finished(entry),
             held=held,
+            rate_limit=faults.rate_limit,
+            clock=self._repo.clock,
         )
         if held:
             self._repo._held.append((blob_hash, producer))

@@ -293,7 +293,7 @@ class ModelSyncer:
         backend_url: str,
         credential: Callable[[], str],
         concurrency: int = 4,
-        connections: int = 1,
+        connections: int = 4,
         segment_size: int = 32 * 1024 * 1024,
         buffer_bytes: int = 256 * 1024 * 1024,
         batch_size: int = 2 * 1024 * 1024,

@@ -432,6 +432,8 @@ class BlobTransfer:
                 )
             if a > 0:
                 self._run.range_ignored += 1
+                if bounded:
+                    syncer._bounded_ranges = False  # no ranged requests to this server again
                 if bounded or self._active > 1:
                     abandon(response)
                     raise _StartOver("the backend ignored Range")
