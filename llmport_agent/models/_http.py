@@ -102,8 +102,9 @@ class SerialRunner:
 
     log = Logger()
 
-    def __init__(self, runner: BlockingRunner) -> None:
+    def __init__(self, runner: BlockingRunner, *, tracker: Any = None) -> None:
         self._runner = runner
+        self._tracker = tracker  # told enter() when a job is queued, leave() once it ran
         self._queue: deque[tuple[Callable[..., Any], tuple[Any, ...], Deferred[Any]]] = deque()
         self._busy = False
 
@@ -115,6 +116,8 @@ class SerialRunner:
     def run(self, fn: Callable[..., T], *args: Any) -> Deferred[T]:
         """Queue C{fn(*args)}; the Deferred fires with its result."""
         d: Deferred[T] = Deferred()
+        if self._tracker is not None:
+            self._tracker.enter()
         self._queue.append((fn, args, d))
         self._next()
         return d
@@ -135,6 +138,8 @@ class SerialRunner:
                     "file job {job} failed after its caller went away", result, job=fn.__name__
                 )
             self._next()
+            if self._tracker is not None:
+                self._tracker.leave()
 
         job.addBoth(done)
 

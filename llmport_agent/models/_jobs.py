@@ -13,6 +13,7 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from llmport_agent.models._http import SerialRunner
 from llmport_agent.threads import BlockingRunner
 
 T = TypeVar("T")
@@ -28,20 +29,34 @@ class FileJobs:
 
     def __init__(self, runner: BlockingRunner) -> None:
         self._runner = runner
-        self._running = 0
+        self._running = 0  # jobs on a thread, plus jobs queued in this run's serials
         self._idle: list[Deferred[None]] = []
 
     @property
     def running(self) -> int:
         return self._running
 
+    def serial(self) -> SerialRunner:
+        """A L{SerialRunner} on these jobs whose queued jobs count as running from the start."""
+        return SerialRunner(self, tracker=self)
+
+    def enter(self) -> None:
+        self._running += 1
+
+    def leave(self) -> None:
+        self._running -= 1
+        if self._running == 0:
+            waiters, self._idle = self._idle, []
+            for w in waiters:
+                if not w.called:
+                    w.callback(None)
+
     def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Deferred[T]:
         caller: Deferred[T] = Deferred()
-        self._running += 1
+        self.enter()
         inner = self._runner.run(fn, *args, **kwargs)
 
         def finished(result: object) -> None:
-            self._running -= 1
             if not caller.called:
                 if isinstance(result, Failure):
                     caller.errback(result)
@@ -52,11 +67,7 @@ class FileJobs:
                     "file job {job} failed after its caller went away", result,
                     job=getattr(fn, "__name__", "?"),
                 )
-            if self._running == 0:
-                waiters, self._idle = self._idle, []
-                for w in waiters:
-                    if not w.called:
-                        w.callback(None)
+            self.leave()
 
         inner.addBoth(finished)
         return caller

@@ -50,7 +50,6 @@ from llmport_agent.models._http import (
     FlowBudget,
     ReactorTime,
     Retry,
-    SerialRunner,
     TransferInterrupted,
     describe_error,
     detail_of,
@@ -97,6 +96,14 @@ ProgressCallback = Callable[..., None]
 _Retry = Retry
 
 _RETRYABLE: tuple[type[BaseException], ...] = (_Retry, *_NETWORK_ERRORS)
+
+
+def _wraps_cancellation(exc: BaseException) -> bool:
+    """Whether a twisted.web client error carries a C{CancelledError} as its reason."""
+    for reason in getattr(exc, "reasons", None) or []:
+        if isinstance(reason, Failure) and reason.check(CancelledError):
+            return True
+    return False
 
 
 def _size(n: int | float) -> str:
@@ -646,10 +653,19 @@ class ModelSyncer:
             allow_redirects=False,
             reactor=self._reactor,
         )
-        d.addTimeout(self._request_timeout, self._reactor)
+        timeout = self._request_timeout
+
+        def timed_out(_result: object, _timeout: float) -> Failure:
+            return Failure(error.TimeoutError(f"no response within {timeout:g} seconds"))
+
+        d.addTimeout(timeout, self._reactor, onTimeoutCancel=timed_out)
         try:
             return await d
         except _NETWORK_ERRORS as e:
+            # A request cancelled from outside (the sync was cancelled) fails with the
+            # cancellation wrapped in ResponseNeverReceived: that is no reason to retry.
+            if _wraps_cancellation(e):
+                raise CancelledError() from None
             raise _Retry(describe_error(e)) from None
 
     async def _refuse(self, response: Any, what: str) -> None:
@@ -718,8 +734,8 @@ class ModelSyncer:
 
     async def _fetch(self, run: _Run, blob: BlobSpec) -> None:
         """Download one blob into C{blobs/<hash>}, resuming, retrying and verifying."""
-        writer = SerialRunner(run.jobs)
-        hasher = SerialRunner(run.jobs)
+        writer = run.jobs.serial()
+        hasher = run.jobs.serial()
         part = await writer.run(_fs.open_part, run.model, blob)
         if part.resumed_bytes:
             run.resumed += 1

@@ -13,19 +13,22 @@ the store, which the planted links point at, must come out of every sync untouch
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
+import signal
 import stat
 from typing import Any
 
 from treq.client import HTTPClient
 from twisted.internet import reactor as _global_reactor
 from twisted.internet.threads import deferToThread
-from twisted.trial.unittest import TestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.server import Site
 
+from llmport_agent import safefs
 from llmport_agent.devbackend.modelfiles import ModelRepository
 from llmport_agent.models import ModelSyncer
 from llmport_agent.threads import PoolService
@@ -375,3 +378,95 @@ class ReadOnlyStoreMountTests(WorkloadTestBase):
         self.assertEqual(await self.deploy_and_touch(hf), 0)
         self.env.remove_all_containers()
         self.assertNotEqual(await self.deploy_and_touch(hf, model_store_read_only=True), 0)
+
+
+class SafeFsTests(SynchronousTestCase):
+    """The primitives under the store never follow a link, never open a FIFO or device."""
+
+    def setUp(self) -> None:
+        root = os.path.abspath(self.mktemp())
+        self.sentinel = make_sentinel(root)
+        self.before = tree_state(self.sentinel)
+        self.dir = os.path.join(root, "work")
+        os.makedirs(self.dir)
+        self.fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        self.addCleanup(os.close, self.fd)
+        # A hang (an open that blocks on a FIFO) must fail the test, not the whole run.
+        signal.signal(signal.SIGALRM, self._timeout)
+        signal.alarm(20)
+        self.addCleanup(signal.alarm, 0)
+
+    def _timeout(self, *_: Any) -> None:
+        raise AssertionError("blocked: something opened a FIFO")
+
+    def tearDown(self) -> None:
+        self.assertEqual(tree_state(self.sentinel), self.before)
+
+    def test_remove_tree_unlinks_links(self) -> None:
+        """A tree holding links to directories and files outside is removed; they are not."""
+        top = os.path.join(self.dir, "t")
+        os.makedirs(os.path.join(top, "a", "b"))
+        os.symlink(os.path.join(self.sentinel, "tmpdir"), os.path.join(top, "a", "dirlink"))
+        os.symlink(os.path.join(self.sentinel, "victim-blob.txt"), os.path.join(top, "a", "b", "f"))
+        os.mkfifo(os.path.join(top, "fifo"))
+        safefs.remove_tree(self.fd, "t")
+        self.assertEqual(os.listdir(self.dir), [])
+        # The top itself being a link: the link goes, not its target's content.
+        os.symlink(os.path.join(self.sentinel, "tmpdir"), os.path.join(self.dir, "t2"))
+        safefs.remove_tree(self.fd, "t2")
+        self.assertEqual(os.listdir(self.dir), [])
+
+    def test_remove_tree_depth_is_bounded(self) -> None:
+        """A tree deeper than the bound is refused with ELOOP (no recursion, no fd leak)."""
+        path = os.path.join(self.dir, "deep")
+        os.makedirs(path)
+        d = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        for _ in range(safefs.MAX_TREE_DEPTH + 5):
+            os.mkdir("d", dir_fd=d)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=d)
+            os.close(d)
+            d = child
+        os.close(d)
+        fds = len(os.listdir("/proc/self/fd"))
+        with self.assertRaises(OSError) as cm:
+            safefs.remove_tree(self.fd, "deep")
+        self.assertEqual(cm.exception.errno, errno.ELOOP)
+        self.assertEqual(len(os.listdir("/proc/self/fd")), fds)
+
+    def test_open_file_refuses_links_fifos_devices(self) -> None:
+        """open_file_at opens regular files only; the rest raise without being opened."""
+        os.symlink(os.path.join(self.sentinel, "victim-blob.txt"), os.path.join(self.dir, "l"))
+        os.mkfifo(os.path.join(self.dir, "fifo"))
+        names = ["l", "fifo"]
+        if os.geteuid() == 0:
+            os.mknod(os.path.join(self.dir, "dev"), 0o600 | stat.S_IFCHR, os.makedev(1, 5))
+            names.append("dev")
+        for name in names:
+            with self.assertRaises(safefs.NotRegularFile, msg=name):
+                safefs.open_file_at(self.fd, name, os.O_RDWR)
+        with open(os.path.join(self.dir, "ok"), "wb") as f:
+            f.write(b"fine")
+        fd, st = safefs.open_file_at(self.fd, "ok")
+        os.close(fd)
+        self.assertEqual(st.st_size, 4)
+
+    def test_atomic_write_replaces_a_link(self) -> None:
+        """atomic_write_at over a link replaces the link; the file it pointed at is unchanged."""
+        os.symlink(os.path.join(self.sentinel, "victim-ref.txt"), os.path.join(self.dir, "ref"))
+        safefs.atomic_write_at(self.fd, "ref", b"commit", 0o644)
+        self.assertFalse(os.path.islink(os.path.join(self.dir, "ref")))
+        with open(os.path.join(self.dir, "ref"), "rb") as f:
+            self.assertEqual(f.read(), b"commit")
+
+    def test_open_dir_replaces_what_is_in_the_way(self) -> None:
+        """A link or a file where a directory belongs is removed and reported (create=True)."""
+        os.symlink(os.path.join(self.sentinel, "blobsdir"), os.path.join(self.dir, "blobs"))
+        with self.assertRaises(NotADirectoryError):
+            safefs.open_dir_at(self.fd, "blobs")
+        seen: list[tuple[str, str]] = []
+        fd = safefs.open_dir_at(self.fd, "blobs", create=True,
+                                on_foreign=lambda rel, what: seen.append((rel, what)))
+        os.close(fd)
+        self.assertEqual(seen, [("blobs", "a symbolic link")])
+        self.assertTrue(os.path.isdir(os.path.join(self.dir, "blobs")))
+        self.assertFalse(os.path.islink(os.path.join(self.dir, "blobs")))
