@@ -1240,3 +1240,29 @@ class RangedLoopbackSyncTests(_LoopbackSync, TestCase):
         self.assertLessEqual(syncer._budget.peak, budget + connections * (batch + 1024 * 1024))
         self.assertGreater(syncer._budget.peak, 0)
         self.assertEqual(syncer._budget.used, 0)
+
+
+class BackendEndpointTests(TestCase):
+    """The backend client's endpoints read large blocks from the socket."""
+
+    async def test_large_reads(self) -> None:
+        """An http endpoint's connection reads READ_SIZE bytes at a time; https wraps TLS."""
+        from twisted.internet.protocol import Factory, Protocol
+        from twisted.web.client import URI
+        from twisted.web.error import SchemeNotSupported
+
+        from llmport_agent.http_endpoints import READ_SIZE, BackendEndpointFactory
+        from llmport_agent.tls import https_policy
+
+        server = Factory.forProtocol(Protocol)
+        port = reactor.listenTCP(0, server, interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        factory = BackendEndpointFactory(reactor, https_policy(True, None), 5)
+        endpoint = factory.endpointForURI(URI.fromBytes(b"http://127.0.0.1:%d/" % port.getHost().port))
+        proto = await endpoint.connect(Factory.forProtocol(Protocol))
+        self.assertEqual(proto.transport.bufferSize, READ_SIZE)
+        proto.transport.loseConnection()
+        tls = factory.endpointForURI(URI.fromBytes(b"https://backend.invalid/"))
+        self.assertNotIsInstance(tls, type(endpoint))
+        with self.assertRaises(SchemeNotSupported):
+            factory.endpointForURI(URI.fromBytes(b"ftp://backend.invalid/"))

@@ -6,10 +6,10 @@ thread is about to use could let it act on whatever file gets that number next).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, DeferredList
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -81,3 +81,31 @@ class FileJobs:
                 await d
             except CancelledError:
                 continue
+
+
+async def run_together(workers: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """
+    Run C{workers} at once. The first failure (other than a cancellation) cancels the
+    others - their clean-up still runs - and is raised once all have stopped.
+    """
+    deferreds: list[Deferred[None]] = []
+    first: list[Failure] = []
+
+    def failed(f: Failure) -> Failure:
+        if not first and not f.check(CancelledError):
+            first.append(f)
+            for w in deferreds:
+                if not w.called:
+                    w.cancel()
+        return f
+
+    for coro in workers:
+        d = Deferred.fromCoroutine(coro)
+        deferreds.append(d)
+        d.addErrback(failed)
+    results = await DeferredList(deferreds, consumeErrors=True)
+    if first:
+        first[0].raiseException()
+    for ok, value in results:
+        if not ok and isinstance(value, Failure):
+            value.raiseException()

@@ -33,7 +33,7 @@ from urllib.parse import quote
 from attrs import define, field
 from treq.client import HTTPClient
 from twisted.internet import defer, error
-from twisted.internet.defer import CancelledError, Deferred, DeferredList, fail, succeed
+from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
@@ -56,7 +56,7 @@ from llmport_agent.models._http import (
     read_limited,
     read_small,
 )
-from llmport_agent.models._jobs import FileJobs
+from llmport_agent.models._jobs import FileJobs, run_together
 from llmport_agent.models.errors import (
     CHECKSUM_MISMATCH,
     CREDENTIAL_REJECTED,
@@ -580,31 +580,12 @@ class ModelSyncer:
         workers (their clean-up still runs) and is raised once all have stopped.
         """
         queue = deque(jobs)
-        workers: list[Deferred[None]] = []
-        first: list[Failure] = []
-
-        def failed(f: Failure) -> Failure:
-            if not first and not f.check(CancelledError):
-                first.append(f)
-                for w in workers:
-                    if not w.called:
-                        w.cancel()
-            return f
 
         async def worker() -> None:
-            while queue and not first:
+            while queue:
                 await queue.popleft()()
 
-        for _ in range(min(self._concurrency, len(queue))):
-            d = Deferred.fromCoroutine(worker())
-            workers.append(d)
-            d.addErrback(failed)
-        results = await DeferredList(workers, consumeErrors=True)
-        if first:
-            first[0].raiseException()
-        for ok, value in results:
-            if not ok and isinstance(value, Failure):
-                value.raiseException()
+        await run_together(worker() for _ in range(min(self._concurrency, len(queue))))
 
     async def _verify_or_fetch(self, run: _Run, blob: BlobSpec) -> None:
         ok, mtime_ns = await run.jobs.run(_fs.verify_blob, run.model, blob)

@@ -29,7 +29,6 @@ import bisect
 from typing import TYPE_CHECKING, Any
 
 from attrs import define
-from twisted.internet.defer import CancelledError, Deferred, DeferredList
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -45,6 +44,7 @@ from llmport_agent.models._http import (
     abandon,
     parse_content_range,
 )
+from llmport_agent.models._jobs import run_together
 from llmport_agent.models.errors import CHECKSUM_MISMATCH, DOWNLOAD_FAILED
 from llmport_agent.models.manifest import BlobSpec
 
@@ -338,28 +338,7 @@ class BlobTransfer:
                 workers = max(1, min(self._syncer._connections, segments))
             self._active = workers
             self._streamer = None
-            deferreds: list[Deferred[None]] = []
-            first: list[Failure] = []
-
-            def failed(f: Failure, deferreds: list[Deferred[None]] = deferreds,
-                       first: list[Failure] = first) -> Failure:
-                if not first and not f.check(CancelledError):
-                    first.append(f)
-                    for w in deferreds:
-                        if not w.called:
-                            w.cancel()
-                return f
-
-            for i in range(workers):
-                d = Deferred.fromCoroutine(self._worker(i))
-                deferreds.append(d)
-                d.addErrback(failed)
-            results = await DeferredList(deferreds, consumeErrors=True)
-            if first:
-                first[0].raiseException()
-            for ok, value in results:
-                if not ok and isinstance(value, Failure):
-                    value.raiseException()
+            await run_together(self._worker(i) for i in range(workers))
             # Bytes may still be missing: put back by a worker after the others had stopped
             # (a switch to one stream), or left by connections that gave up.
 
