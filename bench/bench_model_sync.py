@@ -182,7 +182,7 @@ def client(cfg: dict[str, Any]) -> None:
         pool = PoolService(reactor, "bench-files", 2 * concurrency + 1)
         pool.startService()
         http_pool = HTTPConnectionPool(reactor, persistent=True)
-        http_pool.maxPersistentPerHost = concurrency * connections + 2
+        http_pool.maxPersistentPerHost = concurrency * (connections or 4) + 2
         try:
             from llmport_agent.http_endpoints import backend_agent
             from llmport_agent.tls import https_policy
@@ -425,14 +425,17 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1024,4096",
                         help="big-blob sizes in MiB, comma-separated")
+    parser.add_argument("--size-mb", type=int, default=None,
+                        help="one big-blob size in MiB (the earlier form of --sizes; no shards)")
     parser.add_argument("--shards", type=int, default=10, help="blobs of the many-blob model (0 = none)")
     parser.add_argument("--shards-mb", type=int, default=4096, help="MiB of the many-blob model in all")
     parser.add_argument("--small-files", type=int, default=0,
                         help="files of a many-small-files model (metadata cost), 0 = none")
     parser.add_argument("--repeat", type=int, default=3, help="runs (median and spread printed)")
     parser.add_argument("--concurrency", type=int, default=4, help="blobs downloaded at once")
-    parser.add_argument("--connections", default="1,4",
-                        help="MODEL_SYNC_CONNECTIONS settings to measure, comma-separated")
+    parser.add_argument("--connections", default="0,1,4",
+                        help="MODEL_SYNC_CONNECTIONS settings to measure, comma-separated "
+                             "(0 = auto)")
     parser.add_argument("--segment-mb", type=int, default=32, help="MiB per ranged request")
     parser.add_argument("--rate-mbps", type=float, default=0,
                         help="limit each server response to this many MB/s (0 = none)")
@@ -449,9 +452,13 @@ def main() -> None:
     if args.client:
         client(json.loads(args.client))
         return
+    if args.size_mb is not None:
+        args.sizes, args.shards = str(args.size_mb), 0
     args.sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     connections = [int(x) for x in args.connections.split(",") if x.strip()]
-    trees: list[tuple[str, str, int]] = [(f"agent ({c} conn)", HERE, c) for c in connections]
+    trees: list[tuple[str, str, int]] = [
+        (f"agent ({c or 'auto'} conn)", HERE, c) for c in connections
+    ]
     if args.baseline_tree:
         trees.append(("baseline tree", os.path.abspath(args.baseline_tree), 1))
     work = tempfile.mkdtemp(prefix="bench-model-sync-", dir=args.workdir)

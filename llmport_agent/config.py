@@ -82,6 +82,13 @@ def _int_range(minimum: int, maximum: int) -> Callable[[str, str], int]:
     return parse
 
 
+def _connections(var: str, raw: str) -> int:
+    """C{auto} (0: adaptive) or a fixed count 1-16."""
+    if raw.strip().lower() in ("auto", "0"):
+        return 0
+    return _int_range(1, 16)(var, raw)
+
+
 def _bool(var: str, raw: str) -> bool:
     value = raw.strip().lower()
     if value in {"1", "true", "yes", "y", "on"}:
@@ -271,8 +278,8 @@ SETTINGS: tuple[Setting, ...] = (
             "An image pull or transfer with no progress for this long is abandoned (pull_stalled)."),
     Setting("MODEL_SYNC_CONCURRENCY", "model_sync_concurrency", 4, _number(1, integer=True),
             "Model blobs downloaded at the same time."),
-    Setting("MODEL_SYNC_CONNECTIONS", "model_sync_connections", 4, _int_range(1, 16),
-            "Ranged connections per large sha256 model blob (1 = one stream per blob)."),
+    Setting("MODEL_SYNC_CONNECTIONS", "model_sync_connections", 0, _connections,
+            "Ranged connections per large sha256 model blob: auto (add up to 4 while each makes it faster), or 1-16 (1 = one stream)."),
     Setting("MODEL_SYNC_SEGMENT_MB", "model_sync_segment_mb", 32, _int_range(1, 1024),
             "MiB per ranged request; blobs smaller than two segments use one stream."),
     Setting("MODEL_SYNC_BUFFER_MB", "model_sync_buffer_mb", 256, _int_range(8, 65536),

@@ -79,7 +79,7 @@ def make_http_client(reactor: Any, config: AgentConfig) -> Any:
     pool = HTTPConnectionPool(reactor, persistent=True)
     pool._factory.noisy = False
     pool.maxPersistentPerHost = max(
-        4, config.model_sync_concurrency * config.model_sync_connections + 2
+        4, config.model_sync_concurrency * (config.model_sync_connections or 4) + 2
     )
     pool.cachedConnectionTimeout = 60
     agent = backend_agent(

@@ -687,7 +687,8 @@ class _LoopbackSync:
 
     timeout = 120
     connections = 1
-    segment = 32 * 1024 * 1024
+    # Blobs of two segments or more get a preallocated part file with a progress record.
+    segment = 8 * 1024 * 1024
 
     @property
     def ranged(self) -> bool:
@@ -1084,6 +1085,7 @@ class _LoopbackSync:
         if op is not None:
             await op.when_done()  # the cancelled sync winds down (its part file closed)
         part = os.path.join(blobs, big + ".part")
+        self.assertGreaterEqual(len(files["model.safetensors"]), 2 * self.segment)
         if os.path.exists(part):
             self.assertEqual(os.path.getsize(part), len(files["model.safetensors"]))
             with open(os.path.join(blobs, big + ".progress")) as f:
@@ -1222,6 +1224,21 @@ class RangedLoopbackSyncTests(_LoopbackSync, TestCase):
         self.assertEqual(self.runner.names().count("hash_region"), 2)
         self.assertFalse(os.path.exists(os.path.join(blobs, big + ".progress")))
 
+    async def test_adaptive_connections_where_each_connection_is_limited(self) -> None:
+        """
+        With the adaptive setting (connections=0) and a server that limits each connection
+        (16 MB/s), the blob is fetched with more connections as each one pays off.
+        """
+        data = random.Random(16).randbytes(64 * 1024 * 1024)
+        files = {"model.safetensors": data}
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        self.repo.faults.rate_limit = 16_000_000
+        result = await self.syncer(connections=0, segment_size=4 * 1024 * 1024).sync(
+            manifest, lambda *a, **k: None
+        )
+        self.assertValidCache(manifest, files)
+        self.assertGreater(result["connections_used"], 1)
+
     async def test_many_blobs_bounded_by_bytes_in_flight(self) -> None:
         """
         Ten blobs with a small memory budget: at no time do the downloads hold more than
@@ -1266,3 +1283,55 @@ class BackendEndpointTests(TestCase):
         self.assertNotIsInstance(tls, type(endpoint))
         with self.assertRaises(SchemeNotSupported):
             factory.endpointForURI(URI.fromBytes(b"ftp://backend.invalid/"))
+
+
+class ConnectionScalerTests(SynchronousTestCase):
+    """How many connections a blob uses is learnt from how fast it arrives."""
+
+    def feed(self, scaler: Any, rates: dict[int, float], seconds: float = 10.0) -> list[int]:
+        """Feed one-second windows at the rate each connection count gives; the steps taken."""
+        steps = []
+        now, total = 0.0, 0
+        scaler.observe(now, total)
+        while now < seconds and not scaler.settled:
+            now += 1.0
+            total += int(rates[scaler.allowed])
+            change = scaler.observe(now, total)
+            if change is not None:
+                steps.append(change)
+        return steps
+
+    def test_more_connections_while_they_pay(self) -> None:
+        """Each doubling that speeds the blob up by >= 20% is kept, up to the maximum."""
+        from llmport_agent.models.transfer import ConnectionScaler
+
+        scaler = ConnectionScaler(4, 1000)
+        self.assertEqual(self.feed(scaler, {1: 1e6, 2: 2e6, 4: 4e6}), [2, 4])
+        self.assertEqual((scaler.allowed, scaler.settled), (4, True))
+
+    def test_back_to_one_when_a_second_does_not_pay(self) -> None:
+        """On a link that one stream fills, the second connection is dropped again."""
+        from llmport_agent.models.transfer import ConnectionScaler
+
+        scaler = ConnectionScaler(4, 1000)
+        self.assertEqual(self.feed(scaler, {1: 1e6, 2: 1.1e6, 4: 1.1e6}), [2, 1])
+        self.assertEqual((scaler.allowed, scaler.settled), (1, True))
+
+    def test_stops_at_the_best(self) -> None:
+        """Two pay, four do not: two it is."""
+        from llmport_agent.models.transfer import ConnectionScaler
+
+        scaler = ConnectionScaler(8, 1000)
+        self.assertEqual(self.feed(scaler, {1: 1e6, 2: 1.9e6, 4: 2e6}), [2, 4, 2])
+        self.assertEqual(scaler.allowed, 2)
+
+    def test_windows_need_bytes_and_time(self) -> None:
+        """No decision on a window with too few bytes or too short a time."""
+        from llmport_agent.models.transfer import ConnectionScaler
+
+        scaler = ConnectionScaler(4, 10_000, min_seconds=0.5)
+        scaler.observe(0.0, 0)
+        self.assertIsNone(scaler.observe(0.4, 50_000))  # too short
+        self.assertIsNone(scaler.observe(1.0, 9_000))  # too few bytes since the start
+        self.assertEqual(scaler.observe(2.0, 20_000), 2)
+        self.assertTrue(ConnectionScaler(1, 1).settled)

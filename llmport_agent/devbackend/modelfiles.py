@@ -51,7 +51,8 @@ class ModelFaults:
     @ivar cut_range_start: with C{cut_after_bytes}, cut only the response that starts at
         this offset.
     @ivar hold_range_start: hold the response that starts at this offset (send nothing)
-        until another response of the same blob has been sent completely; reset when used.
+        until another response of the same blob has been sent completely (at once if one
+        already was); reset when used.
     @ivar corrupt_blob: serve this blob with one byte changed (its hash no longer matches).
     @ivar fail_5xx_times: answer the next N requests (manifest or blob) with 503.
     @ivar rate_limit: bytes per second per blob response (0 = unlimited): a link or a
@@ -439,6 +440,8 @@ class _ModelFilesResource(Resource):
         held = faults.hold_range_start == start and status == 206
         if held:
             faults.hold_range_start = None
+            # Already behind another finished response of this blob: nothing to wait for.
+            held = not any(r.blob_hash == blob_hash for r in self._repo.finished)
         producer = _BlobProducer(
             request,
             source,

@@ -53,6 +53,10 @@ _MAX_PROGRESS_BYTES = 256 * 1024
 _MAX_PROGRESS_RANGES = 4096
 _MAX_RECORD_BYTES = 16 * 1024 * 1024
 _MAX_FOREIGN_LISTED = 20
+#: Default of C{track_min}: sha256 blobs from this size on get a preallocated part file with
+#: a progress record (ranged downloads, per-range resume); smaller ones are appended to and
+#: resume by size (the syncer passes two segments).
+TRACK_MIN_SIZE = 64 * 1024 * 1024
 
 log = Logger(namespace="llmport_agent.models.store")
 
@@ -246,7 +250,10 @@ def _clear_foreign(model: ModelDir, dir_fd: int, name: str, rel: str,
 
 
 def survey_blobs(
-    model: ModelDir, blobs: Iterable[BlobSpec], record: Mapping[str, tuple[int, int]]
+    model: ModelDir,
+    blobs: Iterable[BlobSpec],
+    record: Mapping[str, tuple[int, int]],
+    track_min: int = TRACK_MIN_SIZE,
 ) -> list[BlobSurvey]:
     """
     Classify each blob by C{lstat} alone (no hashing). A blob file of the wrong size is
@@ -269,12 +276,17 @@ def survey_blobs(
                 safefs.remove_entry(model.blobs, blob.hash, where=rel)
             else:
                 _clear_foreign(model, model.blobs, blob.hash, rel, st)
-        done, allocated = _survey_part(model, blob)
+        done, allocated = _survey_part(model, blob, track_min)
         out.append(BlobSurvey(blob, "fetch", part_done=done, part_allocated=allocated))
     return out
 
 
-def _survey_part(model: ModelDir, blob: BlobSpec) -> tuple[int, int]:
+def is_tracked(blob: BlobSpec, track_min: int = TRACK_MIN_SIZE) -> bool:
+    """Whether the blob's part file is preallocated and its ranges recorded."""
+    return blob.sha256 is not None and blob.size >= track_min
+
+
+def _survey_part(model: ModelDir, blob: BlobSpec, track_min: int) -> tuple[int, int]:
     name = blob.hash + PART_SUFFIX
     rel = f"blobs/{name}"
     st = safefs.lstat_at(model.blobs, name)
@@ -294,7 +306,7 @@ def _survey_part(model: ModelDir, blob: BlobSpec) -> tuple[int, int]:
         _drop_progress(model, blob)
         return 0, 0
     allocated = min(blob.size, st.st_blocks * 512)
-    if blob.sha256 is None:
+    if not is_tracked(blob, track_min):
         return st.st_size, allocated
     ranges = load_progress(model, blob, st.st_size)
     return sum(b - a for a, b in ranges), allocated
@@ -446,9 +458,9 @@ class PartFile:
     An open C{<hash>.part}. Writes (C{pwritev} at their offsets) and hash updates run as jobs
     of their own serial runners; the two never touch the same state.
 
-    @ivar tracked: sha256 blobs: the file is preallocated to the blob's size and its written
-        ranges are kept in C{<hash>.progress} (downloads may be ranged). Other blobs are
-        appended to in order and resumed from the file's size.
+    @ivar tracked: large sha256 blobs (L{TRACK_MIN_SIZE}): the file is preallocated to the
+        blob's size and its written ranges are kept in C{<hash>.progress} (downloads may be
+        ranged). Other blobs are appended to in order and resumed from the file's size.
     @ivar done: ranges already written when the file was opened (resumed bytes).
     @ivar hasher: a running sha256 (fed in offset order), or C{None} for non-sha256 names.
     @ivar fd: the writer's descriptor (writer jobs only; closed by one of them).
@@ -498,7 +510,9 @@ def preallocate(fd: int, size: int) -> None:
         os.ftruncate(fd, size)
 
 
-def open_part(model: ModelDir, blob: BlobSpec, *, fresh: bool = False) -> PartFile:
+def open_part(
+    model: ModelDir, blob: BlobSpec, track_min: int = TRACK_MIN_SIZE, *, fresh: bool = False
+) -> PartFile:
     """
     Open (or create) the blob's C{.part}. Existing content is kept for a resume unless
     C{fresh}; a part that is not a private regular file is removed first. sha256 blobs get
@@ -506,7 +520,8 @@ def open_part(model: ModelDir, blob: BlobSpec, *, fresh: bool = False) -> PartFi
     """
     name = blob.hash + PART_SUFFIX
     rel = f"blobs/{name}"
-    tracked = blob.sha256 is not None
+    tracked = is_tracked(blob, track_min)
+    hashed = blob.sha256 is not None
     fd: int | None = None
     st = safefs.lstat_at(model.blobs, name)
     if st is not None and (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1):
@@ -543,9 +558,10 @@ def open_part(model: ModelDir, blob: BlobSpec, *, fresh: bool = False) -> PartFi
             done = load_progress(model, blob, size) if size else []
         else:
             done = [(0, size)] if size else []
-        part = PartFile(model, blob, fd, tracked, done, hashlib.sha256() if tracked else None)
-        if tracked:
+        part = PartFile(model, blob, fd, tracked, done, hashlib.sha256() if hashed else None)
+        if hashed:
             part.read_fd = os.dup(fd)
+        if tracked:
             # The record first: a preallocated file without one would look complete.
             save_progress(part, done)
             preallocate(fd, blob.size)
@@ -557,9 +573,9 @@ def open_part(model: ModelDir, blob: BlobSpec, *, fresh: bool = False) -> PartFi
     return part
 
 
-def open_fresh_part(model: ModelDir, blob: BlobSpec) -> PartFile:
+def open_fresh_part(model: ModelDir, blob: BlobSpec, track_min: int = TRACK_MIN_SIZE) -> PartFile:
     """L{open_part} discarding whatever the part file held."""
-    return open_part(model, blob, fresh=True)
+    return open_part(model, blob, track_min, fresh=True)
 
 
 def reset_part(part: PartFile) -> None:
@@ -568,8 +584,9 @@ def reset_part(part: PartFile) -> None:
     assert fd is not None, "part file is closed"
     os.ftruncate(fd, 0)
     part.done = []
-    if part.tracked:
+    if part.hasher is not None:
         part.hasher = hashlib.sha256()
+    if part.tracked:
         save_progress(part, [])
         preallocate(fd, part.blob.size)
 

@@ -24,6 +24,7 @@ import copy
 import errno
 import functools
 import json
+import os
 import random as _random
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -75,6 +76,8 @@ from llmport_agent.models.transfer import BlobTransfer
 from llmport_agent.threads import BlockingRunner
 
 PHASE = "sync_model"
+#: The most connections per blob the adaptive setting (C{connections=0}) opens.
+AUTO_MAX_CONNECTIONS = 4
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 
 _NETWORK_ERRORS: tuple[type[BaseException], ...] = (
@@ -186,6 +189,10 @@ class _Run:
     retries: int = 0
     range_ignored: int = 0
     range_end_ignored: int = 0
+    connections_used: int = 1
+    # What the first large blob of this sync learnt (adaptive connections): later ones
+    # start there and do not probe again.
+    learned_connections: int | None = None
 
     @property
     def model_dir(self) -> str:
@@ -277,8 +284,9 @@ class ModelSyncer:
     @param backend_url: LLM_PORT_NODE_AGENT_BACKEND_URL, base path kept.
     @param credential: returns the node credential (called per request; never logged).
     @param concurrency: blobs downloaded at once.
-    @param connections: connections (bounded C{Range} requests) per large sha256 blob;
-        1 = one stream per blob.
+    @param connections: connections (bounded C{Range} requests) per large sha256 blob:
+        C{0} = adaptive (start with one, add up to L{AUTO_MAX_CONNECTIONS} while each
+        addition makes the blob arrive faster), C{1} = one stream per blob, C{N} = always N.
     @param segment_size: bytes per ranged request; blobs smaller than two segments use
         one stream.
     @param buffer_bytes: bytes all downloads together may hold in memory (received, not yet
@@ -300,7 +308,7 @@ class ModelSyncer:
         backend_url: str,
         credential: Callable[[], str],
         concurrency: int = 4,
-        connections: int = 4,
+        connections: int = 0,
         segment_size: int = 32 * 1024 * 1024,
         buffer_bytes: int = 256 * 1024 * 1024,
         batch_size: int = 2 * 1024 * 1024,
@@ -313,8 +321,8 @@ class ModelSyncer:
         progress_interval: float = 1.0,
         rng: _random.Random | None = None,
     ) -> None:
-        if concurrency < 1 or connections < 1:
-            raise ValueError("concurrency and connections must be at least 1")
+        if concurrency < 1 or connections < 0:
+            raise ValueError("concurrency must be at least 1 and connections at least 0")
         if segment_size < 1 or batch_size < 1:
             raise ValueError("segment_size and batch_size must be at least 1")
         self._reactor: Any = reactor
@@ -324,7 +332,8 @@ class ModelSyncer:
         self._backend_url = backend_url.rstrip("/")
         self._credential = credential
         self._concurrency = concurrency
-        self._connections = connections
+        self._adaptive = connections == 0
+        self._connections = connections or AUTO_MAX_CONNECTIONS
         self._segment_size = segment_size
         self._batch_size = batch_size
         self._stream_high_water = max(4 * batch_size, 8 * 1024 * 1024)
@@ -428,6 +437,8 @@ class ModelSyncer:
 
     def _storage_failed(self, e: OSError, manifest: Manifest) -> CommandFailed:
         where = e.filename or self._store_dir
+        if not os.path.isabs(str(where)):  # relative to the model directory (the store layer)
+            where = os.path.join(self._store_dir, manifest.model_dir_name, str(where))
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             return CommandFailed(
                 INSUFFICIENT_DISK,
@@ -464,7 +475,9 @@ class ModelSyncer:
         progress.report(f"Checking {label} in the model store", force=True)
         model_dir = model.path
         record = await jobs.run(_fs.load_record, model)
-        survey = await jobs.run(_fs.survey_blobs, model, manifest.blobs, record)
+        survey = await jobs.run(
+            _fs.survey_blobs, model, manifest.blobs, record, 2 * self._segment_size
+        )
         run = _Run(manifest, model, progress, dict(record), jobs=jobs)
 
         to_verify: list[BlobSpec] = []
@@ -568,6 +581,7 @@ class ModelSyncer:
             "retries": run.retries,
             "range_ignored": run.range_ignored,
             "range_end_ignored": run.range_end_ignored,
+            "connections_used": run.connections_used,
             "removed_foreign": list(run.model.foreign),
             "snapshots_changed": snapshots_changed,
             "refs_changed": refs_changed,
@@ -717,7 +731,7 @@ class ModelSyncer:
         """Download one blob into C{blobs/<hash>}, resuming, retrying and verifying."""
         writer = run.jobs.serial()
         hasher = run.jobs.serial()
-        part = await writer.run(_fs.open_part, run.model, blob)
+        part = await writer.run(_fs.open_part, run.model, blob, 2 * self._segment_size)
         if part.resumed_bytes:
             run.resumed += 1
         restarted = False
@@ -725,7 +739,9 @@ class ModelSyncer:
         try:
             while True:
                 transfer = BlobTransfer(self, run, blob, part, writer, hasher, self._budget)
-                if await transfer.run():
+                ok = await transfer.run()
+                run.connections_used = max(run.connections_used, transfer.connections_used)
+                if ok:
                     run.remember(blob, transfer.mtime_ns)
                     run.fetched_count += 1
                     run.fetched_bytes += blob.size
@@ -743,7 +759,9 @@ class ModelSyncer:
                     )
                     restarted = True
                     await hasher.run(_fs.close_reader, part)
-                    part = await writer.run(_fs.open_fresh_part, run.model, blob)
+                    part = await writer.run(
+                        _fs.open_fresh_part, run.model, blob, 2 * self._segment_size
+                    )
                     continue
                 raise CommandFailed(
                     CHECKSUM_MISMATCH,

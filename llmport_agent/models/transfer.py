@@ -29,6 +29,7 @@ import bisect
 from typing import TYPE_CHECKING, Any
 
 from attrs import define
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -109,6 +110,58 @@ class Ranges:
         return None
 
 
+class ConnectionScaler:
+    """
+    How many connections one blob should use, learnt while it arrives: start with one,
+    double while the last step made the blob arrive at least C{gain} times as fast (over a
+    window of C{window_bytes} and C{min_seconds}), and settle on the best count as soon as a
+    step does not pay (an extra connection only costs where the socket is not the limit,
+    e.g. a server or link already at its speed, or a machine short of CPU).
+
+    Pure: L{observe} takes the clock and the bytes written so far.
+    """
+
+    def __init__(self, maximum: int, window_bytes: int, *, min_seconds: float = 0.5,
+                 gain: float = 1.2, start: int = 1) -> None:
+        self.maximum = max(1, maximum)
+        self.allowed = min(self.maximum, max(1, start))
+        self.settled = self.allowed >= self.maximum
+        self._window = window_bytes
+        self._min_seconds = min_seconds
+        self._gain = gain
+        self._t0: float | None = None
+        self._b0 = 0
+        self._best: tuple[float, int] | None = None  # (rate, connections)
+
+    def restart_window(self, now: float, total: int) -> None:
+        self._t0, self._b0 = now, total
+
+    def observe(self, now: float, total: int) -> int | None:
+        """@return: the new number of connections, when it changes."""
+        if self.settled:
+            return None
+        if self._t0 is None:
+            self.restart_window(now, total)
+            return None
+        elapsed, got = now - self._t0, total - self._b0
+        if got < self._window or elapsed < self._min_seconds:
+            return None
+        rate = got / elapsed
+        self.restart_window(now, total)
+        if self._best is None or rate >= self._best[0] * self._gain:
+            self._best = (rate, self.allowed)
+            if self.allowed >= self.maximum:
+                self.settled = True
+                return None
+            self.allowed = min(self.maximum, self.allowed * 2)
+            return self.allowed
+        self.settled = True
+        if self.allowed != self._best[1]:
+            self.allowed = self._best[1]
+            return self.allowed
+        return None
+
+
 class _StartOver(Exception):
     """The blob must be fetched again from zero as one stream (the reason is the message)."""
 
@@ -154,8 +207,20 @@ class BlobTransfer:
         self._write_error: Failure | None = None
         self._active = 0
         self._streamer: int | None = None
+        self._gate: list[Deferred[None]] = []
+        self._waiting = 0
         self.found = ""
         self.mtime_ns = 0
+        self.connections_used = 1
+        syncer_ = self._syncer
+        learned = run.learned_connections
+        self._scaler = ConnectionScaler(
+            syncer_._connections if syncer_._adaptive else 1,
+            2 * syncer_._segment_size,
+            start=learned or 1,
+        )
+        if not syncer_._adaptive or learned:
+            self._scaler.settled = True
 
     # -- state ------------------------------------------------------------------------------
 
@@ -237,6 +302,8 @@ class BlobTransfer:
     def _written(self, _n: int, batch: _Batch) -> None:
         self.done.add(batch.offset, batch.offset + batch.n)
         self._run.progress.add(batch.n)
+        if not self._scaler.settled and self.ranged:
+            self._scale(self._scaler.observe(self._syncer._reactor.seconds(), self.done.total))
         batch.receiver.written(batch.n)
         self._since_checkpoint += batch.n
         if self._since_checkpoint >= CHECKPOINT_BYTES and self._part.tracked:
@@ -262,6 +329,27 @@ class BlobTransfer:
     def _hash_failed(self, failure: Failure) -> None:
         if self._write_error is None:
             self._write_error = failure
+
+    def _scale(self, allowed: int | None) -> None:
+        if self._scaler.settled and self._syncer._adaptive:
+            self._run.learned_connections = self._scaler.allowed
+        if allowed is None:
+            return
+        self.connections_used = max(self.connections_used, allowed)
+        self.log.debug("{what}: {n} connections", what=self.what, n=allowed)
+        self._open_gate()
+
+    def _open_gate(self) -> None:
+        gate, self._gate = self._gate, []
+        for d in gate:
+            if not d.called:
+                d.callback(None)
+
+    def _connections_now(self) -> int:
+        """Workers allowed to fetch now (the rest wait at the gate)."""
+        if not self.ranged:
+            return 1
+        return self._scaler.allowed if self._syncer._adaptive else self._syncer._connections
 
     def _release_held(self) -> None:
         held, self._held = self._held, {}
@@ -338,6 +426,8 @@ class BlobTransfer:
                 workers = max(1, min(self._syncer._connections, segments))
             self._active = workers
             self._streamer = None
+            if self.ranged and self._syncer._adaptive:
+                self._scaler.restart_window(self._syncer._reactor.seconds(), self.done.total)
             await run_together(self._worker(i) for i in range(workers))
             # Bytes may still be missing: put back by a worker after the others had stopped
             # (a switch to one stream), or left by connections that gave up.
@@ -355,7 +445,23 @@ class BlobTransfer:
     async def _worker(self, worker: int) -> None:
         failures = 0
         try:
-            while (interval := self._take(worker)) is not None:
+            while True:
+                if self.ranged and worker >= self._connections_now():
+                    # Not needed (yet): wait until the scaler wants more connections, or
+                    # until the others are done.
+                    if not self._missing or self._fetching() == 0:
+                        return
+                    d: Deferred[None] = Deferred()
+                    self._gate.append(d)
+                    self._waiting += 1
+                    try:
+                        await d
+                    finally:
+                        self._waiting -= 1
+                    continue
+                interval = self._take(worker)
+                if interval is None:
+                    break
                 attempt = _Attempt(*interval)
                 try:
                     await self._fetch_interval(attempt)
@@ -363,7 +469,7 @@ class BlobTransfer:
                 except Retry as e:
                     self._run.retries += 1
                     failures = 1 if attempt.progressed else failures + 1
-                    if failures > self._syncer._retry_max and self._active > 1:
+                    if failures > self._syncer._retry_max and self._fetching() > 1:
                         self.log.info(
                             "Giving up one connection for {what} after {n} failed attempts "
                             "({reason}); {left} others go on",
@@ -378,6 +484,11 @@ class BlobTransfer:
             self._active -= 1
             if self._streamer == worker:
                 self._streamer = None
+            self._open_gate()  # waiting workers look again: the work may be theirs now
+
+    def _fetching(self) -> int:
+        """Workers fetching (not waiting at the gate)."""
+        return self._active - self._waiting
 
     async def _fetch_interval(self, attempt: _Attempt) -> None:
         """
@@ -413,7 +524,7 @@ class BlobTransfer:
                 self._run.range_ignored += 1
                 if bounded:
                     syncer._bounded_ranges = False  # no ranged requests to this server again
-                if bounded or self._active > 1:
+                if bounded or self._fetching() > 1:
                     abandon(response)
                     raise _StartOver("the backend ignored Range")
                 self.log.info(

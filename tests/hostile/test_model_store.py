@@ -29,6 +29,7 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.server import Site
 
 from llmport_agent import safefs
+from llmport_agent.commands.base import CommandFailed
 from llmport_agent.devbackend.modelfiles import ModelRepository
 from llmport_agent.models import ModelSyncer
 from llmport_agent.threads import PoolService
@@ -470,3 +471,28 @@ class SafeFsTests(SynchronousTestCase):
         self.assertEqual(seen, [("blobs", "a symbolic link")])
         self.assertTrue(os.path.isdir(os.path.join(self.dir, "blobs")))
         self.assertFalse(os.path.islink(os.path.join(self.dir, "blobs")))
+
+
+class UnfixablePlantTests(TestCase):
+    """What cannot be put right fails the sync with storage_error naming the path."""
+
+    timeout = 60
+
+    async def test_too_deep_a_tree_in_the_temporary_folder(self) -> None:
+        """A tree deeper than the removal bound in .llmport-tmp: storage_error with its path."""
+        store = os.path.abspath(self.mktemp())
+        rig = _StoreRig(self, store)
+        top = os.path.join(store, "models--acme--tmp", ".llmport-tmp", "deep")
+        os.makedirs(top)
+        d = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+        for _ in range(safefs.MAX_TREE_DEPTH + 2):
+            os.mkdir("d", dir_fd=d)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=d)
+            os.close(d)
+            d = child
+        os.close(d)
+        with self.assertRaises(CommandFailed) as cm:
+            await rig.syncer.sync(rig.manifests["tmp"], lambda *a, **k: None)
+        self.assertEqual(cm.exception.error_code, "storage_error")
+        self.assertIn(top, cm.exception.error_message)
+        self.assertEqual(cm.exception.result["path"], top)
