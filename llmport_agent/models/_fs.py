@@ -559,8 +559,8 @@ def open_part(
         else:
             done = [(0, size)] if size else []
         part = PartFile(model, blob, fd, tracked, done, hashlib.sha256() if hashed else None)
-        if hashed:
-            part.read_fd = os.dup(fd)
+        if hashed and done:
+            part.read_fd = os.dup(fd)  # the hasher reads the resumed bytes once
         if tracked:
             # The record first: a preallocated file without one would look complete.
             save_progress(part, done)
@@ -628,7 +628,8 @@ def hash_region(part: PartFile, start: int, end: int) -> None:
 
 
 def digest_of(part: PartFile) -> str | None:
-    """The running hash's hex digest (C{None} without one)."""
+    """The running hash's hex digest (C{None} without one); closes the hasher's descriptor."""
+    close_reader(part)
     return None if part.hasher is None else part.hasher.hexdigest()
 
 

@@ -758,7 +758,6 @@ class ModelSyncer:
                         blob=blob.hash,
                     )
                     restarted = True
-                    await hasher.run(_fs.close_reader, part)
                     part = await writer.run(
                         _fs.open_fresh_part, run.model, blob, 2 * self._segment_size
                     )
@@ -771,8 +770,10 @@ class ModelSyncer:
                     {"blob": blob.hash},
                 )
         finally:
-            # Each serial closes its own descriptor after its own jobs (even if this wait
-            # is cancelled, the jobs still run in order).
-            hasher.run(_fs.close_reader, part).addErrback(lambda _: None)
-            ranges = transfer.done.items() if transfer is not None else list(part.done)
-            await writer.run(_fs.close_part, part, ranges)
+            # Each serial closes its own descriptor after its own jobs (even if this wait is
+            # cancelled, the jobs still run in order); what finishing closed needs no job.
+            if part.read_fd is not None:
+                hasher.run(_fs.close_reader, part).addErrback(lambda _: None)
+            if part.fd is not None:
+                ranges = transfer.done.items() if transfer is not None else list(part.done)
+                await writer.run(_fs.close_part, part, ranges)

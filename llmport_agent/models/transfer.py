@@ -377,14 +377,14 @@ class BlobTransfer:
                     break
                 except _StartOver as e:
                     await self._start_over(str(e))
-            await self._writer.run(_noop)
-            await self._hasher.run(_noop)
-            if self._write_error is not None:
-                self._write_error.raiseException()
+            # Every receiver has seen its writes done (or failed); the digest comes after
+            # every hash job, and finishing after every write.
             if self._missing or self.done.total != self._blob.size:
                 raise CommandFailed(DOWNLOAD_FAILED, f"Could not fetch all of {self.what}.")
             assert self._hash_next == self._blob.size or self._part.hasher is None
             digest = await self._hasher.run(_fs.digest_of, self._part)
+            if self._write_error is not None:
+                self._write_error.raiseException()
             ok, found, mtime_ns = await self._writer.run(_fs.finish_part, self._part, digest)
         finally:
             self._release_held()
