@@ -405,6 +405,7 @@ def report_model(b: Bench, model_id: str, label: str, trees: list[tuple[str, str
         rs = runs[name]
         mbps = [r["bytes"] / r["seconds"] / 1e6 for r in rs]
         print(f"  {name + ' sync, MB/s':<46}{spread(mbps)}")
+        print(f"  {'  sync time, s':<46}{spread([r['seconds'] for r in rs], '{:8.2f}')}")
         ratio = [m / lim for m, lim in zip(mbps, limit, strict=True)]
         print(f"  {'  / min(curl, sha256)':<46}{spread(ratio, '{:8.2f}')}")
         print(f"  {'  heartbeat (1 s) lateness p99, ms':<46}{spread([r['hb99'] for r in rs])}")
