@@ -786,8 +786,10 @@ class _LoopbackSync:
         files = _files()
         manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
         events: list[tuple[str, str, dict[str, Any]]] = []
-        result = await self.syncer().sync(manifest, _progress_sink(events))
+        syncer = self.syncer()
+        result = await syncer.sync(manifest, _progress_sink(events))
         self.assertValidCache(manifest, files)
+        self.assertEqual(syncer.bytes_downloaded, manifest["total_size"])  # the metric
         self.assertEqual(result["fetched"]["count"], len(manifest["blobs"]))
         self.assertEqual(result["fetched"]["bytes"], manifest["total_size"])
         self.assertEqual(result["reused"]["count"], 0)

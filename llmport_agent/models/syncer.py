@@ -325,6 +325,8 @@ class ModelSyncer:
             raise ValueError("concurrency must be at least 1 and connections at least 0")
         if segment_size < 1 or batch_size < 1:
             raise ValueError("segment_size and batch_size must be at least 1")
+        #: Bytes received from the backend's file endpoint, all syncs together (metrics).
+        self.bytes_downloaded = 0
         self._reactor: Any = reactor
         self._http = http
         self._runner = runner

@@ -301,6 +301,7 @@ class BlobTransfer:
 
     def _written(self, _n: int, batch: _Batch) -> None:
         self.done.add(batch.offset, batch.offset + batch.n)
+        self._syncer.bytes_downloaded += batch.n
         self._run.progress.add(batch.n)
         if not self._scaler.settled and self.ranged:
             self._scale(self._scaler.observe(self._syncer._reactor.seconds(), self.done.total))
