@@ -101,6 +101,18 @@ def tree_state(root: str) -> dict[str, tuple[str, int, str]]:
     return out
 
 
+def make_deep_tree(top: str, depth: int) -> None:
+    """C{top}/d/d/.../d, C{depth} levels below C{top} (deeper than a path may be long)."""
+    os.makedirs(top)
+    d = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=d)
+        child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=d)
+        os.close(d)
+        d = child
+    os.close(d)
+
+
 class _StoreRig:
     """The stand-in backend on 127.0.0.1 with one model per plant group, and a syncer."""
 
@@ -419,15 +431,7 @@ class SafeFsTests(SynchronousTestCase):
 
     def test_remove_tree_depth_is_bounded(self) -> None:
         """A tree deeper than the bound is refused with ELOOP (no recursion, no fd leak)."""
-        path = os.path.join(self.dir, "deep")
-        os.makedirs(path)
-        d = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        for _ in range(safefs.MAX_TREE_DEPTH + 5):
-            os.mkdir("d", dir_fd=d)
-            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=d)
-            os.close(d)
-            d = child
-        os.close(d)
+        make_deep_tree(os.path.join(self.dir, "deep"), safefs.MAX_TREE_DEPTH + 5)
         fds = len(os.listdir("/proc/self/fd"))
         with self.assertRaises(OSError) as cm:
             safefs.remove_tree(self.fd, "deep")
@@ -483,14 +487,7 @@ class UnfixablePlantTests(TestCase):
         store = os.path.abspath(self.mktemp())
         rig = _StoreRig(self, store)
         top = os.path.join(store, "models--acme--tmp", ".llmport-tmp", "deep")
-        os.makedirs(top)
-        d = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-        for _ in range(safefs.MAX_TREE_DEPTH + 2):
-            os.mkdir("d", dir_fd=d)
-            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=d)
-            os.close(d)
-            d = child
-        os.close(d)
+        make_deep_tree(top, safefs.MAX_TREE_DEPTH + 2)
         with self.assertRaises(CommandFailed) as cm:
             await rig.syncer.sync(rig.manifests["tmp"], lambda *a, **k: None)
         self.assertEqual(cm.exception.error_code, "storage_error")
