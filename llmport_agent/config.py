@@ -193,6 +193,16 @@ def _ca_file(var: str, raw: str) -> str | None:
     return value
 
 
+def _secret_file(var: str, raw: str) -> str | None:
+    value = raw.strip()
+    if not value:
+        return None
+    value = os.path.abspath(os.path.expanduser(value))
+    if not os.path.isfile(value):
+        raise ConfigError(f"{var}={raw!r}: no such file; expected the path of a file holding the secret")
+    return value
+
+
 def _path(var: str, raw: str) -> str:
     value = raw.strip()
     if not value:
@@ -257,9 +267,29 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("LOKI_URL", "loki_url", None, _optional_http_url,
             "Loki base URL for log shipping (unset = no shipping)."),
     Setting("LOG_BATCH_SIZE", "log_batch_size", 100, _number(1, integer=True),
-            "Log lines per Loki push."),
+            "A Loki push starts once this many lines wait (when no push is in flight; a busy "
+            "agent gathers more, up to LOKI_BATCH_BYTES)."),
     Setting("LOG_FLUSH_INTERVAL_SEC", "log_flush_interval_sec", 5.0, _number(0.1),
-            "Seconds between Loki pushes."),
+            "The longest a log line waits before its push starts (at most 1 s is used)."),
+    Setting("LOKI_BATCH_BYTES", "loki_batch_bytes", 1 << 20, _number(1024, integer=True),
+            "The most bytes of log lines in one Loki push."),
+    Setting("LOKI_SPOOL_MAX_MB", "loki_spool_max_mb", 256, _number(0, integer=True),
+            "Bound of the on-disk spool that keeps log lines while Loki is unreachable "
+            "(<state dir>/loki-spool; 0 = no spool)."),
+    Setting("LOKI_TENANT", "loki_tenant", None, _optional_str,
+            "Loki tenant, sent as X-Scope-OrgID (multi-tenant Loki)."),
+    Setting("LOKI_USERNAME", "loki_username", None, _optional_str,
+            "User name for basic auth to Loki (instead of user:password in LOKI_URL)."),
+    Setting("LOKI_PASSWORD", "loki_password", None, _optional_str,
+            "Password for basic auth to Loki.", secret=True),
+    Setting("LOKI_PASSWORD_FILE", "loki_password_file", None, lambda var, raw: _secret_file(var, raw),
+            "File holding the Loki password (read at start and after a 401/403)."),
+    Setting("LOKI_BEARER_TOKEN", "loki_bearer_token", None, _optional_str,
+            "Bearer token for Loki (Authorization: Bearer ...).", secret=True),
+    Setting("LOKI_BEARER_TOKEN_FILE", "loki_bearer_token_file", None, lambda var, raw: _secret_file(var, raw),
+            "File holding the Loki bearer token (read at start and after a 401/403)."),
+    Setting("LOKI_CONTAINER_STREAMS", "loki_container_streams", 16, _number(1, integer=True),
+            "Workload containers whose logs are followed at the same time (more take turns)."),
     Setting("MODEL_STORE", "model_store", "/srv/llm-port/models", _path,
             "Directory of the HuggingFace model cache shared with workloads."),
     Setting("IMAGE_ALLOWLIST", "image_allowlist", (), _csv,
@@ -350,6 +380,15 @@ class AgentConfig:
     loki_url: str | None
     log_batch_size: int
     log_flush_interval_sec: float
+    loki_batch_bytes: int
+    loki_spool_max_mb: int
+    loki_tenant: str | None
+    loki_username: str | None
+    loki_password: str | None = field(repr=False)
+    loki_password_file: str | None
+    loki_bearer_token: str | None = field(repr=False)
+    loki_bearer_token_file: str | None
+    loki_container_streams: int
     model_store: str
     image_allowlist: tuple[str, ...]
     allow_host_ipc: bool
@@ -399,6 +438,32 @@ def display_value(value: Any) -> str:
     return text if text else "(empty)"
 
 
+def _check_loki(values: dict[str, Any]) -> None:
+    """The Loki settings that only make sense together."""
+    bearer = values["loki_bearer_token"] or values["loki_bearer_token_file"]
+    password = values["loki_password"] or values["loki_password_file"]
+    if values["loki_bearer_token"] and values["loki_bearer_token_file"]:
+        raise ConfigError(f"{PREFIX}LOKI_BEARER_TOKEN and {PREFIX}LOKI_BEARER_TOKEN_FILE are both set; "
+                          "expected one of them")
+    if values["loki_password"] and values["loki_password_file"]:
+        raise ConfigError(f"{PREFIX}LOKI_PASSWORD and {PREFIX}LOKI_PASSWORD_FILE are both set; "
+                          "expected one of them")
+    if password and not values["loki_username"]:
+        raise ConfigError(f"a Loki password is set but {PREFIX}LOKI_USERNAME is not; expected both "
+                          "(basic auth) or neither")
+    if bearer and values["loki_username"]:
+        raise ConfigError(f"{PREFIX}LOKI_USERNAME and a Loki bearer token are both set; expected "
+                          "basic auth or a bearer token, not both")
+    if values["loki_container_streams"] > 256:
+        raise ConfigError(f"{PREFIX}LOKI_CONTAINER_STREAMS={values['loki_container_streams']} is too "
+                          "many (one thread each); expected 1-256")
+    spool = values["loki_spool_max_mb"] * (1 << 20)
+    if spool and spool < 4 * values["loki_batch_bytes"]:
+        raise ConfigError(f"{PREFIX}LOKI_SPOOL_MAX_MB={values['loki_spool_max_mb']} cannot hold 4 "
+                          f"batches of {PREFIX}LOKI_BATCH_BYTES={values['loki_batch_bytes']}; expected "
+                          "a larger spool, smaller batches, or 0 (no spool)")
+
+
 def mask(value: str | None) -> str:
     """Show that a secret is set without showing it."""
     if not value:
@@ -443,6 +508,7 @@ def load_config(
             f"{PREFIX}SHUTDOWN_GRACE_SEC={values['shutdown_grace_sec']:g} is too long; expected "
             "0-3600 (and 30 s under the unit's TimeoutStopSec)"
         )
+    _check_loki(values)
     if values["ops_port"] > 65535:
         raise ConfigError(f"{PREFIX}OPS_PORT={values['ops_port']} is not a port; expected 0-65535")
     notes: list[str] = []

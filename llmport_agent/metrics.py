@@ -371,21 +371,13 @@ class AgentCollector:
         yield ecc
 
     def _loki(self, a: Any) -> Iterator[Metric]:
-        stats = loki_stats(a)
-        if stats is None:
+        loki = getattr(a, "loki", None)
+        if loki is None:
             return
-        yield _counter("loki_lines_sent", "Log lines accepted by Loki", stats.get("sent", 0))
-        pushes = CounterMetricFamily(PREFIX + "loki_pushes", "Loki pushes by outcome", labels=["outcome"])
-        pushes.add_metric(["ok"], stats.get("pushes", 0))
-        pushes.add_metric(["failed"], stats.get("failed_pushes", 0))
-        yield pushes
-        yield _counter("loki_retries", "Loki pushes that failed and were retried", stats.get("failed_pushes", 0))
-        dropped = CounterMetricFamily(PREFIX + "loki_lines_dropped", "Log lines dropped by reason",
-                                      labels=["reason"])
-        for reason in ("overflow", "rejected", "invalid"):
-            dropped.add_metric([reason], stats.get(f"dropped_{reason}", 0))
-        yield dropped
-        yield _gauge("loki_queue_depth", "Log lines waiting to be pushed", stats.get("queue_depth", 0))
+        from llmport_agent.logs.metrics import log_metric_families
+
+        yield from log_metric_families(loki, getattr(a, "journald", None), getattr(a, "container_logs", None))
+        stats = loki_stats(a) or {}
         yield _gauge("loki_lag_seconds", "Seconds since Loki last accepted a push while lines wait",
                      loki_lag(stats, self.agent.reactor.seconds()))
 

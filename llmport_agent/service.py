@@ -233,6 +233,7 @@ class AgentService(MultiService):
         self.container_logs: Any = None
         self.log_observer: Any = None
         self.loki_pool: Any = None
+        self.log_shipping: Any = None
         if config.loki_url:
             self._build_log_shipping(state_dir)
         self.ops: Any = None
@@ -254,48 +255,22 @@ class AgentService(MultiService):
     # -- logs to Loki (optional) -------------------------------------------------------------
 
     def _build_log_shipping(self, state_dir: str) -> None:
-        from twisted.logger import LogLevel
+        from llmport_agent.logs.wiring import build_log_shipping
 
-        from llmport_agent.logs.agent_source import AgentLogObserver, node_labels
-        from llmport_agent.logs.journald import JournaldSource
-        from llmport_agent.logs.loki import LokiShipper, loki_http_client
-        from llmport_agent.logsetup import LEVELS
-        from llmport_agent.tls import https_policy
-
-        c = self.config
-        assert c.loki_url is not None
-        http, self.loki_pool = loki_http_client(
-            self.reactor,
-            tls_policy=https_policy(c.verify_tls, c.ca_bundle),
-            connect_timeout=c.request_timeout_sec,
-        )
-        self.loki = LokiShipper(
-            self.reactor,
-            http,
-            c.loki_url,
-            batch_size=c.log_batch_size,
-            flush_interval=c.log_flush_interval_sec,
-            runner=self.io_pool,
-        )
         # The host label must equal the host the backend stores for this node.
-        labels = node_labels(c.agent_id, self.backend_host)
-        self.log_observer = AgentLogObserver(
-            self.loki, labels, secrets=self._secrets, min_level=LEVELS.get(c.log_level, LogLevel.info)
+        shipping = build_log_shipping(
+            self.reactor, self.config, state_dir=state_dir, host=self.backend_host,
+            secrets=self._secrets, engine=self.engine, docker_environ=self._docker_environ,
         )
-        self.journald = JournaldSource(
-            self.reactor, self.loki, labels, self.io_pool, state_dir=state_dir, secrets=self._secrets
-        )
-        # After the pools: stopped before them, the journal reader before the shipper.
-        self._ordered[3:3] = [self.loki, self.journald]
-        if self.engine is not None:
-            from llmport_agent.logs.containers import ContainerLogSource
-
+        self.log_shipping = shipping
+        self.loki, self.loki_pool = shipping.shipper, shipping.http_pool
+        self.log_observer, self.journald = shipping.observer, shipping.journald
+        # After the state pools: stopped before them, the readers before the shipper.
+        self._ordered[3:3] = [shipping.pool, self.loki, self.journald]
+        if shipping.containers is not None:
             # Workload logs (protocol 8, job="node-container"): after the engine and the
             # shipper, so it stops before both.
-            self.container_logs = ContainerLogSource(
-                self.reactor, self.engine, self.loki, self.backend_host,
-                secrets=self._secrets, state_dir=state_dir,
-            )
+            self.container_logs = shipping.containers
             self._ordered.insert(self._ordered.index(self.engine) + 1, self.container_logs)
 
     def backend_host(self) -> str:
@@ -708,10 +683,8 @@ class AgentService(MultiService):
             "commands": self.pipeline.describe(),
             "events": {"outbox_depth": self.outbox.depth, "dropped": self.outbox.dropped, "sent": self.outbox.sent},
             "logs": (
-                {"loki": self.loki.describe(),
-                 "journal": self.journald.describe() if self.journald is not None else {},
-                 "containers": self.container_logs.describe() if self.container_logs is not None else {}}
-                if self.loki is not None else {"shipping": "off (no LOKI_URL)"}
+                self.log_shipping.describe() if self.log_shipping is not None
+                else {"shipping": "off (no LOKI_URL)"}
             ),
             "reports": {"heartbeats_sent": self.heartbeat.sent, "inventories_sent": self.inventory.sent,
                         "inventory_error": self.inventory.last_error},

@@ -1,80 +1,54 @@
 """
-Log shipping to Loki (protocol section 8): the shipper (batching, grouping, ordering, gzip,
-retries, drops, bounds, threads, stop), the agent's log observer (labels, levels, redaction),
-the journal reader (arguments, parsing, restarts, position, back-pressure), and end-to-end runs
-over loopback against the fake Loki, with real journal files where systemd-journal-remote is
-installed.
+Log shipping to Loki (protocol section 8): the shipper (batching by size, age and count, grouping,
+ordering, gzip, auth, retries with backoff and Retry-After, drops by reason, splitting on 413,
+the memory bound and back-pressure, threads, flush and stop), the fake Loki's checks, the agent's
+log observer (labels, levels, redaction), the metrics families, and loopback runs.
 """
 
 from __future__ import annotations
 
 import base64
+import email.utils
 import gzip
 import json
 import os
-import shutil
 import threading
 import time
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, cast
 
+from prometheus_client import CollectorRegistry, generate_latest
 from treq.testing import StubTreq
 from twisted.internet import reactor as _global_reactor
-from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.error import (
-    ConnectionRefusedError,
-    ProcessDone,
-    ProcessExitedAlready,
-    ProcessTerminated,
-)
-from twisted.internet.task import Clock
-from twisted.internet.utils import getProcessOutputAndValue
-from twisted.logger import ILogObserver, Logger, LogLevel, globalLogPublisher
-from twisted.python.failure import Failure
+from twisted.internet.defer import Deferred, fail
+from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.task import Clock, deferLater
+from twisted.logger import Logger, LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import Site
-from zope.interface import implementer
 from zope.interface.verify import verifyObject
 
 from llmport_agent.backoff import Backoff
 from llmport_agent.logs.agent_source import AgentLogObserver, level_label, node_labels
-from llmport_agent.logs.journald import (
-    CURSOR_FILE,
-    JournaldSource,
-    cursor_time,
-    parse_entry,
-)
+from llmport_agent.logs.auth import LokiAuth
+from llmport_agent.logs.encoding import decode_body, encode_batch, label_key
 from llmport_agent.logs.loki import (
+    DROP_REASONS,
     ILogSink,
     LokiShipper,
-    encode_batch,
     loki_http_client,
     push_target,
+    retry_after,
 )
+from llmport_agent.logs.metrics import log_metric_families
 from llmport_agent.logs.redact import Redactor, redact
-from llmport_agent.logs.testing import FakeLoki
+from llmport_agent.logs.testing import FakeLoki, protocol_label_problem
 from llmport_agent.testing import SynchronousRunner
+from tests.support.logs import CREDENTIAL, LABELS, TOKEN, RecordingSink, capture_events, labels
 
-JOURNAL_REMOTE = "/lib/systemd/systemd-journal-remote"
 reactor: Any = _global_reactor
-CREDENTIAL = f"{uuid.UUID(int=0x1234)}.{'A' * 20}-_{'b' * 21}"
-TOKEN = "Zx9_" + "q" * 24 + "-K3w"  # 32 url-safe characters, like an enrollment token
-LABELS = {"job": "node-agent", "host": "10.0.0.5", "container": "node-n1", "level": "info"}
-
-
-def capture_events(case: SynchronousTestCase) -> list[dict[str, Any]]:
-    """Record every log event published while the test runs."""
-    events: list[dict[str, Any]] = []
-    observer = cast(ILogObserver, events.append)
-    globalLogPublisher.addObserver(observer)
-    case.addCleanup(globalLogPublisher.removeObserver, observer)
-    return events
-
-
-def labels(**extra: str) -> dict[str, str]:
-    return dict(LABELS, **extra)
+KEY = label_key(LABELS)
 
 
 class RefusingHTTP:
@@ -104,65 +78,107 @@ class WakingClock(Clock):
         self.from_thread.append(lambda: fn(*args))
 
 
-class ShipperTests(SynchronousTestCase):
-    """L{LokiShipper} against the fake Loki through StubTreq, on a Clock."""
+def sizes(loki: FakeLoki) -> list[int]:
+    """Lines per push, in push order."""
+    return [sum(len(s["values"]) for s in p.body["streams"]) for p in loki.pushes]
+
+
+class ShipperCase(SynchronousTestCase):
+    """Builds a L{LokiShipper} against the fake Loki through StubTreq, on a Clock."""
 
     def make(
         self,
         url: str = "http://loki.test:3100",
-        batch_size: int = 100,
-        max_queue: int = 10000,
-        gzip_body: bool = True,
         loki: FakeLoki | None = None,
         http: Any = None,
         clock: Clock | None = None,
         start: bool = True,
+        **kw: Any,
     ) -> LokiShipper:
         self.clock = clock or Clock()
         self.loki = loki or FakeLoki()
         self.stub = StubTreq(self.loki)
+        kw.setdefault("batch_size", 100)
+        kw.setdefault("flush_interval", 5)
+        kw.setdefault("timeout", 10)
+        kw.setdefault("stop_timeout", 3)
         shipper = LokiShipper(
             self.clock,
             http if http is not None else self.stub,
             url,
-            batch_size=batch_size,
-            flush_interval=5,
-            max_queue=max_queue,
-            timeout=10,
-            gzip_body=gzip_body,
-            stop_timeout=3,
             jitter=lambda: 1.0,
+            **kw,
         )
         if start:
             shipper.startService()
 
             def stop() -> None:
                 if shipper.running:
-                    shipper.stopService()
+                    d = shipper.stopService()
                     self.clock.advance(10)
+                    self.successResultOf(d)
                 self.assertEqual(self.clock.getDelayedCalls(), [])
 
             self.addCleanup(stop)
         return shipper
 
+
+class ShipperTests(ShipperCase):
+    """Batching, encoding, answers and bounds of L{LokiShipper}."""
+
     def test_provides_sink_interface(self) -> None:
         """The shipper is a valid ILogSink."""
         self.assertTrue(verifyObject(ILogSink, self.make(start=False)))
 
-    def test_nothing_before_interval_then_batches(self) -> None:
-        """Lines wait for the flush interval, then leave in pushes of at most batch_size, in order."""
-        shipper = self.make(batch_size=100)
-        for i in range(250):
-            shipper.push(LABELS, 1_000 + i, f"line {i}")
+    def test_an_idle_line_leaves_within_a_second(self) -> None:
+        """A lone line waits for the batch age (1 s), not the old 5 s flush interval."""
+        shipper = self.make()
+        shipper.push(LABELS, 1_000, "alone")
+        self.clock.advance(0.99)
         self.assertEqual(self.loki.pushes, [])
-        self.clock.advance(5)
-        self.assertEqual([p.status for p in self.loki.pushes], [204, 204, 204])
-        sizes = [sum(len(s["values"]) for s in p.body["streams"]) for p in self.loki.pushes]
-        self.assertEqual(sizes, [100, 100, 50])
-        self.assertEqual(self.loki.lines(), [f"line {i}" for i in range(250)])
-        self.assertEqual(shipper.describe()["sent"], 250)
-        self.assertEqual(shipper.describe()["queue_depth"], 0)
-        self.assertEqual(shipper.delivered_through(), 250)
+        self.clock.advance(0.01)
+        self.assertEqual(self.loki.lines(), ["alone"])
+        self.assertEqual(shipper.stats()["sent"], 1)
+        self.assertEqual(shipper.delivered_through(), 1)
+
+    def test_flush_interval_is_an_upper_bound_on_the_wait(self) -> None:
+        """LOG_FLUSH_INTERVAL_SEC below 1 s shortens the wait."""
+        self.make(flush_interval=0.25).push(LABELS, 1, "quick")
+        self.clock.advance(0.24)
+        self.assertEqual(self.loki.pushes, [])
+        self.clock.advance(0.01)
+        self.assertEqual(self.loki.lines(), ["quick"])
+
+    def test_batch_size_lines_leave_at_once_when_idle(self) -> None:
+        """LOG_BATCH_SIZE lines waiting while nothing is in flight start a push at once."""
+        shipper = self.make(batch_size=10)
+        for i in range(9):
+            shipper.push(LABELS, i, f"l{i}")
+        self.assertEqual(self.loki.pushes, [])
+        shipper.push(LABELS, 9, "l9")
+        self.assertEqual(sizes(self.loki), [10])
+
+    def test_a_busy_shipper_gathers_lines_into_batches_up_to_batch_bytes(self) -> None:
+        """While a push is in flight lines gather; each later push holds at most batch_bytes."""
+        shipper = self.make(batch_size=10, batch_bytes=16 * 1024)
+        self.loki.hold_next(1)
+        for i in range(10):
+            shipper.push(LABELS, i, f"first {i}")
+        self.assertEqual(len(self.loki.pushes), 0)  # held: not recorded until answered
+        line = "x" * 100
+        for i in range(500):
+            shipper.push(LABELS, 100 + i, f"{i:04d} {line}")
+        self.loki.release()
+        self.stub.flush()
+        self.clock.advance(1)
+        counts = sizes(self.loki)
+        self.assertEqual(counts[0], 10)
+        self.assertEqual(sum(counts), 510)
+        self.assertGreater(min(counts[1:-1]), 10)  # far more than LOG_BATCH_SIZE per push
+        for push in self.loki.pushes[1:]:
+            raw = sum(len(v[1]) for s in push.body["streams"] for v in s["values"])
+            self.assertLessEqual(raw, 16 * 1024)
+        self.assertEqual(self.loki.lines()[10:], [f"{i:04d} {line}" for i in range(500)])
 
     def test_groups_by_label_set(self) -> None:
         """Lines of different label sets go into separate streams of one push."""
@@ -170,7 +186,7 @@ class ShipperTests(SynchronousTestCase):
         shipper.push(labels(level="info"), 10, "a")
         shipper.push(labels(level="error"), 11, "b")
         shipper.push(labels(level="info"), 12, "c")
-        self.clock.advance(5)
+        self.clock.advance(1)
         (push,) = self.loki.pushes
         streams = push.body["streams"]
         self.assertEqual(len(streams), 2)
@@ -184,42 +200,93 @@ class ShipperTests(SynchronousTestCase):
         shipper.push(LABELS, 300, "late")
         shipper.push(LABELS, 100, "early")
         shipper.push(LABELS, 200, "middle")
-        self.clock.advance(5)
+        self.clock.advance(1)
         self.assertEqual([(e.ts_ns, e.line) for e in loki.entries()],
                          [(100, "early"), (200, "middle"), (300, "late")])
         shipper.push(LABELS, 250, "straggler")
-        self.clock.advance(5)
+        self.clock.advance(1)
         self.assertEqual(loki.pushes[-1].status, 204)
         self.assertEqual((loki.entries()[-1].ts_ns, loki.entries()[-1].line), (300, "straggler"))
+        self.assertEqual(loki.violations, [])
 
     def test_gzip_json_body_and_headers(self) -> None:
         """The body is gzip-encoded JSON with the right headers; without gzip it is plain JSON."""
         shipper = self.make()
         shipper.push(LABELS, 5, "zipped")
-        self.clock.advance(5)
+        self.clock.advance(1)
         headers = self.loki.pushes[0].headers
         self.assertEqual(headers["content-encoding"], "gzip")
         self.assertEqual(headers["content-type"], "application/json")
+        self.assertTrue(headers["user-agent"].startswith("llmport-agent/"))
         self.assertEqual(self.loki.lines(), ["zipped"])
-        body, _ = encode_batch([], {}, True)
+        body, _ = encode_batch([], {}, 1)
         self.assertEqual(json.loads(gzip.decompress(body)), {"streams": []})
 
         plain = self.make(gzip_body=False)
         plain.push(LABELS, 5, "plain")
-        self.clock.advance(5)
+        self.clock.advance(1)
         self.assertNotIn("content-encoding", self.loki.pushes[0].headers)
         self.assertEqual(self.loki.lines(), ["plain"])
+
+    def test_encoding_round_trip(self) -> None:
+        """decode_body reads back what encode_batch wrote (used to split a batch)."""
+        entries = [(KEY, 5, "a"), (label_key(labels(level="warn")), 6, "b\u00e9"), (KEY, 7, "c")]
+        for level in (0, 1, 6):
+            body, floors = encode_batch(entries, {}, level)
+            self.assertEqual(sorted(decode_body(body)), sorted(entries))
+            self.assertEqual(floors[KEY], 7)
+        with self.assertRaises(ValueError):
+            decode_body(b"\x1f\x8bnot gzip")
 
     def test_base_path_kept_and_credentials_become_basic_auth(self) -> None:
         """A base path stays in the push URL; user:password moves to an Authorization header."""
         shipper = self.make(url="http://tenant:s3cret-pass@loki.test:3100/gateway/")
         shipper.push(LABELS, 5, "x")
-        self.clock.advance(5)
+        self.clock.advance(1)
         push = self.loki.pushes[0]
         self.assertEqual(push.path, b"/gateway/loki/api/v1/push")
         self.assertEqual(push.headers["authorization"],
                          "Basic " + base64.b64encode(b"tenant:s3cret-pass").decode())
         self.assertNotIn("s3cret", json.dumps(shipper.describe()))
+        self.assertEqual(shipper.secrets(), ["s3cret-pass"])
+
+    def test_tenant_and_bearer_token(self) -> None:
+        """LOKI_TENANT becomes X-Scope-OrgID; a bearer token becomes Authorization: Bearer."""
+        shipper = self.make(auth=LokiAuth(tenant="team-a", bearer_token="tok-123456"))
+        shipper.push(LABELS, 5, "x")
+        self.clock.advance(1)
+        headers = self.loki.pushes[0].headers
+        self.assertEqual(headers["x-scope-orgid"], "team-a")
+        self.assertEqual(headers["authorization"], "Bearer tok-123456")
+        described = json.dumps(shipper.describe())
+        self.assertNotIn("tok-123456", described)
+        self.assertIn('"auth": "bearer"', described)
+
+    def test_secret_files_are_read_and_read_again_after_401(self) -> None:
+        """Password and token files are read at start; a 401 makes them be read again."""
+        path = self.mktemp()
+        with open(path, "w") as f:
+            f.write("first-token-value\n")
+        shipper = self.make(auth=LokiAuth(bearer_token_file=path), runner=SynchronousRunner())
+        with open(path, "w") as f:
+            f.write("rotated-token-value")
+        self.loki.fail_next(1, 401)
+        shipper.push(LABELS, 5, "x")
+        self.clock.advance(1)
+        self.assertEqual(self.loki.pushes[0].headers["authorization"], "Bearer first-token-value")
+        self.clock.advance(2)
+        self.assertEqual(self.loki.pushes[1].headers["authorization"], "Bearer rotated-token-value")
+        self.assertEqual(self.loki.lines(), ["x"])  # a 401 is retried, not dropped
+        self.assertEqual(shipper.secrets(), ["rotated-token-value"])
+        user = LokiAuth(username="u", password_file=path)
+        user.load()
+        self.assertEqual(user.basic(), ("u", "rotated-token-value"))
+        with self.assertRaises(ValueError):
+            LokiAuth(username="u", bearer_token="t")
+        os.unlink(path)
+        with self.assertRaisesRegex(ValueError, "cannot be read") as e:
+            user.load()
+        self.assertNotIn("rotated", str(e.exception))
 
     def test_push_target(self) -> None:
         """push_target keeps base paths, tolerates a full push URL, and refuses non-http URLs."""
@@ -238,7 +305,7 @@ class ShipperTests(SynchronousTestCase):
         self.loki.fail_next(1, 429)
         self.loki.fail_next(1, 500)
         shipper.push(LABELS, 1, "first")
-        self.clock.advance(5)
+        self.clock.advance(1)
         self.assertEqual([p.status for p in self.loki.pushes], [429])
         shipper.push(LABELS, 2, "second")
         self.clock.advance(1.9)  # jitter 1.0: the first retry waits 2 s
@@ -251,23 +318,63 @@ class ShipperTests(SynchronousTestCase):
         self.assertEqual([p.status for p in self.loki.pushes], [429, 500, 204, 204])
         self.assertEqual(self.loki.pushes[0].body, self.loki.pushes[2].body)
         self.assertEqual(self.loki.lines(), ["first", "second"])
-        stats = shipper.describe()
+        stats = shipper.stats()
         self.assertEqual((stats["failed_pushes"], stats["sent"], stats["dropped"]), (2, 2, 0))
         self.assertEqual(stats["consecutive_failures"], 0)
+
+    def test_retry_after_is_honoured(self) -> None:
+        """A 429 with Retry-After waits as long as Loki asks (seconds or an HTTP date)."""
+        shipper = self.make(wallclock=lambda: 1_000_000.0)
+        self.loki.fail_next(1, 429, retry_after="30")
+        shipper.push(LABELS, 1, "x")
+        self.clock.advance(1)
+        self.clock.advance(29.9)
+        self.assertEqual(len(self.loki.pushes), 1)
+        self.clock.advance(0.1)
+        self.assertEqual(self.loki.lines(), ["x"])
+        when = email.utils.formatdate(1_000_000.0 + 45, usegmt=True)
+        self.assertAlmostEqual(retry_after(when, 1_000_000.0) or 0, 45, delta=1)
+        self.assertEqual(retry_after("7", 0), 7.0)
+        self.assertIsNone(retry_after("soon", 0))
+        self.assertIsNone(retry_after(None, 0))
+
+    def test_retry_after_is_capped_at_ten_minutes(self) -> None:
+        """A Retry-After of an hour waits 10 minutes, not an hour."""
+        shipper = self.make()
+        self.loki.fail_next(1, 503, retry_after="3600")
+        shipper.push(LABELS, 1, "x")
+        self.clock.advance(1)
+        self.clock.advance(599)
+        self.assertEqual(self.loki.lines(), [])
+        self.clock.advance(1)
+        self.assertEqual(self.loki.lines(), ["x"])
+
+    def test_large_batches_are_encoded_by_the_runner(self) -> None:
+        """Batches over 64 KiB are encoded (JSON and gzip) by the worker runner, not inline."""
+        runner = SynchronousRunner()
+        shipper = self.make(runner=runner, batch_size=10_000)
+        shipper.push_many([(KEY, i, "e" * 100) for i in range(1000)])  # ~130 KB of lines
+        self.clock.advance(1)
+        self.assertIn("_encode", runner.calls)
+        self.assertEqual(len(self.loki.lines()), 1000)
+        small = SynchronousRunner()
+        shipper = self.make(runner=small)
+        shipper.push(LABELS, 1, "tiny")
+        self.clock.advance(1)
+        self.assertNotIn("_encode", small.calls)
 
     def test_backoff_is_capped(self) -> None:
         """Retry delays stop growing at 60 s."""
         shipper = self.make()
         self.loki.fail_next(12, 503)
         shipper.push(LABELS, 1, "x")
-        self.clock.advance(5)
+        self.clock.advance(1)
         self.clock.pump([1] * 481)  # 2 + 4 + 8 + 16 + 32 + 7 * 60 - 1
         self.assertEqual(len(self.loki.pushes), 12)
         self.assertTrue(all(e.getTime() - self.clock.seconds() <= 60 for e in self.clock.getDelayedCalls()))
         self.clock.advance(1)
         self.assertEqual(len(self.loki.pushes), 13)
         self.assertEqual(self.loki.lines(), ["x"])
-        self.flushLoggedErrors()
 
     def test_network_errors_and_timeouts_are_retried(self) -> None:
         """A refused connection and an unanswered push are both retried."""
@@ -275,93 +382,122 @@ class ShipperTests(SynchronousTestCase):
         http = RefusingHTTP(self.stub, failures=1)
         shipper = self.make(http=http, loki=self.loki, clock=self.clock)
         shipper.push(LABELS, 1, "x")
-        self.clock.advance(5)
+        self.clock.advance(1)
         self.assertEqual(http.calls, 1)
-        self.assertIn("ConnectionRefusedError", shipper.describe()["last_error"])
+        self.assertIn("ConnectionRefusedError", shipper.stats()["last_error"])
         self.loki.hold_next(1)
         self.clock.advance(2)
         self.assertEqual(http.calls, 2)
         self.assertEqual(self.loki.lines(), [])
         self.clock.advance(10)  # the push times out
-        self.assertIn("no answer", shipper.describe()["last_error"])
+        self.assertIn("no answer", shipper.stats()["last_error"])
         self.clock.advance(4)
         self.assertEqual(self.loki.lines(), ["x"])
-        self.assertEqual(shipper.describe()["failed_pushes"], 2)
+        self.assertEqual(shipper.stats()["failed_pushes"], 2)
 
-    def test_other_4xx_drops_the_batch_with_one_log_line(self) -> None:
-        """A 400 drops that batch (counted, logged once) and the next batch still goes."""
+    def test_final_4xx_drops_the_batch_counted_by_reason(self) -> None:
+        """A 400 drops that batch (counted by Loki's reason, logged once); the next one goes."""
         events = capture_events(self)
         shipper = self.make(batch_size=2)
-        self.loki.fail_next(1, 400, b"entry too far behind")
-        for i in range(3):
-            shipper.push(LABELS, i, f"l{i}")
-        self.clock.advance(5)
-        self.assertEqual([p.status for p in self.loki.pushes], [400, 204])
-        self.assertEqual(self.loki.lines(), ["l2"])
-        stats = shipper.describe()
-        self.assertEqual((stats["dropped_rejected"], stats["dropped"], stats["failed_pushes"]), (2, 2, 0))
+        for body, reason in [
+            (b"entry with timestamp 5 ignored, reason: 'entry out of order'", "out_of_order"),
+            (b"entry for stream has timestamp too old", "too_old"),
+            (b"max entry size '256' bytes exceeded", "too_large"),
+            (b"something else", "rejected"),
+        ]:
+            self.loki.fail_next(1, 400, body)
+            shipper.push(LABELS, 1, "a")
+            shipper.push(LABELS, 2, "b")
+            self.assertEqual(shipper.stats()["dropped_by_reason"][reason], 2, reason)
+        shipper.push(LABELS, 3, "c")
+        shipper.push(LABELS, 4, "d")
+        self.assertEqual([p.status for p in self.loki.pushes], [400, 400, 400, 400, 204])
+        self.assertEqual(self.loki.lines(), ["c", "d"])
+        stats = shipper.stats()
+        self.assertEqual((stats["dropped"], stats["rejected_pushes"], stats["failed_pushes"]), (8, 4, 0))
         refused = [e for e in events if e.get("code") == 400]
-        self.assertEqual(len(refused), 1)
-        self.assertEqual(refused[0]["detail"], "entry too far behind")
-        self.assertEqual(shipper.delivered_through(), 3)
+        self.assertEqual(len(refused), 4)
+        self.assertEqual(shipper.delivered_through(), 10)
 
-    def test_bounded_queue_drops_oldest_and_counts(self) -> None:
-        """Beyond max_queue the oldest lines are dropped and counted."""
-        shipper = self.make(max_queue=10)
-        for i in range(15):
+    def test_413_splits_the_batch(self) -> None:
+        """A push refused as too large is sent in halves; a single line too large is dropped."""
+        shipper = self.make(batch_size=4)
+        self.loki.fail_next(1, 413)
+        for i in range(4):
             shipper.push(LABELS, i, f"l{i}")
-        self.assertEqual(shipper.describe()["queue_depth"], 10)
-        self.assertEqual(shipper.pressure(), 1.0)
-        self.clock.advance(5)
-        self.assertEqual(self.loki.lines(), [f"l{i}" for i in range(5, 15)])
-        self.assertEqual(shipper.describe()["dropped_overflow"], 5)
+        self.assertEqual(sizes(self.loki), [4, 2, 2])
+        self.assertEqual(self.loki.lines(), ["l0", "l1", "l2", "l3"])
+        self.assertEqual(shipper.stats()["splits"], 1)
+        self.assertLess(shipper.batch_bytes, 1 << 20)
+        self.loki.fail_next(1, 413)
+        self.loki.fail_next(1, 413)
+        shipper.push(LABELS, 10, "huge")
+        self.clock.advance(1)
+        self.assertEqual(shipper.stats()["dropped_by_reason"]["too_large"], 1)
+        self.assertEqual(shipper.delivered_through(), 5)
 
-    def test_queue_stays_bounded_while_retrying(self) -> None:
-        """While Loki fails, the held batch stays first and the queue never exceeds its bound."""
-        shipper = self.make(batch_size=5, max_queue=20)
-        self.loki.fail_next(3, 500)
-        for i in range(5):
-            shipper.push(LABELS, i, f"held{i}")
-        self.clock.advance(5)
-        for i in range(100):
-            shipper.push(LABELS, 100 + i, f"new{i}")
-        self.assertEqual(shipper.describe()["queue_depth"], 25)
-        self.assertEqual(shipper.describe()["dropped_overflow"], 80)
-        self.clock.pump([10] * 3)
+    def test_push_drops_when_memory_is_full_push_many_never(self) -> None:
+        """push() drops (queue_full) beyond the memory bound; push_many() keeps every line."""
+        shipper = self.make(memory_bytes=10 * 1024, batch_bytes=1024)
+        self.loki.stall()
+        for i in range(200):
+            shipper.push(LABELS, i, f"{i:05d}" + "y" * 100)
+        stats = shipper.stats()
+        self.assertGreater(stats["dropped_by_reason"]["queue_full"], 50)
+        self.assertLessEqual(stats["memory_bytes"], 10 * 1024)
+        self.assertGreaterEqual(shipper.pressure(), 0.8)
+        room = shipper.when_room()
+        self.assertNoResult(room)
+        before = shipper.stats()["queue_lines"]
+        shipper.push_many([(KEY, 1000 + i, f"kept {i}") for i in range(50)])
+        self.assertEqual(shipper.stats()["queue_lines"], before + 50)
+        self.loki.recover()
+        self.stub.flush()
+        self.clock.pump([0.5] * 20)
+        self.successResultOf(room)
         lines = self.loki.lines()
-        self.assertEqual(lines[:5], [f"held{i}" for i in range(5)])
-        self.assertEqual(lines[5:], [f"new{i}" for i in range(80, 100)])
+        self.assertEqual(lines[-50:], [f"kept {i}" for i in range(50)])
+        self.assertEqual(len(lines) + stats["dropped"], 250)
 
     def test_push_from_many_threads(self) -> None:
         """Concurrent pushes from threads lose nothing and keep each thread's order."""
-        shipper = self.make(batch_size=500, max_queue=100000)
+        clock = WakingClock()
+        shipper = self.make(clock=clock, batch_size=100_000, memory_bytes=64 << 20)
 
         def work(n: int) -> None:
             for i in range(500):
-                shipper.push(labels(thread=str(n)), 1_000_000 + i, f"{n}:{i}")
+                shipper.push(labels(level=["info", "warn", "error", "debug"][n % 4], container=f"node-{n}"),
+                             1_000_000 + i, f"{n}:{i}")
 
         threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        self.clock.advance(5)
+        for call in clock.from_thread:
+            call()
+        self.clock.advance(1)
         self.assertEqual(len(self.loki.entries()), 4000)
         for n in range(8):
-            self.assertEqual(self.loki.lines(thread=str(n)), [f"{n}:{i}" for i in range(500)])
+            self.assertEqual(self.loki.lines(container=f"node-{n}"), [f"{n}:{i}" for i in range(500)])
 
-    def test_full_batch_wakes_the_flusher_early(self) -> None:
-        """Reaching batch_size asks the reactor (via callFromThread) for a flush before the interval."""
+    def test_a_line_from_another_thread_wakes_the_reactor(self) -> None:
+        """A push from a thread asks the reactor (callFromThread, once) to look at the batch."""
         clock = WakingClock()
         shipper = self.make(clock=clock, batch_size=3)
-        shipper.push(LABELS, 1, "a")
-        shipper.push(LABELS, 2, "b")
-        self.assertEqual(clock.from_thread, [])
-        shipper.push(LABELS, 3, "c")
-        shipper.push(LABELS, 4, "d")
+        results: list[int] = []
+
+        def work() -> None:
+            for i in range(4):
+                results.append(shipper.push(LABELS, i, f"t{i}"))
+
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
         self.assertEqual(len(clock.from_thread), 1)
         clock.from_thread.pop()()
-        self.assertEqual(self.loki.lines(), ["a", "b", "c", "d"])
+        self.assertEqual(self.loki.lines(), ["t0", "t1", "t2", "t3"])
+        self.assertEqual(results, [1, 2, 3, 4])
 
     def test_stop_makes_a_final_flush(self) -> None:
         """Stopping pushes what is queued, then fires."""
@@ -372,41 +508,31 @@ class ShipperTests(SynchronousTestCase):
         self.assertEqual(self.loki.lines(), ["last words"])
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
-    def test_stop_is_bounded_when_loki_hangs(self) -> None:
-        """A hung Loki holds the stop no longer than stop_timeout; the lines are reported unsent."""
+    def test_stop_without_spool_is_bounded_and_counts_what_is_left(self) -> None:
+        """A hung Loki holds the stop no longer than stop_timeout; the lines are counted as lost."""
         events = capture_events(self)
         shipper = self.make()
-        self.loki.hold_next(1)
+        self.loki.stall()
         shipper.push(LABELS, 1, "stuck")
         d = shipper.stopService()
         self.assertNoResult(d)
         self.clock.advance(3)
         self.successResultOf(d)
-        self.assertEqual(shipper.describe()["queue_depth"], 1)
-        self.assertTrue(any(e.get("lines") == 1 and "not shipped" in e["log_format"] for e in events))
+        self.assertEqual(shipper.stats()["dropped_by_reason"]["stopped"], 1)
+        self.assertTrue(any(e.get("lines") == 1 and "neither shipped" in e["log_format"] for e in events))
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
     def test_stop_during_backoff_tries_once_more(self) -> None:
-        """A stop while waiting to retry makes one immediate last attempt instead of waiting."""
+        """Without a spool, a stop while waiting to retry makes one immediate last attempt."""
         shipper = self.make()
         self.loki.fail_next(1, 502)
         shipper.push(LABELS, 1, "retry me")
-        self.clock.advance(5)
-        self.assertTrue(shipper.describe()["retrying"])
+        self.clock.advance(1)
+        self.assertTrue(shipper.stats()["retrying"])
         d = shipper.stopService()
         self.successResultOf(d)
         self.assertEqual(self.loki.lines(), ["retry me"])
         self.assertEqual(self.clock.getDelayedCalls(), [])
-
-    def test_stop_gives_up_after_one_failed_last_attempt(self) -> None:
-        """At stop a failing Loki is tried once, not retried."""
-        shipper = self.make()
-        self.loki.fail_next(5, 500)
-        shipper.push(LABELS, 1, "x")
-        d = shipper.stopService()
-        self.successResultOf(d)
-        self.assertEqual(len(self.loki.pushes), 1)
-        self.assertEqual(shipper.describe()["queue_depth"], 1)
 
     def test_flush_and_delivered_through(self) -> None:
         """flush() fires True once everything pushed is done, False at its timeout."""
@@ -417,31 +543,34 @@ class ShipperTests(SynchronousTestCase):
         self.assertTrue(self.successResultOf(d))
         self.assertEqual(shipper.delivered_through(), seq)
         self.assertTrue(self.successResultOf(shipper.flush(2)))
-        self.loki.fail_next(1, 500)
+        self.loki.fail_next(2, 500)
         shipper.push(LABELS, 2, "b")
         d = shipper.flush(1.5)
         self.assertNoResult(d)
         self.clock.advance(1.5)
         self.assertFalse(self.successResultOf(d))
-        self.assertFalse(self.successResultOf(shipper.flush(5)))  # failing: no waiting
-        self.clock.advance(0.5)
-        self.assertTrue(self.successResultOf(shipper.flush(5)))
+        self.clock.advance(4)
+        self.assertEqual(self.loki.lines(), ["a", "b"])
+        self.assertEqual(shipper.delivered_through(), seq + 1)
 
     def test_bad_input_never_raises(self) -> None:
         """Odd labels are made valid, a bad timestamp is counted as dropped, long lines are cut."""
         shipper = self.make()
         shipper.push({"bad-name": "v", "9x": "w", "empty": ""}, 1, "x")
         shipper.push(LABELS, "not a number", "y")  # type: ignore[arg-type]
+        shipper.push(LABELS, -5, "y")
         shipper.push(LABELS, 2, "z" * 100_000)
-        self.clock.advance(5)
+        shipper.push_many([(KEY, 3, "w" * 100_000)])
+        self.clock.advance(1)
         entries = self.loki.entries()
         self.assertEqual(entries[0].labels, {"bad_name": "v", "_9x": "w"})
         self.assertTrue(entries[1].line.endswith("[truncated]"))
-        self.assertLess(len(entries[1].line), 70_000)
-        self.assertEqual(shipper.describe()["dropped_invalid"], 1)
+        self.assertLess(len(entries[2].line), 70_000)
+        stats = shipper.stats()
+        self.assertEqual((stats["dropped_by_reason"]["invalid"], stats["truncated"]), (2, 2))
 
     def test_own_log_events_do_not_feed_back(self) -> None:
-        """The shipper's own complaints reach the log but never its queue."""
+        """The shipper's own complaints reach the log but never what it ships."""
         shipper = self.make()
         observer = AgentLogObserver(shipper, node_labels("n1", lambda: "10.0.0.5"))
         globalLogPublisher.addObserver(observer)
@@ -449,33 +578,95 @@ class ShipperTests(SynchronousTestCase):
         self.loki.fail_next(1, 400)
         self.loki.fail_next(3, 500)
         shipper.push(LABELS, 1, "a")
-        self.clock.advance(5)
+        self.clock.advance(1)
         shipper.push(LABELS, 2, "b")
-        self.clock.advance(5)
-        self.assertEqual(shipper.describe()["queue_depth"], 1)
+        self.clock.advance(1)
+        self.assertEqual(shipper.stats()["queue_lines"], 1)
         self.clock.pump([1] * 20)
         self.assertEqual(self.loki.lines(), ["b"])
 
+    def test_metric_families(self) -> None:
+        """The log families parse as Prometheus text, every drop reason present, no secret."""
+        shipper = self.make(url="http://u:hunter22-pass@loki.test:3100")
+        self.loki.fail_next(1, 400)
+        shipper.push(LABELS, 1, "a")
+        self.clock.advance(1)
+
+        class Collector:
+            def collect(self) -> Any:
+                return log_metric_families(shipper, None, None)
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(cast(Any, Collector()))
+        text = generate_latest(registry).decode()
+        for reason in DROP_REASONS:
+            self.assertIn(f'llmport_agent_loki_lines_dropped_total{{reason="{reason}"}}', text)
+        self.assertIn('llmport_agent_loki_lines_dropped_total{reason="rejected"} 1.0', text)
+        self.assertIn("llmport_agent_loki_lines_in_total 1.0", text)
+        self.assertIn("llmport_agent_loki_spool_max_bytes 0.0", text)
+        self.assertNotIn("hunter22", text)
+
+
+class LokiConfigTests(SynchronousTestCase):
+    """The LOKI_* variables: validated together, secrets masked."""
+
+    def env(self, **kw: str) -> dict[str, str]:
+        return {"LLM_PORT_NODE_AGENT_" + k: v for k, v in kw.items()}
+
+    def test_combinations_that_make_no_sense_are_refused(self) -> None:
+        """Two kinds of auth, a password without a user, a spool too small: one line each."""
+        from llmport_agent.config import ConfigError, load_config
+
+        path = self.mktemp()
+        with open(path, "w") as f:
+            f.write("x")
+        for env, text in [
+            ({"LOKI_USERNAME": "u", "LOKI_BEARER_TOKEN": "t"}, "not both"),
+            ({"LOKI_PASSWORD": "p"}, "LOKI_USERNAME is not"),
+            ({"LOKI_BEARER_TOKEN": "t", "LOKI_BEARER_TOKEN_FILE": path}, "both set"),
+            ({"LOKI_SPOOL_MAX_MB": "1", "LOKI_BATCH_BYTES": str(1 << 20)}, "cannot hold 4"),
+            ({"LOKI_PASSWORD_FILE": "/nonexistent/pw", "LOKI_USERNAME": "u"}, "no such file"),
+            ({"LOKI_CONTAINER_STREAMS": "1000"}, "1-256"),
+        ]:
+            with self.assertRaisesRegex(ConfigError, text):
+                load_config(self.env(**env), {})
+        config = load_config(self.env(LOKI_SPOOL_MAX_MB="0", LOKI_USERNAME="u", LOKI_PASSWORD="pw-secret-1"), {})
+        self.assertEqual(config.loki_spool_max_mb, 0)
+
+    def test_secrets_are_masked(self) -> None:
+        """config and diagnostics show that a Loki password or token is set, never its value."""
+        from llmport_agent.config import load_config
+
+        config = load_config(self.env(LOKI_USERNAME="u", LOKI_PASSWORD="pw-secret-1",
+                                      LOKI_URL="http://a:url-secret@l:3100"), {})
+        shown = json.dumps(config.masked())
+        self.assertNotIn("pw-secret-1", shown)
+        self.assertNotIn("url-secret", shown)
+        self.assertNotIn("pw-secret-1", repr(config))
+        config = load_config(self.env(LOKI_BEARER_TOKEN="tok-secret-2"), {})
+        self.assertNotIn("tok-secret-2", json.dumps(config.masked()) + repr(config))
+
 
 class FakeLokiTests(SynchronousTestCase):
-    """The fake Loki answers like Loki's push endpoint."""
+    """The fake Loki answers like Loki's push endpoint and records what breaks protocol 8."""
 
     def post(self, loki: FakeLoki, body: Any, path: str = "/loki/api/v1/push",
-             headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+             headers: dict[str, str] | None = None) -> tuple[int, bytes, Any]:
         stub: Any = StubTreq(loki)
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         response = self.successResultOf(stub.post(
             "http://loki.test" + path, data=data,
             headers=headers if headers is not None else {"Content-Type": "application/json"}))
-        return response.code, self.successResultOf(response.content())
+        return response.code, self.successResultOf(response.content()), response.headers
 
     def test_answers(self) -> None:
-        """204 for a good push; 404, 405 and 400 (with a reason) for the rest; 429 on demand."""
+        """204 for a good push; 404, 405 and 400 (with a reason) for the rest; failures on demand."""
         loki = FakeLoki()
         good = {"streams": [{"stream": {"job": "x"}, "values": [["1", "a"]]}]}
-        self.assertEqual(self.post(loki, good), (204, b""))
+        self.assertEqual(self.post(loki, good)[:2], (204, b""))
         self.assertEqual(self.post(loki, good)[0], 204)
         self.assertEqual(loki.lines(), ["a"])  # identical entries are stored once
+        self.assertEqual(loki.duplicates, 1)
         self.assertEqual(self.post(loki, good, path="/api/v1/push")[0], 404)
         self.assertEqual(self.successResultOf(cast(Any, StubTreq(loki)).get("http://l/loki/api/v1/push")).code, 405)
         for bad, reason in [
@@ -485,54 +676,52 @@ class FakeLokiTests(SynchronousTestCase):
             ({"nope": 1}, b"Streams"),
             (b"{", b"invalid JSON"),
         ]:
-            code, text = self.post(loki, bad)
+            code, text, _ = self.post(loki, bad)
             self.assertEqual(code, 400)
             self.assertIn(reason, text)
         self.assertEqual(self.post(loki, good, headers={"Content-Type": "application/x-protobuf"})[0], 400)
         self.assertEqual(self.post(loki, b"not gzip", headers={
             "Content-Type": "application/json", "Content-Encoding": "gzip"})[0], 400)
-        loki.fail_next(1, 429)
-        self.assertEqual(self.post(loki, good)[0], 429)
+        loki.fail_next(1, 429, retry_after="12")
+        code, _, headers = self.post(loki, good)
+        self.assertEqual((code, headers.getRawHeaders(b"retry-after")), (429, [b"12"]))
+        loki.outage(503)
+        self.assertEqual([self.post(loki, good)[0] for _ in range(3)], [503, 503, 503])
+        loki.recover()
+        self.assertEqual(self.post(loki, good)[0], 204)
+
+    def test_stall_and_release(self) -> None:
+        """A stalled fake answers nothing until released."""
+        loki = FakeLoki()
+        loki.stall()
+        stub: Any = StubTreq(loki)
+        d = stub.post("http://l/loki/api/v1/push", data=b'{"streams": []}',
+                      headers={"Content-Type": "application/json"})
+        self.assertNoResult(d)
+        loki.recover()
+        stub.flush()
+        self.assertEqual(self.successResultOf(d).code, 204)
 
     def test_out_of_order_rejected_when_asked(self) -> None:
         """With reject_out_of_order, an entry older than its stream's newest is a 400."""
         loki = FakeLoki(reject_out_of_order=True)
         self.assertEqual(self.post(loki, {"streams": [{"stream": {"a": "b"}, "values": [["5", "x"]]}]})[0], 204)
-        code, text = self.post(loki, {"streams": [{"stream": {"a": "b"}, "values": [["4", "y"]]}]})
+        code, text, _ = self.post(loki, {"streams": [{"stream": {"a": "b"}, "values": [["4", "y"]]}]})
         self.assertEqual(code, 400)
         self.assertIn(b"out of order", text)
 
-
-@implementer(ILogSink)
-class RecordingSink:
-    """An ILogSink that records pushes; the test decides what is delivered."""
-
-    def __init__(self) -> None:
-        self.pushed: list[tuple[dict[str, str], int, str]] = []
-        self.delivered = 0
-        self.level = 0.0
-        self.flushes: list[float] = []
-        self.flush_result: Deferred[bool] | None = None
-
-    def push(self, labels: Mapping[str, str], ts_ns: int, line: str) -> int:
-        self.pushed.append((dict(labels), ts_ns, line))
-        return len(self.pushed)
-
-    def delivered_through(self) -> int:
-        return self.delivered
-
-    def flush(self, timeout: float) -> Deferred[bool]:
-        self.flushes.append(timeout)
-        if self.flush_result is not None:
-            return self.flush_result
-        self.delivered = len(self.pushed)
-        return succeed(True)
-
-    def pressure(self) -> float:
-        return self.level
-
-    def lines(self) -> list[str]:
-        return [p[2] for p in self.pushed]
+    def test_checks_record_protocol_violations(self) -> None:
+        """Label sets outside protocol 8, entries out of order and unzipped bodies are recorded."""
+        loki = FakeLoki(check_labels=True, require_gzip=True)
+        self.post(loki, {"streams": [{"stream": labels(), "values": [["5", "x"], ["4", "y"]]}]})
+        self.post(loki, {"streams": [{"stream": labels(unit="x.service"), "values": [["5", "x"]]}]})
+        self.assertEqual(len(loki.violations), 4)
+        self.assertIsNone(protocol_label_problem(
+            {"job": "node-container", "host": "h", "container": "c", "runtime_id": "r"}))
+        self.assertIn("not [container, host, job, runtime_id]",
+                      protocol_label_problem({"job": "node-container", "host": "h", "container": "c"}) or "")
+        self.assertIn("node-<agent_id>", protocol_label_problem(labels(container="x")) or "")
+        self.assertIn("job='other'", protocol_label_problem({"job": "other"}) or "")
 
 
 class AgentObserverTests(SynchronousTestCase):
@@ -657,307 +846,13 @@ class RedactionTests(SynchronousTestCase):
         self.assertEqual(Redactor(lambda: 1 / 0)(CREDENTIAL), "***")  # type: ignore[arg-type,return-value]
 
 
-class FakeProcessTransport:
-    """The parts of a process transport the journal reader uses."""
-
-    def __init__(self, proto: Any) -> None:
-        self.proto = proto
-        self.signals: list[str] = []
-        self.paused = False
-        self.stdin_closed = False
-        self.exited = False
-
-    def closeStdin(self) -> None:
-        self.stdin_closed = True
-
-    def signalProcess(self, signal: str) -> None:
-        if self.exited:
-            raise ProcessExitedAlready()
-        self.signals.append(signal)
-
-    def pauseProducing(self) -> None:
-        self.paused = True
-
-    def resumeProducing(self) -> None:
-        self.paused = False
-
-    def out(self, data: bytes) -> None:
-        self.proto.childDataReceived(1, data)
-
-    def exit(self, code: int = 0, signal: int | None = None) -> None:
-        self.exited = True
-        reason = ProcessDone(0) if code == 0 and signal is None else ProcessTerminated(code, signal)
-        self.proto.processEnded(Failure(reason))
-
-
-class ProcessClock(Clock):
-    """A Clock that records spawnProcess calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.spawned: list[tuple[list[str], dict[str, str], FakeProcessTransport]] = []
-
-    def spawnProcess(self, proto: Any, executable: str, args: list[str], env: dict[str, str], **kw: Any) -> Any:
-        transport = FakeProcessTransport(proto)
-        self.spawned.append((list(args), env, transport))
-        proto.makeConnection(transport)
-        return transport
-
-
-def jentry(i: int, message: Any = None, priority: str | None = "6", unit: Any = "docker.service",
-           ts_us: int | None = None, **extra: Any) -> bytes:
-    obj: dict[str, Any] = {
-        "__CURSOR": f"s=abc;i={i:x};b=boot;m=1;t={(ts_us or 1_700_000_000_000_000 + i):x};x=1",
-        "__REALTIME_TIMESTAMP": str(ts_us or 1_700_000_000_000_000 + i),
-        "MESSAGE": message if message is not None else f"entry {i}",
-    }
-    if priority is not None:
-        obj["PRIORITY"] = priority
-    if unit is not None:
-        obj["_SYSTEMD_UNIT"] = unit
-    obj.update(extra)
-    return json.dumps(obj).encode() + b"\n"
-
-
-class JournalParseTests(SynchronousTestCase):
-    """parse_entry and cursor_time."""
-
-    def test_levels_units_and_time(self) -> None:
-        """PRIORITY maps to level labels; the unit falls back to the identifier then the command."""
-        levels = [parse_entry(jentry(0, priority=str(p)), 0).level for p in range(8)]  # type: ignore[union-attr]
-        self.assertEqual(levels, ["critical"] * 3 + ["error", "warn", "info", "info", "debug"])
-        e = parse_entry(jentry(1, priority=None, unit=None, SYSLOG_IDENTIFIER="sshd"), 0)
-        assert e is not None
-        self.assertEqual((e.level, e.unit, e.ts_ns), ("info", "sshd", 1_700_000_000_000_001_000))
-        e = parse_entry(jentry(1, unit=None, _COMM="python3"), 0)
-        assert e is not None
-        self.assertEqual(e.unit, "python3")
-        e = parse_entry(b'{"MESSAGE": "m", "PRIORITY": "x", "__REALTIME_TIMESTAMP": "soon"}', 77)
-        assert e is not None
-        self.assertEqual((e.level, e.unit, e.ts_ns, e.cursor), ("info", "unknown", 77, None))
-
-    def test_message_shapes(self) -> None:
-        """Binary messages are decoded, repeated fields use the first value, no MESSAGE is skipped."""
-        e = parse_entry(jentry(1, message=list(b"caf\xc3\xa9 \xff\n")), 0)
-        assert e is not None
-        self.assertEqual(e.message, "caf\u00e9 \ufffd")
-        e = parse_entry(jentry(1, unit=["a.service", "b.service"]), 0)
-        assert e is not None
-        self.assertEqual(e.unit, "a.service")
-        self.assertIsNone(parse_entry(b'{"PRIORITY": "3"}', 0))
-
-    def test_bad_lines(self) -> None:
-        """Lines that are not JSON objects raise ValueError saying why."""
-        with self.assertRaisesRegex(ValueError, "not JSON"):
-            parse_entry(b"{oops", 0)
-        with self.assertRaisesRegex(ValueError, "not a JSON object"):
-            parse_entry(b"[1]", 0)
-
-    def test_cursor_time(self) -> None:
-        """The t= part of a cursor is its entry's time."""
-        self.assertEqual(cursor_time("s=a;i=1;b=c;m=1;t=5f5e100;x=2"), 100.0)
-        self.assertIsNone(cursor_time("garbage"))
-
-
-class JournaldSourceTests(SynchronousTestCase):
-    """L{JournaldSource} with a fake process reactor and a recording sink."""
-
-    def make(self, start: bool = True, **kw: Any) -> JournaldSource:
-        self.clock = ProcessClock()
-        self.clock.advance(1_700_000_100)
-        self.sink = RecordingSink()
-        self.dir = kw.pop("state_dir", None) or self.mktemp()
-        os.makedirs(self.dir, exist_ok=True)
-        kw.setdefault("journalctl", shutil.which("true") or "/bin/true")
-        source = JournaldSource(
-            self.clock,
-            self.sink,
-            node_labels("n1", lambda: "10.0.0.5"),
-            SynchronousRunner(),
-            state_dir=self.dir,
-            backoff=Backoff(1.0, 60.0, lambda: 1.0),
-            wallclock=self.clock.seconds,
-            **kw,
-        )
-        if start:
-            source.startService()
-
-            def stop() -> None:
-                if source.running:
-                    d = source.stopService()
-                    for _, _, t in self.clock.spawned:
-                        if not t.exited:
-                            t.exit(0, 15)
-                    self.clock.advance(10)
-                    self.successResultOf(d)
-                self.assertEqual(self.clock.getDelayedCalls(), [])
-
-            self.addCleanup(stop)
-        return source
-
-    @property
-    def transport(self) -> FakeProcessTransport:
-        return self.clock.spawned[-1][2]
-
-    def saved(self) -> str:
-        with open(os.path.join(self.dir, CURSOR_FILE)) as f:
-            return f.read().strip()
-
-    def test_arguments_first_start(self) -> None:
-        """journalctl follows JSON from now, with the directory and unit filters, no shell."""
-        self.make(directory="/var/log/journal", units=["docker.service", "llmport-agent.service"])
-        args, env, transport = self.clock.spawned[0]
-        self.assertEqual(args[1:], [
-            "--follow", "--output=json", "--all", "--no-pager",
-            "--output-fields=MESSAGE,PRIORITY,_SYSTEMD_UNIT,SYSLOG_IDENTIFIER,_COMM",
-            "--priority=6", "--directory=/var/log/journal",
-            "--unit=docker.service", "--unit=llmport-agent.service", "--since=@1700000100",
-        ])
-        self.assertTrue(os.path.isabs(args[0]))
-        self.assertTrue(transport.stdin_closed)
-        self.assertEqual(env["SYSTEMD_COLORS"], "0")
-        self.assertEqual(self.saved(), "@1700000100")
-
-    def test_entries_become_lines(self) -> None:
-        """Entries split across reads become redacted lines with level, unit and their own time."""
-        self.make(secrets=lambda: [TOKEN])
-        data = jentry(1, priority="3") + jentry(2, message=f"join with {TOKEN}", unit=None,
-                                                SYSLOG_IDENTIFIER="kernel")
-        self.transport.out(data[:30])
-        self.assertEqual(self.sink.pushed, [])
-        self.transport.out(data[30:])
-        (l1, t1, m1), (l2, t2, m2) = self.sink.pushed
-        self.assertEqual(l1, {"job": "node-agent", "host": "10.0.0.5", "container": "node-n1",
-                              "level": "error", "unit": "docker.service"})
-        self.assertEqual((t1, m1), (1_700_000_000_000_001_000, "entry 1"))
-        self.assertEqual((l2["unit"], l2["level"], m2), ("kernel", "info", "join with ***"))
-
-    def test_bad_and_oversized_lines_are_skipped(self) -> None:
-        """Garbage lines and lines over the limit are counted and skipped; reading goes on."""
-        source = self.make()
-        self.transport.out(b"not json\n" + b"x" * (1024 * 1024 + 10))
-        self.transport.out(b"still the long line\n" + jentry(3))
-        self.transport.out(b'{"PRIORITY": "3"}\n')
-        self.assertEqual(self.sink.lines(), ["entry 3"])
-        d = source.describe()
-        self.assertEqual((d["bad_lines"], d["oversized_lines"], d["skipped_without_message"]), (1, 1, 1))
-        self.flushLoggedErrors()
-
-    def test_restart_with_backoff_after_exit(self) -> None:
-        """When journalctl exits it is restarted after a growing delay, after the last cursor."""
-        source = self.make()
-        self.transport.out(jentry(1) + jentry(2))
-        self.transport.exit(1)
-        self.assertEqual(source.state, "restarting")
-        self.clock.advance(1.9)
-        self.assertEqual(len(self.clock.spawned), 1)
-        self.clock.advance(0.1)
-        self.assertEqual(len(self.clock.spawned), 2)
-        self.assertEqual(self.clock.spawned[1][0][-1], "--after-cursor=" + json.loads(jentry(2))["__CURSOR"])
-        self.transport.exit(1)
-        self.clock.advance(3.9)
-        self.assertEqual(len(self.clock.spawned), 2)
-        self.clock.advance(0.1)
-        self.assertEqual(len(self.clock.spawned), 3)
-        self.clock.advance(30)  # ran long enough: the backoff starts over
-        self.transport.exit(0)
-        self.clock.advance(2)
-        self.assertEqual(len(self.clock.spawned), 4)
-        self.assertEqual(source.describe()["restarts"], 3)
-
-    def test_missing_journalctl_logged_once(self) -> None:
-        """Without journalctl there is one clear log line and no process, no retries."""
-        events = capture_events(self)
-        source = self.make(journalctl="/nonexistent/bin/journalctl")
-        self.clock.advance(600)
-        self.assertEqual(self.clock.spawned, [])
-        self.assertEqual(source.state, "unavailable")
-        self.assertEqual(len([e for e in events if "not found" in e["log_format"]]), 1)
-
-    def test_position_follows_the_shipper(self) -> None:
-        """The saved cursor is that of the last entry the shipper is done with, not the last read."""
-        self.make(cursor_interval=5)
-        self.transport.out(jentry(1) + jentry(2) + jentry(3))
-        self.clock.advance(5)
-        self.assertEqual(self.saved(), "@1700000100")
-        self.sink.delivered = 2
-        self.clock.advance(5)
-        self.assertEqual(self.saved(), json.loads(jentry(2))["__CURSOR"])
-
-    def test_stop_terminates_flushes_and_saves(self) -> None:
-        """Stop sends SIGTERM, waits for the exit, lets the shipper flush, then saves the position."""
-        source = self.make()
-        self.transport.out(jentry(1) + jentry(2))
-        d = source.stopService()
-        self.assertEqual(self.transport.signals, ["TERM"])
-        self.assertNoResult(d)
-        self.transport.out(jentry(3))  # printed before it exited: still shipped
-        self.transport.exit(0, 15)
-        self.successResultOf(d)
-        self.assertEqual(self.sink.flushes, [5.0])
-        self.assertEqual(self.sink.lines(), ["entry 1", "entry 2", "entry 3"])
-        self.assertEqual(self.saved(), json.loads(jentry(3))["__CURSOR"])
-        self.assertEqual(source.state, "stopped")
-
-    def test_stop_kills_a_stuck_journalctl(self) -> None:
-        """A journalctl that ignores SIGTERM is killed after the stop timeout."""
-        source = self.make(stop_timeout=3)
-        d = source.stopService()
-        self.clock.advance(3)
-        self.assertEqual(self.transport.signals, ["TERM", "KILL"])
-        self.transport.exit(0, 9)
-        self.successResultOf(d)
-
-    def test_restart_resumes_after_saved_cursor(self) -> None:
-        """A new source resumes after the saved cursor; a stale one is replaced by the window."""
-        source = self.make()
-        self.transport.out(jentry(1, ts_us=1_700_000_050_000_000))
-        d = source.stopService()
-        self.transport.exit(0, 15)
-        self.successResultOf(d)
-        cursor = self.saved()
-        again = self.make(state_dir=self.dir)
-        self.assertEqual(self.clock.spawned[0][0][-1], f"--after-cursor={cursor}")
-        d = again.stopService()
-        self.transport.exit(0, 15)
-        self.successResultOf(d)
-        stale = self.make(state_dir=self.dir, replay_window=10)
-        self.assertEqual(self.clock.spawned[0][0][-1], "--since=@1700000090")
-        self.assertTrue(stale.running)
-
-    def test_refused_cursor_falls_back_to_now(self) -> None:
-        """If journalctl fails at once on the saved cursor, the next run starts from now."""
-        dir_ = self.mktemp()
-        os.makedirs(dir_)
-        with open(os.path.join(dir_, CURSOR_FILE), "w") as f:
-            f.write("s=bad;t=zz\n")
-        self.make(state_dir=dir_)
-        self.assertEqual(self.clock.spawned[0][0][-1], "--after-cursor=s=bad;t=zz")
-        self.transport.exit(1)
-        self.clock.advance(2)
-        self.assertEqual(self.clock.spawned[1][0][-1], "--since=@1700000100")
-
-    def test_back_pressure_pauses_and_resumes_reading(self) -> None:
-        """Reading pauses while the shipper's queue is nearly full and resumes once it drains."""
-        source = self.make()
-        self.sink.level = 0.9
-        self.transport.out(jentry(1))
-        self.assertTrue(self.transport.paused)
-        self.assertTrue(source.describe()["paused"])
-        self.clock.advance(1)
-        self.assertTrue(self.transport.paused)
-        self.sink.level = 0.4
-        self.clock.advance(1)
-        self.assertFalse(self.transport.paused)
-
-
 class LoopbackTests(TestCase):
     """The shipper against the fake Loki over real loopback HTTP."""
 
     timeout = 15
 
     def serve(self) -> FakeLoki:
-        loki = FakeLoki()
+        loki = FakeLoki(check_labels=True, require_gzip=True)
         root = Resource()
         root.putChild(b"gw", loki)
         port = reactor.listenTCP(0, Site(root), interface="127.0.0.1")
@@ -970,8 +865,7 @@ class LoopbackTests(TestCase):
         self.addCleanup(pool.closeCachedConnections)
         kw.setdefault("batch_size", 50)
         kw.setdefault("flush_interval", 0.05)
-        shipper = LokiShipper(reactor, http, self.url, timeout=5,
-                              backoff=Backoff(0.05, 0.2), **kw)
+        shipper = LokiShipper(reactor, http, self.url, timeout=5, backoff=Backoff(0.05, 0.2), **kw)
         shipper.startService()
         self.addCleanup(lambda: shipper.stopService() if shipper.running else None)
         return shipper
@@ -992,8 +886,62 @@ class LoopbackTests(TestCase):
         self.assertEqual(loki.lines(level="warn"), [f"t{i}" for i in range(30)])
         self.assertEqual({p.path for p in loki.pushes}, {b"/gw/loki/api/v1/push"})
         self.assertEqual(loki.pushes[0].status, 500)
-        self.assertGreaterEqual(shipper.describe()["failed_pushes"], 1)
+        self.assertEqual(loki.violations, [])
+        self.assertGreaterEqual(shipper.stats()["failed_pushes"], 1)
         await shipper.stopService()
+
+    async def test_large_batches_are_encoded_off_the_reactor(self) -> None:
+        """With a worker pool, a batch of a few MiB is encoded there and arrives whole."""
+        from llmport_agent.threads import PoolService
+
+        loki = self.serve()
+        pool = PoolService(reactor, "logs", 2)
+        pool.startService()
+        self.addCleanup(pool.stopService)
+        shipper = self.shipper(runner=pool, batch_bytes=1 << 20, batch_size=100_000)
+        shipper.push_many([(KEY, 1_700_000_000_000_000_000 + i, f"{i:06d} " + "p" * 200)
+                           for i in range(20_000)])
+        await loki.when_entries(20_000)
+        self.assertEqual(loki.lines()[-1], "019999 " + "p" * 200)
+        self.assertGreaterEqual(len(loki.pushes), 4)
+        await shipper.stopService()
+
+    async def test_tls_is_verified_like_the_backend(self) -> None:
+        """An https LOKI_URL is verified: with CA_BUNDLE it works, without it nothing is sent."""
+        from twisted.internet.ssl import PrivateCertificate
+
+        from llmport_agent.config import load_config
+        from llmport_agent.devbackend import make_test_tls
+        from llmport_agent.logs.wiring import build_log_shipping
+
+        tls = make_test_tls(self.mktemp())
+        with open(tls.cert_pem, "rb") as c, open(tls.key_pem, "rb") as k:
+            options = PrivateCertificate.loadPEM(c.read() + b"\n" + k.read()).options()
+        loki = FakeLoki()
+        port = reactor.listenSSL(0, Site(loki), options, interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        url = f"https://127.0.0.1:{port.getHost().port}"
+        for ca, expect in ((tls.ca_pem, ["over tls"]), (None, ["over tls"])):
+            state = os.path.abspath(self.mktemp())
+            env = {"LLM_PORT_NODE_AGENT_LOKI_URL": url, "LLM_PORT_NODE_AGENT_STATE_PATH": f"{state}/s.json",
+                   "LLM_PORT_NODE_AGENT_REQUEST_TIMEOUT_SEC": "2"}
+            if ca:
+                env["LLM_PORT_NODE_AGENT_CA_BUNDLE"] = ca
+            shipping = build_log_shipping(reactor, load_config(env, {}), state_dir=state,
+                                          host=lambda: "h", secrets=lambda: [])
+            for svc in (shipping.pool, shipping.shipper):
+                svc.startService()
+            shipping.shipper.push(LABELS, time.time_ns(), "over tls")
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not (
+                    loki.lines() == expect and (ca or shipping.shipper.stats()["failed_pushes"])):
+                await deferLater(reactor, 0.1, lambda: None)
+            self.assertEqual(loki.lines(), expect)  # the second, unverified, run adds nothing
+            if not ca:
+                self.assertIn("certificate", str(shipping.shipper.stats()["last_error"]).lower())
+            for svc in (shipping.shipper, shipping.pool):
+                await svc.stopService()
+            await shipping.http_pool.closeCachedConnections()
 
     async def test_stop_flushes_over_loopback(self) -> None:
         """Lines queued right before stop are delivered by the stop itself."""
@@ -1002,95 +950,3 @@ class LoopbackTests(TestCase):
         shipper.push(labels(), time.time_ns(), "goodbye")
         await shipper.stopService()
         self.assertEqual(loki.lines(), ["goodbye"])
-
-
-def export_entry(message: str, ts_us: int, priority: int, unit: str) -> str:
-    return (
-        f"__REALTIME_TIMESTAMP={ts_us}\n__MONOTONIC_TIMESTAMP={ts_us % 10**9}\n"
-        f"_BOOT_ID=0123456789abcdef0123456789abcdef\n_HOSTNAME=node\n"
-        f"MESSAGE={message}\nPRIORITY={priority}\n_SYSTEMD_UNIT={unit}\n\n"
-    )
-
-
-class RealJournalTests(TestCase):
-    """Real journal files (systemd-journal-remote) read by real journalctl, shipped over loopback."""
-
-    timeout = 20
-
-    def setUp(self) -> None:
-        if not os.access(JOURNAL_REMOTE, os.X_OK):
-            raise self.skipTest(f"{JOURNAL_REMOTE} is not installed (Debian systemd-journal-remote)")
-        if shutil.which("journalctl") is None:
-            raise self.skipTest("journalctl is not installed")
-        self.journal_dir = os.path.abspath(self.mktemp())
-        os.makedirs(self.journal_dir)
-        self.state_dir = os.path.abspath(self.mktemp())
-        os.makedirs(self.state_dir)
-        self.loki = FakeLoki()
-        port = reactor.listenTCP(0, Site(self.loki), interface="127.0.0.1")
-        self.addCleanup(port.stopListening)
-        self.url = f"http://127.0.0.1:{port.getHost().port}"
-        self.counter = 0
-
-    async def write(self, *entries: tuple[str, int, str]) -> None:
-        self.counter += 1
-        path = os.path.join(self.journal_dir, f"export-{self.counter}.txt")
-        now = time.time_ns() // 1000
-        with open(path, "w") as f:
-            for i, (message, priority, unit) in enumerate(entries):
-                f.write(export_entry(message, now + i, priority, unit))
-        out, err, code = await getProcessOutputAndValue(
-            JOURNAL_REMOTE, [f"--output={self.journal_dir}/remote.journal", path], env={}
-        )
-        self.assertEqual(code, 0, err)
-
-    async def run_once(self, expect_total: int, *entries: tuple[str, int, str]) -> None:
-        http, pool = loki_http_client(reactor)
-        self.addCleanup(pool.closeCachedConnections)
-        shipper = LokiShipper(reactor, http, self.url, batch_size=100, flush_interval=0.05)
-        source = JournaldSource(
-            reactor, shipper, node_labels("n1", lambda: "10.0.0.5"), SynchronousRunner(),
-            state_dir=self.state_dir, directory=self.journal_dir, secrets=lambda: [TOKEN],
-        )
-        shipper.startService()
-        source.startService()
-        try:
-            if entries:
-                await self.write(*entries)
-            await self.loki.when_entries(expect_total)
-        finally:
-            await source.stopService()
-            await shipper.stopService()
-
-    def pushed_lines(self) -> list[str]:
-        return [v[1] for p in self.loki.pushes if p.status == 204
-                for s in p.body["streams"] for v in s["values"]]
-
-    async def test_follow_restart_without_loss_or_duplicates(self) -> None:
-        """Entries are shipped with their labels; after a restart only the new ones follow."""
-        old = time.time_ns() // 1000 - 3600 * 1_000_000
-        with open(os.path.join(self.journal_dir, "old.txt"), "w") as f:
-            f.write(export_entry("before the agent", old, 6, "docker.service"))
-        out, err, code = await getProcessOutputAndValue(
-            JOURNAL_REMOTE, [f"--output={self.journal_dir}/remote.journal",
-                             os.path.join(self.journal_dir, "old.txt")], env={})
-        self.assertEqual(code, 0, err)
-
-        # The first run starts from "now": these are written once it runs.
-        await self.run_once(3, ("dockerd started", 6, "docker.service"),
-                            (f"token {TOKEN} seen", 3, "llmport-agent.service"),
-                            ("disk warning", 4, "docker.service"))
-        first = self.loki.entries()
-        self.assertEqual([e.line for e in first], ["dockerd started", "token *** seen", "disk warning"])
-        self.assertEqual(first[1].labels, {"job": "node-agent", "host": "10.0.0.5", "container": "node-n1",
-                                           "level": "error", "unit": "llmport-agent.service"})
-        self.assertEqual(first[2].labels["level"], "warn")
-        self.assertLess(abs(first[0].ts_ns / 1e9 - time.time()), 60)
-        with open(os.path.join(self.state_dir, CURSOR_FILE)) as f:
-            self.assertTrue(f.read().startswith("s="))
-
-        # The second run resumes after the saved cursor: this one is written before it starts.
-        await self.write(("while stopped", 6, "docker.service"))
-        await self.run_once(4)
-        self.assertEqual(self.pushed_lines(),
-                         ["dockerd started", "token *** seen", "disk warning", "while stopped"])

@@ -1,91 +1,87 @@
 # -*- test-case-name: tests.test_logs_containers -*-
 """
-Workload (container) logs as Loki lines (protocol section 8, "container logs").
+Workload (container) logs as Loki lines (protocol section 8, "container logs"): every managed
+container's stdout and stderr followed as a stream, labelled C{{job: "node-container", host,
+container: <container name>, runtime_id}}.
 
-L{ContainerLogSource} polls the Docker engine every C{interval} seconds (a L{LoopingCall} on
-the injected reactor; iterations never overlap):
+B{Streams.} For each managed container one engine C{logs} stream (follow, timestamps, C{since}
+the container's position) runs in a thread of this source's own pool (see
+L{llmport_agent.logs.docker_logs} for what the thread does). The engine ends the stream when the
+container stops, after its last line: the container is then I{drained}. Its C{die} event (from
+this source's own engine event stream) makes sure a container that stopped without a stream
+open, such as one that printed and exited within a second, is read to its end once; its
+C{start} event opens a stream again. A list of the managed containers at start, whenever the
+engine comes back, and every C{reconcile_interval} seconds catches what events missed.
 
- 1. one engine call lists the managed containers (L{list_managed});
- 2. for each running one (and once more for one that stopped since the last poll, to catch
-    its last lines), one engine call fetches C{logs(stdout, stderr, timestamps=True,
-    since=<whole seconds of the last shipped line>, tail=max_lines_per_poll)}, parses the
-    RFC3339Nano timestamp prefix of each line into Unix ns, drops lines at or before the last
-    shipped ns (C{since} has second granularity, so the last second comes back every time)
-    and redacts secrets, all inside the thread function;
- 3. back on the reactor thread the lines are pushed to the sink with the labels
-    C{{job: "node-container", host, container: <container name>, runtime_id}}.
+B{Bounded threads.} At most C{streams} containers (C{LOKI_CONTAINER_STREAMS}, 16 by default) are
+followed at once, each holding one pool thread; one more thread follows the events. With more
+containers than that, they take turns: when some wait, a stream open longer than
+C{slice_seconds} is closed (its position kept) and the container goes to the back of the
+queue, so every container is read at least once per C{ceil(containers / streams) *
+slice_seconds} seconds and none loses a line.
 
-A container seen for the first time starts from its start, or its last
-L{NEW_CONTAINER_TAIL} lines (never more than C{max_lines_per_poll}). Containers that
-disappear from the list are forgotten. A poll is skipped while the engine is unavailable or
-while the sink's queue is at least L{HIGH_PRESSURE} full (the engine keeps the lines; the next
-poll picks them up with C{since}). A failing poll is logged once when polls start failing and
-once when they work again; it never stops the loop.
+B{Positions.} Each container's L{Position} (newest line time shipped, plus which lines carry
+exactly that time) advances only as far as the shipper is done with its lines (accepted by
+Loki, spooled or dropped), and is saved in C{<state dir>/container-logs.json} (atomically, at
+most every C{save_interval} seconds, after a container was drained, and at stop). A restart of
+the agent, of a container or of the engine resumes exactly behind the last line shipped. A
+container seen for the first time is read from its first line (from C{replay_window} ago for
+one created long before).
 
-B{Position.} Per container (by id) the ns of the last line the sink is done with (sent to Loki
-or dropped, per C{sink.delivered_through()} when the sink has it) is saved as small JSON in
-C{<state_dir>/container-logs.json} (atomic write, through the engine's pool, at most every
-C{save_interval} seconds and at stop), so an agent restart resumes where delivery stopped: at
-worst it re-sends a few lines, which Loki stores once (same stream, time and line).
+B{Back-pressure.} While the shipper is full (Loki away, spool full or off), lines are not
+taken from the threads; they stop reading, the engine keeps the lines in its log file, and the
+positions stand.
 """
 
 from __future__ import annotations
 
-import calendar
 import json
+import math
 import os
-import re
+import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from attrs import define, field, frozen
+from attrs import define, field
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.task import LoopingCall
+from twisted.internet.defer import CancelledError, Deferred, DeferredList
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
-from llmport_agent.logs.loki import ILogSink
+from llmport_agent.backoff import Backoff
+from llmport_agent.logs.docker_logs import (
+    FollowResult,
+    Inbox,
+    Position,
+    follow_logs,
+    format_since,
+)
+from llmport_agent.logs.encoding import label_key
+from llmport_agent.logs.loki import ILogSink, RoomWaiter
 from llmport_agent.logs.redact import Redactor
 from llmport_agent.storage import atomic_write
-from llmport_agent.workloads.containers import list_managed
-from llmport_agent.workloads.spec import LABEL_RUNTIME_ID
+from llmport_agent.threads import BlockingRunner, PoolService
+from llmport_agent.workloads.engine import StreamClosed, StreamControl
+from llmport_agent.workloads.spec import LABEL_MANAGED, LABEL_RUNTIME_ID, MANAGED_VALUE
 
 __all__ = [
     "CONTAINER_JOB",
     "ContainerLogSource",
-    "HIGH_PRESSURE",
-    "NEW_CONTAINER_TAIL",
     "STATE_FILE",
-    "Fetched",
-    "parse_log_output",
-    "parse_timestamp",
+    "parse_state",
 ]
 
 CONTAINER_JOB = "node-container"
 STATE_FILE = "container-logs.json"
+_STATE_VERSION = 2
 
-#: Lines fetched at most for a container seen for the first time.
-NEW_CONTAINER_TAIL = 1000
+#: Positions not yet known delivered, remembered per container (oldest merged first).
+_MAX_CHECKPOINTS = 256
 
-#: Polls are skipped while the sink's queue is at least this full.
-HIGH_PRESSURE = 0.8
-
-#: Positions not yet known delivered, remembered per container (oldest dropped first).
-_MAX_PENDING = 64
-
-_STATE_VERSION = 1
-
-#: Container states whose logs are polled (a crash-looping container is mostly "restarting").
-_ACTIVE = ("running", "restarting")
-
-#: Seconds the stop waits for the sink to deliver what this source queued.
-_STOP_FLUSH_TIMEOUT = 5.0
-
-_TIMESTAMP = re.compile(
-    rb"^(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})(?:[.,](\d{1,9}))?"
-    rb"(Z|[+-]\d{2}:?\d{2})(?: |$)"
-)
+_START_EVENTS = frozenset({"start", "restart", "unpause"})
+_STOP_EVENTS = frozenset({"die", "stop", "kill", "oom"})
 
 
 class _Engine(Protocol):
@@ -96,147 +92,144 @@ class _Engine(Protocol):
     def call(self, fn: Callable[..., Any], *args: Any, what: str | None = None) -> Awaitable[Any]:
         """Run C{fn(client, *args)} off the reactor thread."""
 
+    def onAvailability(self, listener: Callable[[bool], None]) -> None:
+        """Call C{listener(available)} on every change."""
 
-def parse_timestamp(raw: bytes) -> tuple[int, int] | None:
-    """
-    The RFC3339Nano timestamp at the start of C{raw} (as Docker writes it with
-    C{timestamps=True}): C{(unix_ns, length of the prefix including the separating space)}, or
-    C{None} when C{raw} does not start with one.
-    """
-    m = _TIMESTAMP.match(raw)
-    if m is None:
-        return None
-    try:
-        year, month, day, hour, minute, second = (int(m.group(i)) for i in range(1, 7))
-        if not (1 <= month <= 12 and 1 <= day <= 31 and hour < 24 and minute < 60 and second < 61):
-            return None
-        seconds = calendar.timegm((year, month, day, hour, minute, second, 0, 0, 0))
-    except (ValueError, OverflowError):
-        return None
-    frac = m.group(7) or b""
-    nanos = int(frac.ljust(9, b"0")) if frac else 0
-    zone = m.group(8)
-    if zone != b"Z":
-        sign = -1 if zone[:1] == b"-" else 1
-        digits = zone[1:].replace(b":", b"")
-        seconds -= sign * (int(digits[:2]) * 3600 + int(digits[2:]) * 60)
-    ns = seconds * 1_000_000_000 + nanos
-    if ns < 0:
-        return None
-    return ns, m.end()
+    def checkNow(self) -> None:
+        """Ping the engine soon."""
 
 
-@frozen
-class Fetched:
-    """
-    The new lines of one container from one poll (plain data, built in a worker thread).
+def _default_client_factory(environ: Mapping[str, str] | None, pool_size: int) -> Callable[[], Any]:
+    def make() -> Any:
+        import docker
 
-    @ivar lines: C{(unix_ns, redacted line)} in log order, all after the last shipped ns.
-    @ivar returned: lines the engine returned (before dropping already shipped ones).
-    @ivar duplicates: lines dropped as at or before the last shipped ns.
-    @ivar unparsed: lines without a timestamp prefix, shipped with the previous line's time
-        (or dropped when no line before them had one).
-    """
+        kwargs: dict[str, Any] = docker.utils.kwargs_from_env(
+            environment=dict(os.environ if environ is None else environ)
+        )
+        # The timeout covers connecting and the answer's headers; a following stream turns
+        # its socket timeout off (a quiet log is normal).
+        return docker.DockerClient(version="auto", timeout=15, max_pool_size=pool_size, **kwargs)
 
-    lines: list[tuple[int, str]]
-    returned: int
-    duplicates: int
-    unparsed: int
+    return make
 
 
-def parse_log_output(raw: bytes, after_ns: int, redact: Callable[[str], str]) -> Fetched:
-    """
-    Split C{docker logs --timestamps} output into C{(ns, line)}, keeping lines after
-    C{after_ns}, decoded as UTF-8 (bad bytes replaced), C{\\r} endings dropped, redacted. Pure.
-    """
-    if not isinstance(raw, (bytes, bytearray)):
-        raw = b"".join(raw) if raw is not None else b""
-    chunks = bytes(raw).split(b"\n")
-    if chunks and chunks[-1] == b"":
-        chunks.pop()
-    out: list[tuple[int, str]] = []
-    duplicates = unparsed = 0
-    previous: int | None = None
-    for chunk in chunks:
-        parsed = parse_timestamp(chunk)
-        if parsed is None:
-            unparsed += 1
-            if previous is None:
-                continue
-            ts, body = previous, chunk
-        else:
-            ts, body = parsed[0], chunk[parsed[1] :]
-            previous = ts
-        if ts <= after_ns:
-            duplicates += 1
-            continue
-        if body.endswith(b"\r"):
-            body = body[:-1]
-        out.append((ts, redact(body.decode("utf-8", "replace"))))
-    return Fetched(out, len(chunks), duplicates, unparsed)
+@define(eq=False)
+class _Stream:
+    control: StreamControl
+    inbox: Inbox
+    started: float
+    d: Deferred[Any] | None = None
 
 
-def _fetch(
-    client: Any,
-    container_id: str,
-    since: float | None,
-    tail: int,
-    after_ns: int,
-    redact: Callable[[str], str],
-) -> Fetched:
-    """Thread function: one C{logs} request for a container, parsed and redacted."""
-    raw = client.api.logs(
-        container_id, stdout=True, stderr=True, timestamps=True, since=since, tail=tail
-    )
-    return parse_log_output(raw, after_ns, redact)
-
-
-def _list(client: Any) -> list[dict[str, Any]]:
-    """Thread function: the managed containers (one request)."""
-    return list_managed(client)
-
-
-def _read_state(_client: Any, path: str) -> bytes | None:
-    """Thread function: the state file's bytes, C{None} when there is none."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4 * 1024 * 1024)
-    except FileNotFoundError:
-        return None
-
-
-def _write_state(_client: Any, path: str, data: bytes) -> None:
-    """Thread function: replace the state file atomically."""
-    atomic_write(path, data)
-
-
-@define
-class _Tracked:
+@define(eq=False)
+class _Container:
     """What is known about one container's logs."""
 
+    cid: str
     name: str
     runtime_id: str
-    shipped_ns: int = 0
-    saved_ns: int = 0
-    running: bool = True
-    final_fetch: bool = False
-    pending: deque[tuple[int, int]] = field(factory=lambda: deque(maxlen=_MAX_PENDING))
+    position: Position | None = None  # read (and pushed) this far
+    saved: Position | None = None  # the shipper is done this far (what is persisted)
+    checkpoints: deque[tuple[int, Position]] = field(factory=deque)
+    running: bool = False
+    drained: bool = False
+    created: float | None = None
+    stream: _Stream | None = None
+    queued: bool = False
+    failures: int = 0
+    retry_call: Any = None
+    gone: bool = False
+    die_check: Any = None
+
+
+def parse_state(raw: bytes) -> dict[str, tuple[str, Position]]:
+    """C{{container id: (name, position)}} from the state file. @raise ValueError: bad content."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(doc, Mapping):
+        raise ValueError("the document is not an object")
+    version = doc.get("version")
+    if version not in (1, _STATE_VERSION):
+        raise ValueError(f"field 'version' is {version!r}, not {_STATE_VERSION}")
+    containers = doc.get("containers")
+    if not isinstance(containers, Mapping):
+        raise ValueError("field 'containers' is not an object")
+    out: dict[str, tuple[str, Position]] = {}
+    for cid, entry in containers.items():
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"field 'containers.{cid}' is not an object")
+        name = entry.get("name", "")
+        if not isinstance(name, str):
+            raise ValueError(f"field 'containers.{cid}.name' is not a string")
+        if version == 1:
+            # Written by the polling reader: the ns of the last line shipped.
+            ns = entry.get("ns")
+            if not isinstance(ns, int) or isinstance(ns, bool) or ns < 0:
+                raise ValueError(f"field 'containers.{cid}.ns' is not a non-negative integer")
+            # Everything up to and including that time was shipped: resume just after it.
+            out[str(cid)] = (name, Position(ns + 1, {}) if ns else Position())
+            continue
+        try:
+            position = Position.from_json(entry.get("position"))
+        except ValueError as e:
+            raise ValueError(f"field 'containers.{cid}.position': {e}") from None
+        out[str(cid)] = (name, position)
+    return out
+
+
+def list_for_logs(client: Any) -> list[dict[str, Any]]:
+    """Thread function: the managed containers (one engine call): id, name, state, labels, created."""
+    rows = client.api.containers(all=True, filters={"label": f"{LABEL_MANAGED}={MANAGED_VALUE}"})
+    out = []
+    for row in rows:
+        created = row.get("Created")
+        out.append({
+            "id": str(row["Id"]),
+            "name": str((row.get("Names") or ["/"])[0]).lstrip("/"),
+            "state": str(row.get("State", "")),
+            "labels": dict(row.get("Labels") or {}),
+            "created": float(created) if isinstance(created, (int, float)) else None,
+        })
+    return out
+
+
+def _read_state(path: str) -> bytes | None:
+    """Thread function: the state file's bytes, C{None} when there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        chunks = []
+        while True:
+            data = os.read(fd, 1 << 20)
+            if not data:
+                break
+            chunks.append(data)
+            if sum(len(c) for c in chunks) > 16 << 20:
+                raise ValueError("larger than 16 MiB")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 class ContainerLogSource(Service):
     """
     Ships managed containers' logs to a L{ILogSink}. See the module docstring.
 
-    @param reactor: provides C{IReactorTime}; the poll loop runs on it.
-    @param engine: the L{DockerEngine} (C{call(fn, *args, what=)} and C{available}).
-    @param sink: where lines go (the L{LokiShipper}): C{push}, C{pressure} and, optionally,
-        C{delivered_through}.
+    @param reactor: provides C{IReactorTime} and C{IReactorThreads}.
+    @param engine: the L{DockerEngine}: availability, and short calls (the container list).
+    @param sink: the shipper.
     @param host: returns the C{host} label (what the backend stores as the node host).
-    @param interval: seconds between polls.
-    @param max_lines_per_poll: the most lines fetched for one container in one poll.
+    @param runner: runs file reads and writes (the state file) off the reactor.
+    @param streams: the most containers followed at the same time.
+    @param environ: where C{DOCKER_HOST} and friends come from (the process's by default).
+    @param client_factory: makes the docker client of the stream threads (blocking).
+    @param stream_pool: runs the stream threads (default: a pool of C{streams + 1} threads).
     @param secrets: returns the exact secret values to mask in every line.
     @param state_dir: where C{container-logs.json} is kept; positions only in memory if C{None}.
-    @param save_interval: the least seconds between two writes of the state file.
     """
 
     log = Logger()
@@ -248,313 +241,663 @@ class ContainerLogSource(Service):
         sink: ILogSink,
         host: Callable[[], str],
         *,
-        interval: float = 5.0,
-        max_lines_per_poll: int = 2000,
+        runner: BlockingRunner,
+        streams: int = 16,
+        environ: Mapping[str, str] | None = None,
+        client_factory: Callable[[], Any] | None = None,
+        stream_pool: Any = None,
         secrets: Callable[[], Iterable[str | None]] | None = None,
         state_dir: str | None = None,
-        save_interval: float = 30.0,
+        save_interval: float = 2.0,
+        slice_seconds: float = 5.0,
+        reconcile_interval: float = 60.0,
+        replay_window: float = 6 * 3600.0,
+        stop_timeout: float = 5.0,
+        inbox_bytes: int = 512 * 1024,
+        drain_timeout: float = 10.0,
+        pause_at: float = 0.8,
+        backoff: Backoff | None = None,
+        wallclock: Callable[[], float] = time.time,
     ) -> None:
-        if interval <= 0:
-            raise ValueError(f"interval must be > 0, not {interval!r}")
-        if max_lines_per_poll < 1:
-            raise ValueError(f"max_lines_per_poll must be >= 1, not {max_lines_per_poll!r}")
+        if streams < 1:
+            raise ValueError(f"streams must be >= 1, not {streams!r}")
         self.setName("container-logs")
         self._reactor = reactor
         self._engine = engine
         self._sink = sink
         self._host = host
-        self._interval = float(interval)
-        self._max_lines = int(max_lines_per_poll)
-        self._redact = Redactor(secrets)
+        self._runner = runner
+        self.max_streams = int(streams)
+        self._pool = stream_pool if stream_pool is not None else PoolService(
+            reactor, "container-logs", self.max_streams + 1
+        )
+        self._own_pool = stream_pool is None
+        self._client_factory = client_factory or _default_client_factory(environ, self.max_streams + 2)
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+        self._redactor = Redactor(secrets)
         self._path = os.path.join(state_dir, STATE_FILE) if state_dir else None
         self._save_interval = float(save_interval)
-        self._tracked: dict[str, _Tracked] = {}
+        self._slice = float(slice_seconds)
+        self._reconcile_interval = float(reconcile_interval)
+        self._replay_window = float(replay_window)
+        self._stop_timeout = float(stop_timeout)
+        self._inbox_bytes = int(inbox_bytes)
+        self._drain_timeout = float(drain_timeout)
+        self._pause_at = pause_at
+        self._backoff = backoff if backoff is not None else Backoff(1.0, 30.0)
+        self._wallclock = wallclock
+
+        self._tracked: dict[str, _Container] = {}
+        self._queue: deque[_Container] = deque()
+        self._active: set[_Container] = set()
+        self._room_waiter = RoomWaiter(sink, self._room)
+        self._ready: set[_Container] = set()  # inboxes with lines to take
         self._loaded = self._path is None
-        self._dirty = False
-        self._last_save: float | None = None
         self._saved_text: bytes | None = None
-        self._loop: LoopingCall | None = None
-        self._tick_d: Deferred[None] | None = None
-        self._error: str | None = None
+        self._save_call: Any = None
+        self._saving: Deferred[None] | None = None
+        self._last_save = -math.inf
+        self._events: StreamControl | None = None
+        self._events_d: Deferred[Any] | None = None
+        self._events_failures = 0
+        self._events_call: Any = None
+        self._slice_call: Any = None
+        self._reconcile_call: Any = None
+        self._reconciling: Deferred[None] | None = None
         self._stopping = False
+        self._listening = False
+        self._shutdown_trigger: Any = None
+        self._started: Deferred[None] | None = None
+        self._error: str | None = None
 
         # Counters.
-        self.polls = 0
-        self.polls_failed = 0
-        self.skipped_unavailable = 0
-        self.skipped_pressure = 0
-        self.polls_truncated = 0
         self.lines_shipped = 0
         self.lines_duplicate = 0
-        self.lines_unparsed = 0
-        self.containers_forgotten = 0
+        self.inbox_waits = 0
+        self.drain_stalls = 0
+        self.streams_opened = 0
+        self.streams_failed = 0
+        self.slices = 0
+        self.drains = 0
+        self.events_seen = 0
+        self.reconciles = 0
         self.state_saves = 0
         self.state_save_failures = 0
+        self.containers_forgotten = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def startService(self) -> None:
         super().startService()
         self._stopping = False
-        loop = LoopingCall(self._tick)
-        loop.clock = self._reactor
-        self._loop = loop
-        loop.start(self._interval, now=True).addErrback(
-            lambda f: self.log.failure("container log loop died", failure=f)
-        )
+        if self._own_pool:
+            self._pool.startService()
+            # A backstop: the pool's own shutdown trigger joins its threads, which a stream
+            # blocked in a read would hold for ever; closing the streams first unblocks them.
+            self._shutdown_trigger = self._reactor.addSystemEventTrigger(
+                "before", "shutdown", self._close_streams, "reactor shutting down"
+            )
+        if not self._listening:
+            self._listening = True
+            self._engine.onAvailability(self._engine_changed)
+        d = Deferred.fromCoroutine(self._start())
+        d.addErrback(lambda f: self.log.failure("Starting the container log reader failed", failure=f))
+        self._started = d
+
+    async def _start(self) -> None:
+        if not self._loaded:
+            await self._load()
+        if self._stopping:
+            return
+        if self._engine.available:
+            self._engine_changed(True)
+        self._schedule_reconcile()
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
         return Deferred.fromCoroutine(self._stop())
 
+    def _close_streams(self, reason: str) -> None:
+        """Close every stream (and the events) so their threads end; safe to repeat."""
+        if self._events is not None:
+            self._events.close(reason)
+        for c in list(self._active):
+            stream = c.stream
+            if stream is not None:
+                stream.control.close(reason)
+                stream.inbox.close()
+
     async def _stop(self) -> None:
         self._stopping = True
-        loop, self._loop = self._loop, None
-        if loop is not None and loop.running:
-            loop.stop()
-        tick = self._tick_d
-        if tick is not None:
-            tick.cancel()
-        flush = getattr(self._sink, "flush", None)
-        if flush is not None and any(info.pending for info in self._tracked.values()):
-            # Let the sink deliver what this source queued, so the saved position is exact.
+        if self._shutdown_trigger is not None:
             try:
-                await flush(_STOP_FLUSH_TIMEOUT)
+                self._reactor.removeSystemEventTrigger(self._shutdown_trigger)
+            except (ValueError, KeyError, TypeError):
+                pass
+            self._shutdown_trigger = None
+        if self._started is not None and not self._started.called:
+            self._started.cancel()
+        for name in ("_slice_call", "_reconcile_call", "_events_call", "_save_call"):
+            call = getattr(self, name)
+            if call is not None and call.active():
+                call.cancel()
+            setattr(self, name, None)
+        for c in self._tracked.values():
+            for name in ("retry_call", "die_check"):
+                call = getattr(c, name)
+                if call is not None and call.active():
+                    call.cancel()
+                setattr(c, name, None)
+        self._queue.clear()
+        self._close_streams("agent stopping")
+        pending: list[Deferred[Any]] = [
+            c.stream.d for c in self._active if c.stream is not None and c.stream.d is not None
+        ]
+        if self._events_d is not None:
+            pending.append(self._events_d)
+        if pending:
+            waiting: Deferred[Any] = DeferredList(pending, consumeErrors=True)
+            waiting.addTimeout(self._stop_timeout, self._reactor)
+            try:
+                await waiting
             except Exception:
-                self.log.failure("Waiting for the log sink at stop failed")
-        if self._loaded and (self._dirty or self._tracked):
-            await self._save(force=True)
+                self.log.warn("Some container log streams did not end within {timeout} s",
+                              timeout=self._stop_timeout)
+        for c in list(self._tracked.values()):
+            self._take(c, force=True)
+        if any(c.checkpoints for c in self._tracked.values()):
+            # Let the shipper deliver (or spool) what was read, so the saved positions are exact.
+            try:
+                await self._sink.flush(self._stop_timeout)
+            except Exception:
+                self.log.failure("Waiting for the log shipper at stop failed")
+        if self._saving is not None:
+            await self._saving
+        if self._loaded:
+            await self._save()
+        if self._own_pool:
+            if self._client is not None:
+                try:
+                    await self._pool.run(self._close_client)
+                except Exception:
+                    pass
+            await self._pool.stopService()
+
+    def _close_client(self) -> None:
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
     def describe(self) -> dict[str, Any]:
         """Counters for diagnostics and metrics."""
         return {
             "containers": len(self._tracked),
-            "polls": self.polls,
-            "polls_failed": self.polls_failed,
-            "skipped_unavailable": self.skipped_unavailable,
-            "skipped_pressure": self.skipped_pressure,
-            "polls_truncated": self.polls_truncated,
+            "streams_open": len(self._active),
+            "streams_max": self.max_streams,
+            "waiting_for_a_stream": len(self._queue),
+            "streams_opened": self.streams_opened,
+            "streams_failed": self.streams_failed,
+            "slices": self.slices,
+            "drains": self.drains,
             "lines_shipped": self.lines_shipped,
             "lines_duplicate": self.lines_duplicate,
-            "lines_unparsed": self.lines_unparsed,
+            "inbox_waits": self.inbox_waits,
+            "drain_stalls": self.drain_stalls,
+            "events_seen": self.events_seen,
+            "reconciles": self.reconciles,
+            "paused": self._room_waiter.waiting,
             "containers_forgotten": self.containers_forgotten,
             "state_saves": self.state_saves,
             "state_save_failures": self.state_save_failures,
             "last_error": self._error,
         }
 
-    # -- polling -------------------------------------------------------------------------------
+    # -- the engine: availability, events, the list --------------------------------------------
 
-    def _tick(self) -> Deferred[None]:
-        d = Deferred.fromCoroutine(self._poll_safely())
-        self._tick_d = d
+    def _engine_changed(self, available: bool) -> None:
+        if not available or self._stopping or not self.running or not self._loaded:
+            return
+        # The list (re)opens what needs a stream, with names and labels as the engine has them.
+        for c in self._tracked.values():
+            c.failures = 0
+        self._start_events()
+        self._reconcile_soon()
+
+    def _client_now(self) -> Any:
+        """Thread side: the stream threads' docker client (made on first use)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._client_factory()
+            return self._client
+
+    def _start_events(self) -> None:
+        if self._events_d is not None or self._stopping:
+            return
+        control = StreamControl()
+        self._events = control
+        since = int(self._wallclock())
+
+        def on_event(event: dict[str, Any]) -> None:
+            self._reactor.callFromThread(self._on_event, event)
+
+        def on_open() -> None:
+            self._reactor.callFromThread(self._events_opened)
+
+        d = self._pool.run(self._events_thread, control, since, on_event, on_open)
+        self._events_d = d
+        d.addBoth(self._events_ended, control)
+
+    def _events_thread(self, control: StreamControl, since: int,
+                       on_event: Callable[[dict[str, Any]], None], on_open: Callable[[], None]) -> str:
+        """Thread function: the engine's events for managed containers (as the health watcher reads them)."""
+        from llmport_agent.workloads.health import _events_thread
+
+        return _events_thread(self._client_now(), control, since, on_event, on_open)
+
+    def _events_opened(self) -> None:
+        self._events_failures = 0
+        # Whatever happened while the stream was down.
+        self._reconcile_soon()
+
+    def _events_ended(self, result: Any, control: StreamControl) -> None:
+        self._events_d = None
+        self._events = None
+        if self._stopping or control.closed:
+            return
+        self._events_failures += 1
+        delay = self._backoff.delay(self._events_failures)
+        if isinstance(result, Failure):
+            self._engine.checkNow()
+        self._events_call = self._reactor.callLater(delay, self._restart_events)
+
+    def _restart_events(self) -> None:
+        self._events_call = None
+        if self._engine.available:
+            self._start_events()
+        # else: the availability listener starts it again.
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        if self._stopping:
+            return
+        self.events_seen += 1
+        action = str(event.get("Action") or event.get("status") or "")
+        raw_actor = event.get("Actor")
+        actor: dict[str, Any] = raw_actor if isinstance(raw_actor, dict) else {}
+        cid = str(event.get("id") or actor.get("ID") or "")
+        raw_attrs = actor.get("Attributes")
+        attrs: dict[str, Any] = raw_attrs if isinstance(raw_attrs, dict) else {}
+        if not cid:
+            return
+        c = self._tracked.get(cid)
+        if action == "destroy":
+            if c is not None:
+                self._forget(c)
+            return
+        if c is None:
+            if action not in _START_EVENTS and action != "create":
+                return
+            name = str(attrs.get("name") or cid[:12])
+            c = _Container(cid, name, str(attrs.get(LABEL_RUNTIME_ID) or ""))
+            c.created = self._wallclock()
+            self._tracked[cid] = c
+        if action in _START_EVENTS:
+            c.running = True
+            c.drained = False
+            self._want(c)
+        elif action in _STOP_EVENTS:
+            c.running = False
+            # It ran since we last read it to its end (even if its start went unseen): a stream
+            # open now ends by itself after the last line; without one, it is read once more.
+            c.drained = False
+            self._want(c)
+            stream = c.stream
+            if stream is not None and c.die_check is None:
+                c.die_check = self._reactor.callLater(self._drain_timeout, self._check_drained, c, stream)
+
+    def _check_drained(self, c: _Container, stream: _Stream) -> None:
+        """The container stopped a while ago and its stream has not ended: read it afresh."""
+        c.die_check = None
+        if c.stream is stream and not c.running and not self._stopping:
+            self.drain_stalls += 1
+            self.log.warn(
+                "The engine did not end the log stream of {name} {seconds:.0f} s after it stopped; "
+                "reading its last lines again from where shipping stands",
+                name=c.name,
+                seconds=self._drain_timeout,
+            )
+            stream.control.close("no end after the container stopped")
+
+    def _schedule_reconcile(self) -> None:
+        if self._stopping:
+            return
+        self._reconcile_call = self._reactor.callLater(self._reconcile_interval, self._periodic)
+
+    def _periodic(self) -> None:
+        self._reconcile_call = None
+        self._reconcile_soon()
+        self._schedule_reconcile()
+
+    def _reconcile_soon(self) -> None:
+        if self._reconciling is not None or self._stopping or not self._engine.available:
+            return
+        d = Deferred.fromCoroutine(self._reconcile())
+        self._reconciling = d
 
         def done(result: object) -> None:
-            self._tick_d = None
+            self._reconciling = None
+            if isinstance(result, Failure) and not result.check(CancelledError):
+                self.log.failure("Listing containers for their logs failed", failure=result)
 
         d.addBoth(done)
-        return d
 
-    async def _poll_safely(self) -> None:
+    async def _reconcile(self) -> None:
         try:
-            await self._poll()
-        except CancelledError:
-            return
+            rows = await self._engine.call(list_for_logs, what="list managed containers for logs")
         except Exception as e:
-            self.polls_failed += 1
-            message = getattr(e, "error_message", None)
-            if isinstance(message, str):
-                self._failed(message)  # an engine error: expected now and then
-            else:
-                if self._error is None:
-                    self.log.failure("Polling container logs failed")
-                self._error = f"{type(e).__name__}: {e}"
-
-    async def _poll(self) -> None:
-        if not self._engine.available:
-            self.skipped_unavailable += 1
+            message = str(getattr(e, "error_message", None) or e)
+            if self._error is None:
+                self.log.warn("Listing containers for their logs failed: {error}", error=message)
+            self._error = message
             return
-        try:
-            pressure = float(self._sink.pressure())
-        except Exception:
-            pressure = 0.0
-        if pressure >= HIGH_PRESSURE:
-            self.skipped_pressure += 1
-            return
-        if not self._loaded:
-            await self._load()
-        self.polls += 1
-        rows = await self._engine.call(_list, what="list managed containers for logs")
-        errors = self._reconcile(rows)
-        for cid, info in list(self._tracked.items()):
-            if self._stopping:
-                return
-            error = await self._fetch_one(cid, info)
-            if error is not None:
-                errors.append(error)
-                if getattr(error, "unreachable", False):
-                    break
-        if errors:
-            self.polls_failed += 1
-            self._failed(str(getattr(errors[0], "error_message", None) or errors[0]))
-        elif self._error is not None:
-            self.log.info("Container logs are fetched again")
-            self._error = None
-        await self._save()
-
-    def _reconcile(self, rows: Any) -> list[Any]:
-        """Update the tracked set from a C{list_managed} answer; returns bad-row errors."""
+        self._error = None
+        self.reconciles += 1
         seen: set[str] = set()
-        errors: list[Any] = []
+        now = self._wallclock()
         for row in rows if isinstance(rows, list) else []:
             try:
                 cid = str(row["id"])
                 name = str(row.get("name") or cid[:12])
-                labels = row.get("labels") or {}
-                runtime_id = str(labels.get(LABEL_RUNTIME_ID) or "")
-                running = row.get("state") in _ACTIVE or row.get("running") is True
-            except (KeyError, TypeError, AttributeError) as e:
-                errors.append(ValueError(f"container list entry without a usable id/name: {e}"))
+                runtime_id = str((row.get("labels") or {}).get(LABEL_RUNTIME_ID) or "")
+                running = row.get("state") in ("running", "restarting")
+            except (KeyError, TypeError, AttributeError):
                 continue
             seen.add(cid)
-            info = self._tracked.get(cid)
-            if info is None:
-                if running:
-                    self._tracked[cid] = _Tracked(name, runtime_id)
-                continue
-            info.name, info.runtime_id = name, runtime_id
-            if running:
-                info.running = True
-            elif info.running:
-                info.running = False
-                info.final_fetch = True  # its last lines, once
-        for cid in [c for c in self._tracked if c not in seen]:
-            del self._tracked[cid]
-            self.containers_forgotten += 1
-            self._dirty = True
-        return errors
+            c = self._tracked.get(cid)
+            if c is None:
+                c = _Container(cid, name, runtime_id)
+                self._tracked[cid] = c
+            created = row.get("created")
+            c.created = created if isinstance(created, float) else (c.created or now)
+            c.name, c.runtime_id = name, runtime_id
+            if running and not c.running:
+                c.drained = False
+            c.running = running
+            self._want(c)
+        for c in [c for cid, c in self._tracked.items() if cid not in seen]:
+            if c.stream is None:
+                self._forget(c)
 
-    async def _fetch_one(self, cid: str, info: _Tracked) -> Exception | None:
-        if not info.running:
-            if not info.final_fetch:
-                return None
-            info.final_fetch = False
-        if info.shipped_ns > 0:
-            since: float | None = float(max(1, info.shipped_ns // 1_000_000_000))
-            tail = self._max_lines
-        else:
-            since = None
-            tail = min(self._max_lines, NEW_CONTAINER_TAIL)
-        try:
-            fetched: Fetched = await self._engine.call(
-                _fetch, cid, since, tail, info.shipped_ns, self._redact, what="container logs"
-            )
-        except CancelledError:
-            raise
-        except Exception as e:
-            if getattr(e, "status_code", None) == 404:
-                # Removed between the list and the fetch: forgotten at the next list.
-                return None
-            return e
-        self.lines_duplicate += fetched.duplicates
-        self.lines_unparsed += fetched.unparsed
-        if fetched.returned >= tail and since is not None:
-            self.polls_truncated += 1
-        if not fetched.lines:
-            return None
-        labels = {
-            "job": CONTAINER_JOB,
-            "host": str(self._host()),
-            "container": info.name,
-            "runtime_id": info.runtime_id,
-        }
-        seq = 0
-        last = info.shipped_ns
-        for ts, line in fetched.lines:
-            seq = self._sink.push(labels, ts, line)
-            if ts > last:
-                last = ts
-        self.lines_shipped += len(fetched.lines)
-        info.shipped_ns = last
-        info.pending.append((int(seq) if isinstance(seq, int) else 0, last))
-        self._dirty = True
+    def _forget(self, c: _Container) -> None:
+        c.gone = True
+        self._tracked.pop(c.cid, None)
+        for call in (c.retry_call, c.die_check):
+            if call is not None and call.active():
+                call.cancel()
+        if c.stream is not None:
+            c.stream.control.close("container removed")
+        self.containers_forgotten += 1
+        self._save_soon()
+
+    # -- streams ---------------------------------------------------------------------------
+
+    def _want(self, c: _Container) -> None:
+        """Make sure C{c} gets a stream (unless it has one, waits for one, or is read out)."""
+        if self._stopping or c.gone or c.stream is not None or c.queued:
+            return
+        if c.drained and not c.running:
+            return
+        if c.retry_call is not None and c.retry_call.active():
+            return
+        c.queued = True
+        self._queue.append(c)
+        self._pump()
+
+    def _pump(self) -> None:
+        if not self._engine.available:
+            return
+        while self._queue and len(self._active) < self.max_streams:
+            c = self._queue.popleft()
+            c.queued = False
+            if c.gone or c.stream is not None:
+                continue
+            self._open(c)
+        if self._queue and self._slice_call is None and not self._stopping:
+            self._slice_call = self._reactor.callLater(self._slice, self._rotate)
+
+    def _rotate(self) -> None:
+        """Containers wait for a stream: close the longest-open streams (they queue again)."""
+        self._slice_call = None
+        if not self._queue or self._stopping:
+            return
+        now = self._reactor.seconds()
+        old = sorted(
+            (c for c in self._active if c.stream is not None and now - c.stream.started >= self._slice),
+            key=lambda c: c.stream.started if c.stream is not None else now,
+        )
+        for c in old[: len(self._queue)]:
+            assert c.stream is not None
+            self.slices += 1
+            c.stream.control.close("slice")
+        self._pump()
+
+    def _since(self, c: _Container) -> str | None:
+        if c.position is not None and c.position.ts > 0:
+            return c.position.since()
+        created = c.created
+        if created is not None and created < self._wallclock() - self._replay_window:
+            return format_since(int((self._wallclock() - self._replay_window) * 1e9))
         return None
 
-    def _failed(self, message: str) -> None:
-        if self._error is None:
+    def _open(self, c: _Container) -> None:
+        control = StreamControl()
+        inbox = Inbox(self._reactor.callFromThread, lambda: self._deliver(c), self._inbox_bytes)
+        stream = _Stream(control, inbox, self._reactor.seconds())
+        c.stream = stream
+        self._active.add(c)
+        self.streams_opened += 1
+        position = c.position.copy() if c.position is not None else None
+        d = self._pool.run(self._follow_thread, control, inbox, c.cid, position, self._since(c))
+        stream.d = d
+        d.addBoth(self._stream_ended, c, stream)
+
+    def _follow_thread(self, control: StreamControl, inbox: Inbox, cid: str,
+                       position: Position | None, since: str | None) -> FollowResult:
+        """Thread function: follow one container's log (see L{follow_logs})."""
+        return follow_logs(self._client_now(), control, inbox, cid, position, since,
+                           self._redactor.snapshot)
+
+    def _stream_ended(self, result: Any, c: _Container, stream: _Stream) -> None:
+        stream.d = None
+        self.inbox_waits += stream.inbox.waits
+        if c.die_check is not None and c.die_check.active():
+            c.die_check.cancel()
+        c.die_check = None
+        if c.stream is stream:
+            self._take(c, force=True)
+            c.stream = None
+        self._active.discard(c)
+        self._ready.discard(c)
+        if isinstance(result, FollowResult):
+            c.failures = 0
+            self.lines_duplicate += result.skipped
+            if result.running:
+                c.running = True
+            else:
+                c.running = False
+                c.drained = True
+                self.drains += 1
+                self._save_soon(now=True)
+            self._want(c)
+        elif isinstance(result, Failure) and result.check(StreamClosed, CancelledError):
+            if not self._stopping:
+                self._want(c)  # a slice ended (or the container went): the next turn
+        elif isinstance(result, Failure):
+            self._stream_failed(c, result)
+        self._pump()
+
+    def _stream_failed(self, c: _Container, failure: Failure) -> None:
+        if self._stopping or c.gone:
+            return
+        status = getattr(failure.value, "status_code", None)
+        if status == 404:
+            self._forget(c)
+            return
+        self.streams_failed += 1
+        c.failures += 1
+        message = f"{type(failure.value).__name__}: {failure.value}"[:300]
+        if c.failures == 1:
             self.log.warn(
-                "Fetching container logs failed: {error} (retrying every {interval} s)",
+                "Following the logs of container {name} failed ({error}); retrying",
+                name=c.name,
                 error=message,
-                interval=self._interval,
             )
         self._error = message
+        self._engine.checkNow()
+        delay = self._backoff.delay(c.failures)
+
+        def retry() -> None:
+            c.retry_call = None
+            self._want(c)
+
+        c.retry_call = self._reactor.callLater(delay, retry)
+
+    # -- lines ---------------------------------------------------------------------------------
+
+    def _deliver(self, c: _Container) -> None:
+        """The reactor is told a stream thread has lines for C{c}."""
+        self._ready.add(c)
+        self._take(c)
+
+    def _take(self, c: _Container, force: bool = False) -> None:
+        stream = c.stream
+        if stream is None:
+            self._ready.discard(c)
+            return
+        if not force:
+            try:
+                full = float(self._sink.pressure()) >= self._pause_at
+            except Exception:
+                full = False
+            if full:
+                self._wait_for_room()
+                return
+        items, position, size = stream.inbox.take()
+        self._ready.discard(c)
+        if not items or position is None:
+            if position is not None:
+                c.position = position
+            return
+        key = label_key({
+            "job": CONTAINER_JOB,
+            "host": str(self._host()),
+            "container": c.name,
+            "runtime_id": c.runtime_id,
+        })
+        seq = self._sink.push_many([(key, ts, line) for ts, line in items], size)
+        self.lines_shipped += len(items)
+        c.position = position
+        c.checkpoints.append((seq, position))
+        while len(c.checkpoints) > _MAX_CHECKPOINTS:
+            c.checkpoints.popleft()  # the next one covers it
+        self._save_soon()
+
+    def _room(self) -> None:
+        for c in list(self._ready):
+            self._take(c)
+
+    def _wait_for_room(self) -> None:
+        self._room_waiter.wait()
 
     # -- position ------------------------------------------------------------------------------
 
     def _advance(self) -> None:
-        """Move each container's saved position up to what the sink is done with."""
-        through_fn = getattr(self._sink, "delivered_through", None)
-        through: int | None = None
-        if through_fn is not None:
-            try:
-                through = int(through_fn())
-            except Exception:
-                through = None
-        for info in self._tracked.values():
-            while info.pending:
-                seq, ns = info.pending[0]
-                if through is not None and seq > through:
-                    break
-                info.pending.popleft()
-                if ns > info.saved_ns:
-                    info.saved_ns = ns
+        """Move each container's saved position up to what the shipper is done with."""
+        through = int(self._sink.delivered_through())
+        for c in self._tracked.values():
+            while c.checkpoints and c.checkpoints[0][0] <= through:
+                c.saved = c.checkpoints.popleft()[1]
+            if not c.checkpoints and c.position is not None and c.stream is None:
+                # Nothing in flight: what was read (even with no new lines) is the position.
+                c.saved = c.position
+
+    def _save_soon(self, now: bool = False) -> None:
+        if self._path is None or self._stopping or not self._loaded:
+            return
+        if self._save_call is not None and self._save_call.active():
+            if not now:
+                return
+            self._save_call.cancel()
+        delay = 0.0 if now else max(0.0, self._last_save + self._save_interval - self._reactor.seconds())
+        self._save_call = self._reactor.callLater(delay, self._save_due)
+
+    def _save_due(self) -> None:
+        self._save_call = None
+        if self._saving is not None:
+            self._save_soon()
+            return
+        d = Deferred.fromCoroutine(self._save())
+        self._saving = d
+
+        def done(result: object) -> None:
+            self._saving = None
+            if isinstance(result, Failure):
+                self.log.failure("Saving container log positions failed", failure=result)
+            if any(c.checkpoints for c in self._tracked.values()):
+                self._save_soon()
+
+        d.addBoth(done)
 
     def _state_bytes(self) -> bytes:
         containers = {
-            cid: {"ns": info.saved_ns, "name": info.name}
-            for cid, info in self._tracked.items()
-            if info.saved_ns > 0
+            c.cid: {"name": c.name, "position": c.saved.to_json()}
+            for c in self._tracked.values()
+            if c.saved is not None and c.saved.ts > 0
         }
         doc = {"version": _STATE_VERSION, "containers": containers}
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
-    async def _save(self, force: bool = False) -> None:
+    async def _save(self) -> None:
         if self._path is None:
-            return
-        now = self._reactor.seconds()
-        if not force and self._last_save is not None and now - self._last_save < self._save_interval:
             return
         self._advance()
         data = self._state_bytes()
         if data == self._saved_text:
-            self._dirty = False
             return
-        self._last_save = now
+        self._last_save = self._reactor.seconds()
         try:
-            await self._engine.call(_write_state, self._path, data, what="save container log positions")
-        except CancelledError:
-            raise
-        except Exception as e:
+            await self._runner.run(atomic_write, self._path, data, 0o600)
+        except OSError as e:
             self.state_save_failures += 1
             if self.state_save_failures == 1 or self.state_save_failures % 100 == 0:
                 self.log.warn(
                     "Saving container log positions to {path} failed: {error}",
                     path=self._path,
-                    error=str(getattr(e, "error_message", None) or e),
+                    error=e.strerror or str(e),
                 )
             return
         self._saved_text = data
-        self._dirty = False
         self.state_saves += 1
 
     async def _load(self) -> None:
         assert self._path is not None
-        raw = await self._engine.call(_read_state, self._path, what="read container log positions")
+        try:
+            raw = await self._runner.run(_read_state, self._path)
+        except (OSError, ValueError) as e:
+            self.log.warn(
+                "Cannot read container log positions from {path}: {error}; containers are read "
+                "from their first line (at most {window:.0f} s back)",
+                path=self._path,
+                error=str(e),
+                window=self._replay_window,
+            )
+            raw = None
         self._loaded = True
         if raw is None:
             return
         try:
-            positions = _parse_state(raw)
+            positions = parse_state(raw)
         except ValueError as e:
             self.log.warn(
                 "Ignoring unreadable container log positions in {path}: {error}",
@@ -562,35 +905,7 @@ class ContainerLogSource(Service):
                 error=str(e),
             )
             return
-        for cid, (ns, name) in positions.items():
+        for cid, (name, position) in positions.items():
             if cid not in self._tracked:
-                # running=True: if it stopped while the agent was down, fetch its last lines.
-                self._tracked[cid] = _Tracked(name, "", shipped_ns=ns, saved_ns=ns)
+                self._tracked[cid] = _Container(cid, name, "", position=position, saved=position)
         self._saved_text = raw
-
-
-def _parse_state(raw: bytes) -> dict[str, tuple[int, str]]:
-    """C{{container id: (ns, name)}} from the state file. @raise ValueError: bad content."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"not JSON ({e})") from None
-    if not isinstance(doc, Mapping):
-        raise ValueError("the document is not an object")
-    if doc.get("version") != _STATE_VERSION:
-        raise ValueError(f"field 'version' is {doc.get('version')!r}, not {_STATE_VERSION}")
-    containers = doc.get("containers")
-    if not isinstance(containers, Mapping):
-        raise ValueError("field 'containers' is not an object")
-    out: dict[str, tuple[int, str]] = {}
-    for cid, entry in containers.items():
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"field 'containers.{cid}' is not an object")
-        ns = entry.get("ns")
-        name = entry.get("name", "")
-        if not isinstance(ns, int) or isinstance(ns, bool) or ns < 0:
-            raise ValueError(f"field 'containers.{cid}.ns' is not a non-negative integer")
-        if not isinstance(name, str):
-            raise ValueError(f"field 'containers.{cid}.name' is not a string")
-        out[str(cid)] = (ns, name)
-    return out

@@ -2,14 +2,20 @@
 """
 The host journal as Loki lines: C{journalctl --follow --output=json} as a child process.
 
-Every journal entry becomes one line (its C{MESSAGE}, redacted) with the labels C{{job:
-"node-agent", host, container: "node-<agent_id>", level, unit}} and the entry's own time
-(C{__REALTIME_TIMESTAMP}, microseconds -> nanoseconds). C{level} comes from C{PRIORITY}
-(0-2 critical, 3 error, 4 warn, 5-6 info, 7 debug); C{unit} is C{_SYSTEMD_UNIT}, else
-C{SYSLOG_IDENTIFIER}, else C{_COMM}.
+Every journal entry becomes one line C{"<unit>: <MESSAGE>"} (redacted) with exactly the labels
+of protocol section 8, C{{job: "node-agent", host, container: "node-<agent_id>", level}}, and the
+entry's own time (C{__REALTIME_TIMESTAMP}, microseconds -> nanoseconds). C{level} comes from
+C{PRIORITY} (0-2 critical, 3 error, 4 warn, 5-6 info, 7 debug); the unit is C{_SYSTEMD_UNIT},
+else C{SYSLOG_IDENTIFIER}, else C{_COMM}. Entries written by the agent's own process (C{_PID})
+are skipped: the agent ships its own log lines itself, and its complaints about Loki must not
+come back through the journal.
+
+B{Parsing.} The reactor only splits journalctl's output into lines; the lines are parsed (JSON,
+redaction) in chunks on the worker pool, one chunk at a time so the order holds, and handed to
+the shipper in one call per chunk.
 
 B{Position.} C{<state dir>/journal.cursor} holds where to resume: the cursor of the last entry
-the shipper is done with (sent to Loki, or dropped), or C{@<unix seconds>} before the first
+the shipper is done with (sent to Loki, spooled, or dropped), or C{@<unix seconds>} before the first
 entry. It advances only behind the shipper, so a restart (or a crash) never skips a line that
 was still queued; at worst a crash re-sends the last few seconds, which Loki stores once
 (identical stream, time and line are de-duplicated). At a clean stop the source waits (bounded)
@@ -21,8 +27,10 @@ journalctl would record lines it printed but the shipper never delivered.
 B{Process.} Spawned without a shell, stdout parsed as JSON lines (lines over 1 MiB are
 skipped), stderr kept for the log line when it exits. When journalctl exits it is restarted
 after a jittered exponential backoff (reset after it ran C{stable_after} seconds). When it
-cannot be found, one log line says so and nothing else happens. While the shipper's queue is
-over 80% full, reading pauses (the journal keeps the lines) until it is under 50%.
+cannot be found, one log line says so and nothing else happens. While the shipper's memory is
+80% full (Loki away and the spool full or off), or more than L{MAX_PENDING_BYTES} of output wait
+to be parsed, journalctl's pipe is not read (the journal keeps the lines and the position
+stands) until there is room again.
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmport_agent.backoff import Backoff
-from llmport_agent.logs.loki import ILogSink
+from llmport_agent.logs.encoding import ENTRY_OVERHEAD, Entry, LabelKey, label_key
+from llmport_agent.logs.loki import MAX_LINE_CHARS, ILogSink, RoomWaiter
 from llmport_agent.logs.redact import Redactor
 from llmport_agent.storage import atomic_write
 from llmport_agent.threads import BlockingRunner
@@ -56,6 +65,7 @@ __all__ = [
     "JournaldSource",
     "PRIORITY_LEVELS",
     "cursor_time",
+    "parse_chunk",
     "parse_entry",
 ]
 
@@ -76,8 +86,14 @@ PRIORITY_LEVELS: dict[int, str] = {
 #: A journalctl output line longer than this is skipped (journald's own limit is 48 KiB a field).
 MAX_LINE_BYTES = 1024 * 1024
 
-_FIELDS = "MESSAGE,PRIORITY,_SYSTEMD_UNIT,SYSLOG_IDENTIFIER,_COMM"
+_FIELDS = "MESSAGE,PRIORITY,_SYSTEMD_UNIT,SYSLOG_IDENTIFIER,_COMM,_PID"
 _STDERR_KEEP = 2000
+
+#: Output waiting to be parsed beyond which journalctl's pipe is no longer read.
+MAX_PENDING_BYTES = 4 * 1024 * 1024
+
+#: The most lines parsed in one job (about 10 ms of work per 1000 lines).
+CHUNK_LINES = 5000
 
 
 @frozen
@@ -89,6 +105,7 @@ class JournalEntry:
     level: str
     unit: str
     message: str
+    pid: str | None = None
 
 
 def _first(value: Any) -> Any:
@@ -149,7 +166,64 @@ def parse_entry(raw: bytes | str, now_ns: int) -> JournalEntry | None:
         level=level,
         unit=unit,
         message=message.rstrip("\n"),
+        pid=_text(obj.get("_PID")),
     )
+
+
+@frozen
+class ParsedChunk:
+    """What one parse job made of a chunk of journalctl lines (plain data)."""
+
+    entries: list[Entry]
+    cursor: str | None  # of the last entry in the chunk that had one
+    skipped: int  # entries without a MESSAGE
+    own: int  # entries of the agent's own process
+    bad: int  # lines that are not JSON objects
+    first_error: str | None
+    size: int = 0  # what the entries count against the shipper's memory bound
+
+
+def parse_chunk(
+    lines: Sequence[bytes],
+    now_ns: int,
+    base: Mapping[str, str],
+    redact: Callable[[str], str],
+    own_pid: str | None,
+) -> ParsedChunk:
+    """
+    Parse journalctl lines into shipper entries: labels C{base} plus C{level}, line
+    C{"<unit>: <message>"}, redacted. Pure apart from C{redact}; runs on the worker pool.
+    """
+    keys: dict[str, LabelKey] = {}
+    entries: list[Entry] = []
+    cursor: str | None = None
+    skipped = own = bad = size = 0
+    first_error: str | None = None
+    for raw in lines:
+        try:
+            entry = parse_entry(raw, now_ns)
+        except ValueError as e:
+            bad += 1
+            if first_error is None:
+                first_error = str(e)
+            continue
+        if entry is None:
+            skipped += 1
+            continue
+        if entry.cursor is not None:
+            cursor = entry.cursor
+        if own_pid is not None and entry.pid == own_pid:
+            own += 1
+            continue
+        key = keys.get(entry.level)
+        if key is None:
+            key = keys[entry.level] = label_key({**base, "level": entry.level})
+        line = redact(f"{entry.unit}: {entry.message}")
+        if len(line) > MAX_LINE_CHARS:
+            line = line[:MAX_LINE_CHARS] + " [truncated]"
+        size += len(line) + ENTRY_OVERHEAD
+        entries.append((key, entry.ts_ns, line))
+    return ParsedChunk(entries, cursor, skipped, own, bad, first_error, size)
 
 
 def cursor_time(cursor: str) -> float | None:
@@ -164,7 +238,7 @@ def cursor_time(cursor: str) -> float | None:
 
 
 class _JournalProtocol(ProcessProtocol):
-    """Line-buffered reader of one journalctl run."""
+    """Line splitter of one journalctl run (the lines are parsed elsewhere)."""
 
     def __init__(self, source: JournaldSource) -> None:
         self._source = source
@@ -190,21 +264,19 @@ class _JournalProtocol(ProcessProtocol):
             return
         lines = (self._buffer + data).split(b"\n")
         self._buffer = lines.pop()
-        for line in lines:
-            if self._skipping:
-                self._skipping = False
-                continue
-            if line:
-                self._source._line(line)
+        if self._skipping and lines:
+            # The rest of an oversized line.
+            self._skipping = False
+            lines.pop(0)
         if len(self._buffer) > MAX_LINE_BYTES:
             self._buffer = b""
             self._skipping = True
             self._source.oversized += 1
-        self._source._check_pressure(self)
+        self._source._lines(lines, len(data))
 
     def processEnded(self, reason: Failure) -> None:
         if self._buffer and not self._skipping:
-            self._source._line(self._buffer)
+            self._source._lines([self._buffer], len(self._buffer))
         self._buffer = b""
         self.ended = True
         waiters, self.waiters = self.waiters, []
@@ -220,10 +292,10 @@ class JournaldSource(Service):
 
     @param reactor: provides C{IReactorProcess} and C{IReactorTime}.
     @param sink: the shipper.
-    @param labels_fn: returns the base labels (C{job}, C{host}, C{container}); C{level} and
-        C{unit} are added per entry.
-    @param runner: runs the blocking bits (reading and writing the position file, finding
-        journalctl) off the reactor.
+    @param labels_fn: returns the base labels (C{job}, C{host}, C{container}); C{level} is
+        added per entry.
+    @param runner: runs the blocking and the CPU-heavy bits (the position file, finding
+        journalctl, parsing) off the reactor.
     @param state_dir: where C{journal.cursor} lives.
     @param units: only these systemd units (C{--unit} each); all of the journal when C{None}.
     @param directory: read journal files from this directory (C{--directory}) instead of the
@@ -232,6 +304,10 @@ class JournaldSource(Service):
     @param max_priority: the least urgent priority shipped (6 = info; 7 ships debug too).
     @param secrets: returns the exact secret values to mask.
     @param replay_window: at start, never go back further than this many seconds.
+    @param own_pid: entries of this process id are skipped (C{"self"}: this process, as it is
+        when the service starts, after any daemonizing fork; C{None}: none).
+    @param pause_at: the shipper pressure at which reading pauses (it resumes when the
+        shipper says there is room again).
     """
 
     log = Logger()
@@ -256,7 +332,7 @@ class JournaldSource(Service):
         stable_after: float = 30.0,
         backoff: Backoff | None = None,
         pause_at: float = 0.8,
-        resume_at: float = 0.5,
+        own_pid: str | None = "self",
         wallclock: Callable[[], float] = time.time,
         environ: Mapping[str, str] | None = None,
     ) -> None:
@@ -280,7 +356,8 @@ class JournaldSource(Service):
         self._stable_after = stable_after
         self._backoff = backoff if backoff is not None else Backoff(1.0, 60.0)
         self._pause_at = pause_at
-        self._resume_at = resume_at
+        self._own_pid_setting = own_pid
+        self._own_pid: str | None = None
         self._wallclock = wallclock
         self._environ = environ if environ is not None else os.environ
 
@@ -292,10 +369,14 @@ class JournaldSource(Service):
         self._save_lock = DeferredLock()
         self._proto: _JournalProtocol | None = None
         self._restart_call: Any = None
-        self._resume_call: Any = None
         self._loop: LoopingCall | None = None
         self._stopping = False
         self._paused = False
+        self._room_waiter = RoomWaiter(sink, self._room)
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._parsing: Deferred[None] | None = None
+        self._respawn_after_parse = False
         self._started_at = 0.0
         self._used_cursor = False
         self._run_entries = 0
@@ -304,10 +385,13 @@ class JournaldSource(Service):
         self.state = "stopped"
         self.entries = 0
         self.skipped = 0
+        self.own_skipped = 0
         self.bad_lines = 0
         self.oversized = 0
         self.errors = 0
         self.restarts = 0
+        self.pauses = 0
+        self.parse_jobs = 0
 
     def describe(self) -> dict[str, Any]:
         """Counters for diagnostics."""
@@ -315,20 +399,29 @@ class JournaldSource(Service):
             "state": self.state,
             "entries": self.entries,
             "skipped_without_message": self.skipped,
+            "skipped_own": self.own_skipped,
             "bad_lines": self.bad_lines,
             "oversized_lines": self.oversized,
             "errors": self.errors,
             "restarts": self.restarts,
             "paused": self._paused,
+            "pauses": self.pauses,
+            "pending_bytes": self._pending_bytes,
             "units": list(self._units),
             "directory": self._directory,
         }
+
+    @property
+    def paused(self) -> bool:
+        """Whether journalctl's output is not being read now (back-pressure)."""
+        return self._paused
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def startService(self) -> None:
         super().startService()
         self._stopping = False
+        self._own_pid = str(os.getpid()) if self._own_pid_setting == "self" else self._own_pid_setting
         self.state = "starting"
         d = Deferred.fromCoroutine(self._start())
         d.addErrback(lambda f: self.log.failure("Starting the journal reader failed", failure=f))
@@ -340,16 +433,25 @@ class JournaldSource(Service):
         else:
             exe = shutil.which(self._journalctl, path=self._environ.get("PATH"))
         try:
-            with open(self.cursor_path, encoding="utf-8") as f:
-                saved: str | None = f.read(4096).strip() or None
+            fd = os.open(self.cursor_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            saved = None
-        except (OSError, UnicodeDecodeError) as e:
+            return exe, None
+        except OSError as e:
             self.log.warn(
                 "Cannot read the journal position {path}: {error}; starting from now",
                 path=self.cursor_path,
-                error=str(e),
+                error=e.strerror or str(e),
             )
+            return exe, None
+        try:
+            raw = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        try:
+            saved: str | None = raw.decode("utf-8").strip() or None
+        except UnicodeDecodeError:
+            self.log.warn("The journal position {path} is not text; starting from now",
+                          path=self.cursor_path)
             saved = None
         return exe, saved
 
@@ -388,11 +490,9 @@ class JournaldSource(Service):
 
     async def _stop(self) -> None:
         self._stopping = True
-        for name in ("_restart_call", "_resume_call"):
-            call = getattr(self, name)
-            if call is not None and call.active():
-                call.cancel()
-            setattr(self, name, None)
+        if self._restart_call is not None and self._restart_call.active():
+            self._restart_call.cancel()
+        self._restart_call = None
         if self._loop is not None and self._loop.running:
             self._loop.stop()
         self._loop = None
@@ -403,8 +503,19 @@ class JournaldSource(Service):
                 self.log.warn("journalctl did not stop on SIGTERM; killing it")
                 self._signal(proto, "KILL")
                 await self._wait_ended(proto, 2.0)
+        # Hand what journalctl printed to the shipper (bounded: with no room, the position
+        # simply stays before those lines and they are read again at the next start).
+        deadline = self._reactor.seconds() + self._flush_timeout
+        while (self._pending or self._parsing is not None) and self._reactor.seconds() < deadline:
+            if self._parsing is None:
+                self._kick()
+                if self._parsing is None:
+                    break
+            parsing = self._parsing
+            assert parsing is not None
+            await _bounded(self._reactor, parsing, deadline - self._reactor.seconds())
         if self._cursors:
-            # Let the shipper deliver what this source queued, so the saved position is exact.
+            # Let the shipper deliver (or spool) what this source queued: the position is exact.
             await self._sink.flush(self._flush_timeout)
         self._advance()
         if self._executable is not None:
@@ -499,6 +610,12 @@ class JournaldSource(Service):
         self._restart_call = None
         if not self.running or self._stopping or self._executable is None:
             return
+        if self._pending or self._parsing is not None:
+            # The new run starts after the last entry parsed: parse what is left first.
+            self._respawn_after_parse = True
+            self._kick()
+            return
+        self._respawn_after_parse = False
         proto = _JournalProtocol(self)
         args = self._args()
         self._started_at = self._reactor.seconds()
@@ -513,6 +630,7 @@ class JournaldSource(Service):
             return
         self._proto = proto
         self.state = "running"
+        self._check_pause()
 
     def _stderr(self, text: bytes) -> None:
         self.log.warn(
@@ -524,9 +642,6 @@ class JournaldSource(Service):
             return
         self._proto = None
         self._paused = False
-        if self._resume_call is not None and self._resume_call.active():
-            self._resume_call.cancel()
-        self._resume_call = None
         if self._stopping or not self.running:
             return
         code = getattr(reason.value, "exitCode", None)
@@ -558,65 +673,125 @@ class JournaldSource(Service):
         )
         self._restart_call = self._reactor.callLater(delay, self._spawn)
 
-    def _line(self, raw: bytes) -> None:
+    # -- lines: split on the reactor, parsed on the pool ------------------------------------
+
+    def _lines(self, lines: list[bytes], size: int = 0) -> None:
+        if lines:
+            self._pending.extend(line for line in lines if line)
+            self._pending_bytes += sum(len(line) for line in lines) + len(lines)
+            self._run_entries += len(lines)
+            self._kick()
+        self._check_pause()
+
+    def _kick(self) -> None:
+        """Start parsing the next chunk unless a parse runs or the shipper has no room."""
+        if self._parsing is not None or not self._pending:
+            if self._respawn_after_parse and self._parsing is None and not self._pending:
+                self._spawn()
+            return
         try:
-            entry = parse_entry(raw, int(self._wallclock() * 1_000_000_000))
-        except ValueError as e:
-            self.bad_lines += 1
-            if self.bad_lines == 1 or self.bad_lines % 1000 == 0:
+            pressure = float(self._sink.pressure())
+        except Exception:
+            pressure = 0.0
+        if pressure >= self._pause_at:
+            self._wait_for_room()
+            return
+        chunk = self._pending[:CHUNK_LINES]
+        del self._pending[:CHUNK_LINES]
+        if not self._pending:
+            self._pending_bytes = 0
+        else:
+            self._pending_bytes = max(0, self._pending_bytes - sum(len(x) + 1 for x in chunk))
+        try:
+            base = dict(self._labels_fn())
+        except Exception:
+            self.errors += 1
+            base = {"job": "node-agent"}
+        d = self._runner.run(
+            parse_chunk,
+            chunk,
+            int(self._wallclock() * 1_000_000_000),
+            base,
+            self._redact.snapshot(),
+            self._own_pid,
+        )
+        self.parse_jobs += 1
+        parsing: Deferred[None] = d.addCallbacks(self._parsed, self._parse_failed, errbackArgs=(len(chunk),))
+        if not parsing.called:
+            self._parsing = parsing
+            parsing.addBoth(self._parse_done)
+        else:
+            self._after_parse()
+
+    def _parse_done(self, result: object) -> None:
+        self._parsing = None
+        self._after_parse()
+
+    def _after_parse(self) -> None:
+        self._check_pause()
+        self._kick()
+
+    def _parse_failed(self, failure: Failure, lines: int) -> None:
+        self.errors += 1
+        self.log.failure("Parsing {lines} journal lines failed; they are skipped", failure=failure,
+                         lines=lines)
+
+    def _parsed(self, chunk: ParsedChunk) -> None:
+        self.skipped += chunk.skipped
+        self.own_skipped += chunk.own
+        if chunk.bad:
+            before = self.bad_lines
+            self.bad_lines += chunk.bad
+            if before == 0 or before // 1000 != self.bad_lines // 1000:
                 self.log.warn(
                     "journalctl printed a line that is not a journal entry ({error}); "
                     "{count} so far",
-                    error=str(e),
+                    error=chunk.first_error,
                     count=self.bad_lines,
                 )
-            return
-        if entry is None:
-            self.skipped += 1
-            return
         try:
-            labels = dict(self._labels_fn())
-            labels["level"] = entry.level
-            labels["unit"] = entry.unit
-            seq = self._sink.push(labels, entry.ts_ns, self._redact(entry.message))
+            seq = self._sink.push_many(chunk.entries, chunk.size)
         except Exception:
             self.errors += 1
             if self.errors == 1:
-                self.log.failure("Shipping a journal entry failed")
+                self.log.failure("Shipping journal entries failed")
             return
-        self.entries += 1
-        self._run_entries += 1
-        if entry.cursor is not None:
-            self._last_pushed = entry.cursor
-            self._cursors.append((seq, entry.cursor))
+        self.entries += len(chunk.entries)
+        if chunk.cursor is not None:
+            self._last_pushed = chunk.cursor
+            self._cursors.append((seq, chunk.cursor))
 
     # -- back-pressure ---------------------------------------------------------------------
 
-    def _check_pressure(self, proto: _JournalProtocol) -> None:
-        if self._paused or self._stopping or proto is not self._proto:
+    def _check_pause(self) -> None:
+        """Read journalctl's pipe only while there is room downstream."""
+        proto = self._proto
+        transport: Any = proto.transport if proto is not None else None
+        if transport is None or self._stopping:
             return
-        if self._sink.pressure() >= self._pause_at:
-            transport: Any = proto.transport
-            if transport is None:
-                return
+        try:
+            full = float(self._sink.pressure()) >= self._pause_at
+        except Exception:
+            full = False
+        want_pause = full or self._pending_bytes > MAX_PENDING_BYTES
+        if want_pause and not self._paused:
             transport.pauseProducing()
             self._paused = True
-            self.log.info("The Loki queue is nearly full; reading the journal pauses")
-            self._resume_call = self._reactor.callLater(1.0, self._maybe_resume)
-
-    def _maybe_resume(self) -> None:
-        self._resume_call = None
-        proto = self._proto
-        if not self._paused or proto is None:
-            return
-        if self._sink.pressure() <= self._resume_at:
+            self.pauses += 1
+            if full:
+                self.log.info("Loki cannot take lines as fast as the journal gives them; "
+                              "reading the journal pauses")
+                self._wait_for_room()
+        elif not want_pause and self._paused:
             self._paused = False
-            transport: Any = proto.transport
-            if transport is not None:
-                transport.resumeProducing()
-            self.log.info("Reading the journal resumes")
-            return
-        self._resume_call = self._reactor.callLater(1.0, self._maybe_resume)
+            transport.resumeProducing()
+
+    def _room(self) -> None:
+        self._check_pause()
+        self._kick()
+
+    def _wait_for_room(self) -> None:
+        self._room_waiter.wait()
 
     # -- position --------------------------------------------------------------------------
 
@@ -654,3 +829,25 @@ class JournaldSource(Service):
             self._saved = position
         finally:
             self._save_lock.release()
+
+
+async def _bounded(reactor: Any, d: Deferred[Any], timeout: float) -> None:
+    """Wait for C{d} at most C{timeout} seconds (without cancelling it)."""
+    if d.called:
+        return
+    waiter: Deferred[None] = Deferred()
+
+    def done(result: object) -> object:
+        if not waiter.called:
+            waiter.callback(None)
+        return result
+
+    d.addBoth(done)
+    def expire() -> None:
+        if not waiter.called:
+            waiter.callback(None)
+
+    timer = reactor.callLater(max(0.0, timeout), expire)
+    await waiter
+    if timer.active():
+        timer.cancel()

@@ -1,54 +1,85 @@
 # -*- test-case-name: tests.test_logs -*-
 """
-The Loki shipper: a bounded, thread-safe queue of log lines and a reactor-side flusher.
+The Loki shipper: batches of log lines, pushed in order, spooled to disk while Loki is away.
 
-L{LokiShipper.push} may be called from any thread (log observers run on whichever thread
-emitted the event): it only appends to a bounded deque under a lock, dropping (and counting)
-the oldest line when the queue is full. A L{LoopingCall} on the injected reactor drains the
-queue every C{flush_interval} seconds (sooner once C{batch_size} lines are waiting) in pushes of
-at most C{batch_size} lines, one push in flight at a time:
+B{Lines in.} L{LokiShipper.push} (any thread: log observers run wherever an event was emitted)
+and L{LokiShipper.push_many} (reactor thread: the journal and container readers) add lines to
+the I{open batch}. Each line gets a sequence number; L{LokiShipper.delivered_through} says up to
+which one every line is I{done}: accepted by Loki, written to the spool, or dropped (counted).
+Readers advance their saved positions (journal cursor, container log positions) only that far,
+so a restart resumes exactly behind what is safe.
 
- - the lines are grouped by label set into C{{"streams": [{"stream": {...}, "values":
-   [["<ns>", "<line>"], ...]}]}}, each stream's values in non-decreasing timestamp order, also
-   across pushes (a line older than what that stream already shipped is stamped with the last
-   shipped time, so a Loki that rejects out-of-order entries accepts it);
- - the body is JSON, gzip-encoded by default, POSTed to C{<LOKI_URL>/loki/api/v1/push} (a base
-   path in the URL is kept; user:password in the URL becomes basic auth and is never logged);
- - 2xx: done. 429, 5xx, timeouts and network errors: the same batch is retried, in order, after
-   a jittered exponential backoff (1 s floor, 60 s ceiling) while the queue keeps filling up to
-   its bound. Other answers (4xx): the batch is dropped, counted, with one log line.
+B{Batches.} The open batch is closed when it holds C{batch_bytes} (1 MiB by default), when its
+first line has waited C{max_wait} seconds (1 s, at most C{LOG_FLUSH_INTERVAL_SEC}), or when it
+holds C{batch_size} lines (C{LOG_BATCH_SIZE}) while nothing else is waiting to be sent. So an idle
+agent pushes a line within a second, a busy one pushes few, large batches. A closed batch is
+encoded (streams grouped by label set, each stream's entries in time order and never before its
+previous push, JSON, gzip) on the worker pool when it is large, then pushed. One push is in
+flight at a time, so every stream reaches Loki in order.
 
-Stopping does one last drain (no retries) bounded by C{stop_timeout}, then stops.
+B{Answers.} 2xx: done. 429, 5xx, 401/403, timeouts and network errors: retried with jittered
+exponential backoff (1 s to 60 s), never sooner than a C{Retry-After} asks (up to 10 minutes);
+meanwhile batches go to the L{Spool}. 413 (too large): the batch is split in halves and each sent
+on its own; a single line still too large is dropped (C{too_large}). Other 4xx: the batch is
+dropped, counted by reason (C{out_of_order}, C{too_old}, C{too_large} or C{rejected} from
+Loki's text). A 401/403 also makes the credentials be read again from their files.
+
+B{Spool.} While pushes fail, while more than C{spool_after} bytes of closed batches wait (Loki is
+slower than the input), and at stop, closed batches are appended to the spool (fsynced) and
+count as done; pushes then come from the spool head, in order, each record removed once Loki
+took it. Everything on disk is older than everything in memory.
+
+B{Memory} is bounded by C{memory_bytes} (lines counted with their overhead, batches by their
+encoded size). L{pressure} says how full it is; readers pause above 80 % and resume below 50 %
+(L{when_room}), so when the spool is full (or off) they stop reading and their positions stand.
+Lines from L{push} that do not fit are dropped (C{queue_full}); L{push_many} never drops.
+
+B{No feedback.} Everything this package logs is under C{llmport_agent.logs}, which the agent
+log observer never ships: a failing Loki does not feed itself.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
+import email.utils
 import random
-import re
 import threading
+import time
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from itertools import accumulate, repeat
+from operator import add, itemgetter
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from attrs import frozen
+from attrs import define
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.internet.task import LoopingCall, deferLater
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
-from twisted.python.failure import Failure
+from twisted.python.threadable import isInIOThread
 from zope.interface import Interface, implementer
 
 from llmport_agent import VERSION
 from llmport_agent.backoff import Backoff
+from llmport_agent.logs.auth import LokiAuth
+from llmport_agent.logs.encoding import (
+    ENTRY_OVERHEAD,
+    Entry,
+    LabelKey,
+    decode_body,
+    encode_batch,
+    label_key,
+)
+from llmport_agent.logs.spool import Spool, SpoolCorrupt
 from llmport_agent.threads import BlockingRunner
 
 __all__ = [
+    "DROP_REASONS",
     "ILogSink",
     "LokiShipper",
+    "RoomWaiter",
     "PUSH_PATH",
+    "encode_batch",
     "loki_http_client",
     "push_target",
 ]
@@ -58,41 +89,95 @@ PUSH_PATH = "/loki/api/v1/push"
 #: Lines longer than this many characters are cut (Loki's default line limit is 256 KB).
 MAX_LINE_CHARS = 64 * 1024
 
-#: Raw JSON bodies larger than this are encoded in a worker thread when a runner is given.
-_OFF_REACTOR_CHARS = 256 * 1024
+#: Batches with more raw bytes than this are encoded on the worker pool (below it, inline
+#: encoding takes well under a millisecond).
+_OFF_REACTOR_BYTES = 16 * 1024
 
-#: Streams whose last shipped timestamp is remembered (for the ordering clamp).
+#: Bytes an entry adds to a push body besides its line (time, quotes, brackets).
+_ENTRY_JSON_BYTES = 32
+
+_LINE = itemgetter(2)
+
+#: Streams whose last pushed time is remembered (for the ordering clamp).
 _MAX_STREAM_FLOORS = 4096
 
-_LABEL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_LABEL_BAD_CHARS = re.compile(r"[^A-Za-z0-9_]")
+#: The longest wait a Retry-After may impose.
+MAX_RETRY_AFTER = 600.0
 
-LabelKey = tuple[tuple[str, str], ...]
+#: Why lines were dropped (every reason has a counter, also when it is 0).
+DROP_REASONS = (
+    "queue_full",  # push() while memory was full (the spool full or off)
+    "rejected",  # a final 4xx from Loki
+    "too_large",  # a single line Loki refused as too large
+    "out_of_order",  # Loki refused entries as out of order
+    "too_old",  # Loki refused entries as too old
+    "invalid",  # not a loggable line (bad labels or time)
+    "encode_failed",  # the batch could not be encoded
+    "spool_corrupt",  # records damaged on disk
+    "stopped",  # still in memory when the agent stopped, with no room in the spool
+)
+
+_SENT = "sent"
+_RETRY = "retry"
+_CANCELLED = -1
 
 
 class ILogSink(Interface):
-    """Where log sources put their lines (the shipper, or a test double)."""
+    """Where log readers put their lines (the shipper, or a test double)."""
 
     def push(labels: Mapping[str, str], ts_ns: int, line: str) -> int:
         """
-        Queue one line; thread-safe, never blocks, never raises. Returns the line's sequence
-        number (increasing in call order).
+        Queue one line; thread-safe, never blocks, never raises; may drop it when memory is
+        full (counted). Returns the highest sequence number given so far.
+        """
+
+    def push_many(entries: Sequence[Entry], size: int | None = None) -> int:
+        """
+        Queue C{(label_key, ts_ns, line)} entries in order; reactor thread; never drops (the
+        caller watches L{pressure}). Returns the sequence number of the last one. With C{size}
+        (the sum of C{len(line) + ENTRY_OVERHEAD}, lines already cut to L{MAX_LINE_CHARS}, as
+        a reader thread computes it) this costs O(1) per call on the reactor.
         """
 
     def delivered_through() -> int:
         """
-        The highest sequence number such that it and every line before it is done with (sent
-        or dropped). Reactor thread only.
+        The highest sequence number such that it and every line before it is done with
+        (accepted, spooled or dropped). Reactor thread only.
         """
 
     def flush(timeout: float) -> Deferred[bool]:
         """
-        Fire C{True} once every line pushed so far is done with, C{False} after C{timeout}
-        seconds (or at once when delivery is failing). Reactor thread only.
+        Push what is queued; after C{timeout} seconds (at once while Loki is failing) spool
+        the rest. Fires C{True} once every line queued so far is done with. Reactor thread.
         """
 
     def pressure() -> float:
-        """How full the queue is, 0.0 (empty) to 1.0 (full)."""
+        """How full memory is, 0.0 (empty) to 1.0 (full)."""
+
+    def when_room() -> Deferred[None]:
+        """Fires once L{pressure} is at or below the resume level (at once if it is)."""
+
+
+class RoomWaiter:
+    """
+    For a reader: asks the sink for room (L{ILogSink.when_room}) at most once at a time and
+    calls C{callback} when there is some. Reactor thread.
+    """
+
+    def __init__(self, sink: ILogSink, callback: Callable[[], None]) -> None:
+        self._sink = sink
+        self._callback = callback
+        self.waiting = False
+
+    def wait(self) -> None:
+        if self.waiting:
+            return
+        self.waiting = True
+        self._sink.when_room().addCallback(self._room)
+
+    def _room(self, _: object) -> None:
+        self.waiting = False
+        self._callback()
 
 
 def push_target(loki_url: str) -> tuple[str, tuple[str, str] | None, str]:
@@ -143,75 +228,54 @@ def loki_http_client(
     return HTTPClient(Agent(reactor, **kwargs)), pool
 
 
-class _Entry(NamedTuple):
-    seq: int
-    labels: LabelKey
-    ts_ns: int
-    line: str
+def retry_after(value: str | None, now: float) -> float | None:
+    """Seconds a C{Retry-After} header value asks to wait (delta seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - now)
 
 
-@frozen
+def _drop_reason(detail: str) -> str:
+    text = detail.lower()
+    if "out of order" in text or "too far behind" in text:
+        return "out_of_order"
+    if "too old" in text or "greater than" in text and "old" in text:
+        return "too_old"
+    if "line too long" in text or "max entry size" in text or "too large" in text:
+        return "too_large"
+    return "rejected"
+
+
+@define(eq=False)
 class _Batch:
-    """One push: its lines' sequence range, the encoded body, and the new stream floors."""
+    """
+    A closed batch in memory: its lines' sequence range, then (once encoded) the body.
+
+    @ivar size: what it counts against the memory bound now.
+    """
 
     first_seq: int
     last_seq: int
     lines: int
-    body: bytes
-    floors: dict[LabelKey, int]
+    raw_bytes: int
+    size: int
+    entries: list[Entry] | None
+    body: bytes | None = None
 
 
-def _label_key(labels: Mapping[str, str]) -> LabelKey:
-    items: dict[str, str] = {}
-    for name, value in labels.items():
-        name = str(name)
-        if not _LABEL_NAME.match(name):
-            name = _LABEL_BAD_CHARS.sub("_", name) or "_"
-            if name[0].isdigit():
-                name = "_" + name
-        text = str(value)
-        if text:
-            items[name] = text
-    if not items:
-        items["job"] = "llmport-agent"
-    return tuple(sorted(items.items()))
-
-
-def encode_batch(
-    entries: Sequence[_Entry], floors: Mapping[LabelKey, int], gzip_body: bool
+def _encode(
+    entries: list[Entry], floors: dict[LabelKey, int], gzip_level: int
 ) -> tuple[bytes, dict[LabelKey, int]]:
-    """
-    The push body for C{entries}: streams grouped by label set (first-seen order), each
-    stream's values sorted by time and clamped to at least C{floors[stream]}. Returns the
-    (optionally gzipped) body and each stream's last timestamp. Pure; safe in any thread.
-    """
-    grouped: dict[LabelKey, list[tuple[int, str]]] = {}
-    for entry in entries:
-        grouped.setdefault(entry.labels, []).append((entry.ts_ns, entry.line))
-    streams: list[dict[str, Any]] = []
-    last: dict[LabelKey, int] = {}
-    for key, values in grouped.items():
-        values.sort(key=lambda v: v[0])
-        floor = floors.get(key, 0)
-        out: list[list[str]] = []
-        for ts, line in values:
-            if ts < floor:
-                ts = floor
-            floor = ts
-            out.append([str(ts), line])
-        last[key] = floor
-        streams.append({"stream": dict(key), "values": out})
-    raw = json.dumps({"streams": streams}, ensure_ascii=False, separators=(",", ":")).encode(
-        "utf-8", "replace"
-    )
-    if gzip_body:
-        raw = gzip.compress(raw, compresslevel=6, mtime=0)
-    return raw, last
-
-
-_SENT = "sent"
-_REJECTED = "rejected"
-_RETRY = "retry"
+    return encode_batch(entries, floors, gzip_level)
 
 
 @implementer(ILogSink)
@@ -219,16 +283,25 @@ class LokiShipper(Service):
     """
     Ships log lines to Loki. See the module docstring for the behaviour.
 
-    @param reactor: provides C{IReactorTime} (and C{callFromThread} for an early flush).
+    @param reactor: provides C{IReactorTime} (and C{callFromThread}).
     @param http: a treq C{HTTPClient} (or L{treq.testing.StubTreq}).
-    @param loki_url: the configured C{LOKI_URL} (base URL, optionally with a base path).
-    @param batch_size: the most lines in one push.
-    @param flush_interval: seconds between drains.
-    @param max_queue: the most lines waiting; beyond it the oldest are dropped and counted.
-    @param timeout: seconds one push may take before it counts as failed (and is retried).
-    @param gzip_body: gzip the body (C{Content-Encoding: gzip}).
-    @param stop_timeout: seconds the final drain at stop may take.
-    @param runner: where large bodies are encoded (off the reactor); inline when C{None}.
+    @param loki_url: the configured C{LOKI_URL} (base URL, optionally with a base path and
+        C{user:password@}).
+    @param batch_size: C{LOG_BATCH_SIZE}: a batch is closed at this many lines when nothing
+        else waits to be sent.
+    @param flush_interval: C{LOG_FLUSH_INTERVAL_SEC}: the longest a line waits in the open
+        batch (together with C{max_wait}, whichever is shorter).
+    @param batch_bytes: a batch is closed at this many bytes of lines.
+    @param max_wait: the longest a line waits in the open batch.
+    @param memory_bytes: the memory bound (default: 8 batches).
+    @param spool: where batches wait while Loki cannot take them (C{None}: memory only).
+    @param spool_after: closed batches waiting in memory beyond this many bytes are spooled
+        even while Loki answers (default: 2 batches).
+    @param auth: tenant and credentials (basic auth from C{loki_url} otherwise).
+    @param timeout: seconds one push may take before it counts as failed.
+    @param gzip_level: 1-9, or 0 for plain JSON.
+    @param stop_timeout: seconds the last delivery at stop may take before the rest is spooled.
+    @param runner: where large batches are encoded and decoded (inline when C{None}).
     @param backoff: the retry delays (jittered exponential, 1 s to 60 s by default).
     """
 
@@ -242,383 +315,816 @@ class LokiShipper(Service):
         *,
         batch_size: int,
         flush_interval: float,
-        max_queue: int = 10000,
+        batch_bytes: int = 1 << 20,
+        max_wait: float = 1.0,
+        memory_bytes: int | None = None,
+        spool: Spool | None = None,
+        spool_after: int | None = None,
+        auth: LokiAuth | None = None,
         timeout: float = 10.0,
         gzip_body: bool = True,
+        gzip_level: int = 1,
         stop_timeout: float = 5.0,
         runner: BlockingRunner | None = None,
         backoff: Backoff | None = None,
         jitter: Callable[[], float] = random.random,
+        pause_at: float = 0.8,
+        resume_at: float = 0.5,
+        wallclock: Callable[[], float] = time.time,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, not {batch_size!r}")
         if flush_interval <= 0:
             raise ValueError(f"flush_interval must be > 0, not {flush_interval!r}")
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, not {max_queue!r}")
+        if batch_bytes < 1024:
+            raise ValueError(f"batch_bytes must be >= 1024, not {batch_bytes!r}")
         self.setName("loki")
         self._reactor = reactor
         self._http = http
-        self._url, self._auth, self.display_url = push_target(loki_url)
+        self._url, url_auth, self.display_url = push_target(loki_url)
+        if auth is None:
+            auth = LokiAuth()
+        if url_auth is not None and auth.username is None and auth.bearer_token is None:
+            auth = LokiAuth(
+                tenant=auth.tenant,
+                username=url_auth[0],
+                password=url_auth[1],
+                bearer_token_file=auth.bearer_token_file,
+            )
+        self.auth = auth
         self._batch_size = int(batch_size)
-        self._flush_interval = float(flush_interval)
-        self._max_queue = int(max_queue)
+        self._max_wait = min(float(max_wait), float(flush_interval))
+        self.batch_bytes = int(batch_bytes)
+        self.memory_bytes = int(memory_bytes if memory_bytes is not None else 8 * batch_bytes)
+        self._spool = spool
+        self._spool_after = int(spool_after if spool_after is not None else 2 * batch_bytes)
         self._timeout = float(timeout)
-        self._gzip = gzip_body
+        self._gzip_level = int(gzip_level) if gzip_body else 0
         self._stop_timeout = float(stop_timeout)
         self._runner = runner
         self._backoff = backoff if backoff is not None else Backoff(1.0, 60.0, jitter)
-        self._call_from_thread: Callable[..., Any] | None = getattr(
-            reactor, "callFromThread", None
-        )
+        self._pause_at = pause_at
+        self._resume_at = resume_at
+        self._wallclock = wallclock
 
+        # Shared with other threads (push): guarded by the lock.
         self._lock = threading.Lock()
-        self._queue: deque[_Entry] = deque()
         self._seq = 0
+        self._open: list[Entry] = []
+        self._open_first = 1
+        self._open_bytes = 0
+        self._open_since = 0.0
         self._wake_pending = False
+        self._sealed_bytes = 0  # written on the reactor thread, read anywhere
 
-        self._pending: _Batch | None = None
-        self._held: tuple[int, int] | None = None  # (first seq, lines) taken from the queue
+        # Reactor thread only.
+        self._sealed: deque[_Batch] = deque()
+        self._encoding = False
+        self._encode_looping = False
         self._floors: dict[LabelKey, int] = {}
-        self._loop: LoopingCall | None = None
-        self._draining: Deferred[None] | None = None
-        self._sleeping: Deferred[None] | None = None
+        self._age_call: Any = None
+        self._loop_d: Deferred[None] | None = None
+        self._waiting: Deferred[None] | None = None
+        self._wait_timer: Any = None
+        self._attempt: Deferred[Any] | None = None
+        self._retry_at = 0.0
+        self._failing = False
+        self._force_spool = False
+        self._spool_retry_at = 0.0
+        self._stopped = False
+        self._done_waiters: list[tuple[int, Deferred[None]]] = []
+        self._room_waiters: list[Deferred[None]] = []
+        self._spool_waiters: list[Deferred[None]] = []
+        self._encode_waiters: list[Deferred[None]] = []
+        self._inflight_disk = False
+        self._spool_task: Deferred[None] | None = None
         self._stopping = False
-        self._idle_waiters: list[Deferred[None]] = []
-        self._seq_waiters: list[tuple[int, Deferred[bool]]] = []
+        self._ready: Deferred[None] | None = None
 
         # Statistics.
+        self.lines_in = 0
         self.lines_sent = 0
         self.pushes_ok = 0
         self.pushes_failed = 0
-        self.dropped_overflow = 0
-        self.dropped_rejected = 0
-        self.dropped_invalid = 0
+        self.pushes_rejected = 0
+        self.splits = 0
         self.truncated = 0
+        self.dropped: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self.consecutive_failures = 0
         self.last_error: str | None = None
         self.last_success_at: float | None = None
+        self.paused_readers = 0
 
     # -- any thread ------------------------------------------------------------------------
 
     def push(self, labels: Mapping[str, str], ts_ns: int, line: str) -> int:
         """
-        Queue one line for C{labels} at C{ts_ns} (Unix nanoseconds). Thread-safe and cheap:
-        the oldest line is dropped (and counted) when the queue is full. Never raises.
+        Queue one line for C{labels} at C{ts_ns} (Unix nanoseconds). Thread-safe and cheap;
+        dropped (and counted as C{queue_full}) when memory is full. Never raises.
         """
         try:
-            key = _label_key(labels)
+            key = label_key(labels)
             ts = int(ts_ns)
             if ts < 0:
                 raise ValueError("negative timestamp")
             text = line if isinstance(line, str) else str(line)
         except Exception:
             with self._lock:
-                self._seq += 1
-                self.dropped_invalid += 1
+                self.dropped["invalid"] += 1
                 return self._seq
         if len(text) > MAX_LINE_CHARS:
             text = text[:MAX_LINE_CHARS] + " [truncated]"
             self.truncated += 1
-        wake = False
+        size = len(text) + ENTRY_OVERHEAD
         with self._lock:
-            self._seq += 1
+            if self._open_bytes + self._sealed_bytes + size > self.memory_bytes:
+                self.dropped["queue_full"] += 1
+                return self._seq
+            self._add(key, ts, text, size)
             seq = self._seq
-            if len(self._queue) >= self._max_queue:
-                self._queue.popleft()
-                self.dropped_overflow += 1
-            self._queue.append(_Entry(seq, key, ts, text))
-            if (
-                len(self._queue) >= self._batch_size
-                and not self._wake_pending
-                and self.running
-                and self._call_from_thread is not None
-            ):
-                self._wake_pending = True
-                wake = True
-        if wake and self._call_from_thread is not None:
-            try:
-                self._call_from_thread(self._wake)
-            except Exception:
-                with self._lock:
-                    self._wake_pending = False
+        self._poke()
         return seq
 
+    def _add(self, key: LabelKey, ts: int, text: str, size: int) -> None:
+        # Called with the lock held.
+        if not self._open:
+            self._open_first = self._seq + 1
+            self._open_since = self._reactor.seconds()
+        self._seq += 1
+        self._open.append((key, ts, text))
+        self._open_bytes += size
+        self.lines_in += 1
+
+    def _poke(self) -> None:
+        """Let the reactor look at the open batch (close it, or arm its age timer)."""
+        if isInIOThread():
+            self._check_open()
+            return
+        with self._lock:
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        try:
+            self._reactor.callFromThread(self._wake)
+        except Exception:
+            with self._lock:
+                self._wake_pending = False
+
     def pressure(self) -> float:
-        """How full the queue is (0.0 to 1.0)."""
+        """How full memory is (0.0 to 1.0, above 1.0 briefly after L{push_many})."""
+        return (self._open_bytes + self._sealed_bytes) / self.memory_bytes
+
+    # -- reactor thread: lines in -------------------------------------------------------------
+
+    def push_many(self, entries: Sequence[Entry], size: int | None = None) -> int:
+        """See L{ILogSink.push_many}. Without C{size}, lines over L{MAX_LINE_CHARS} are cut here."""
         with self._lock:
-            return min(1.0, len(self._queue) / self._max_queue)
+            if size is not None and entries:
+                if not self._open:
+                    self._open_first = self._seq + 1
+                    self._open_since = self._reactor.seconds()
+                self._open.extend(entries)
+                self._seq += len(entries)
+                self._open_bytes += size
+                self.lines_in += len(entries)
+            else:
+                for key, ts, text in entries:
+                    if len(text) > MAX_LINE_CHARS:
+                        text = text[:MAX_LINE_CHARS] + " [truncated]"
+                        self.truncated += 1
+                    self._add(key, ts, text, len(text) + ENTRY_OVERHEAD)
+            seq = self._seq
+        if entries:
+            self._check_open()  # a large hand-over is cut into batches by _seal
+        return seq
 
-    @property
-    def queue_depth(self) -> int:
-        """Lines waiting, including the batch being pushed."""
-        with self._lock:
-            depth = len(self._queue)
-        return depth + (self._held[1] if self._held is not None else 0)
-
-    # -- reactor thread --------------------------------------------------------------------
-
-    def delivered_through(self) -> int:
-        """See L{ILogSink.delivered_through}."""
-        if self._held is not None:
-            return self._held[0] - 1
-        with self._lock:
-            if self._queue:
-                return self._queue[0].seq - 1
-            return self._seq
-
-    def flush(self, timeout: float) -> Deferred[bool]:
-        """
-        See L{ILogSink.flush}. Starts a drain now unless one is running. While Loki is failing
-        (waiting to retry) it answers C{False} at once rather than waiting for the timeout.
-        """
-        target = self._seq
-        if self.delivered_through() >= target:
-            return succeed(True)
-        if self._sleeping is not None:
-            return succeed(False)
-        d: Deferred[bool] = Deferred()
-        entry = (target, d)
-        self._seq_waiters.append(entry)
-
-        def expire() -> None:
-            if entry in self._seq_waiters:
-                self._seq_waiters.remove(entry)
-                d.callback(False)
-
-        timer = self._reactor.callLater(timeout, expire)
-
-        def cancel_timer(result: bool) -> bool:
-            if timer.active():
-                timer.cancel()
-            return result
-
-        d.addCallback(cancel_timer)
-        self._kick()
+    def when_room(self) -> Deferred[None]:
+        """See L{ILogSink.when_room}."""
+        d: Deferred[None] = Deferred()
+        if self.pressure() <= self._resume_at:
+            d.callback(None)
+        else:
+            self._room_waiters.append(d)
         return d
-
-    def describe(self) -> dict[str, Any]:
-        """Counters for diagnostics and metrics (no secrets: the URL has no password)."""
-        dropped = self.dropped_overflow + self.dropped_rejected + self.dropped_invalid
-        return {
-            "enabled": True,
-            "url": self.display_url,
-            "running": bool(self.running),
-            "sent": self.lines_sent,
-            "pushes": self.pushes_ok,
-            "failed_pushes": self.pushes_failed,
-            "dropped": dropped,
-            "dropped_overflow": self.dropped_overflow,
-            "dropped_rejected": self.dropped_rejected,
-            "dropped_invalid": self.dropped_invalid,
-            "truncated": self.truncated,
-            "queue_depth": self.queue_depth,
-            "queue_max": self._max_queue,
-            "consecutive_failures": self.consecutive_failures,
-            "retrying": self._sleeping is not None,
-            "last_error": self.last_error,
-            "last_success_at": self.last_success_at,
-        }
-
-    def startService(self) -> None:
-        super().startService()
-        self._stopping = False
-        loop = LoopingCall(self._kick)
-        loop.clock = self._reactor
-        self._loop = loop
-        loop.start(self._flush_interval, now=False).addErrback(
-            lambda f: self.log.failure("The Loki flush loop failed", failure=f)
-        )
-
-    def stopService(self) -> Deferred[None]:
-        """Stop the timer, make one last bounded drain (no retries), then stop."""
-        super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        self._loop = None
-        self._stopping = True
-        if self._sleeping is not None:
-            # Ends the backoff wait at once; the drain makes its last attempt.
-            self._sleeping.cancel()
-        if self._draining is None:
-            self._kick()
-        if self._draining is None:
-            self._after_stop()
-            return succeed(None)
-        done: Deferred[None] = Deferred()
-        self._idle_waiters.append(done)
-        draining = self._draining
-        timer = self._reactor.callLater(self._stop_timeout, draining.cancel)
-
-        def finish(_: object) -> None:
-            if timer.active():
-                timer.cancel()
-            self._after_stop()
-
-        return done.addCallback(finish)
-
-    def _after_stop(self) -> None:
-        left = self.queue_depth
-        if left:
-            self.log.warn(
-                "{lines} log lines were not shipped to Loki before stopping ({error})",
-                lines=left,
-                error=self.last_error or "stop timeout",
-            )
 
     def _wake(self) -> None:
         with self._lock:
             self._wake_pending = False
-        if self.running:
-            self._kick()
+        self._check_open()
 
-    def _kick(self) -> None:
-        """Start a drain unless one is running. Never raises (it is the loop's callable)."""
-        try:
-            if self._draining is not None:
+    def _sender_idle(self) -> bool:
+        return (
+            not self._sealed
+            and self._attempt is None
+            and not (self._spool is not None and self._spool.records)
+        )
+
+    def _check_open(self) -> None:
+        """Close the open batch if it is due, else make sure its age timer runs."""
+        with self._lock:
+            count = len(self._open)
+            size = self._open_bytes
+            since = self._open_since
+        if not count:
+            return
+        due = (
+            size >= self.batch_bytes
+            or self._reactor.seconds() - since >= self._max_wait
+            or (count >= self._batch_size and self._sender_idle())
+        )
+        if due:
+            self._seal()
+        elif self._age_call is None and self.running:
+            delay = max(0.0, since + self._max_wait - self._reactor.seconds())
+            self._age_call = self._reactor.callLater(delay, self._aged)
+
+    def _aged(self) -> None:
+        self._age_call = None
+        self._check_open()
+
+    def _seal(self) -> None:
+        """Close the open batch: cut into batches of at most C{batch_bytes} of lines."""
+        with self._lock:
+            entries, self._open = self._open, []
+            self._open_bytes = 0
+            first = self._open_first
+            self._open_first = self._seq + 1
+            if not entries:
                 return
-            if self._pending is None:
-                with self._lock:
-                    if not self._queue:
-                        return
-            d = Deferred.fromCoroutine(self._drain())
-            d.addErrback(self._drain_failed)
-            if not d.called:
-                self._draining = d
-                d.addBoth(self._drain_ended)
-            else:
-                self._notify_idle()
-        except Exception:
-            self.log.failure("Starting a Loki push failed")
+            # Exact sizes, counted at C speed (a batch can hold thousands of lines).
+            cum = list(accumulate(map(add, map(len, map(_LINE, entries)), repeat(_ENTRY_JSON_BYTES))))
+            self._sealed_bytes += cum[-1] + (ENTRY_OVERHEAD - _ENTRY_JSON_BYTES) * len(entries)
+        if self._age_call is not None and self._age_call.active():
+            self._age_call.cancel()
+        self._age_call = None
+        bound = self.batch_bytes
+        start = base = 0
+        n = len(entries)
+        while start < n:
+            end = bisect_right(cum, base + bound, start)
+            if end == start:
+                end = start + 1  # one line larger than the bound goes alone
+            self._add_batch(first + start, entries[start:end] if start or end < n else entries,
+                            cum[end - 1] - base)
+            base = cum[end - 1]
+            start = end
+        self._encode_next()
 
-    def _drain_failed(self, failure: Failure) -> None:
-        if failure.check(CancelledError):
-            return None
-        self.log.failure("Shipping logs to Loki failed", failure=failure)
+    def _add_batch(self, first: int, entries: list[Entry], raw: int) -> None:
+        size = raw + (ENTRY_OVERHEAD - _ENTRY_JSON_BYTES) * len(entries)
+        self._sealed.append(_Batch(first, first + len(entries) - 1, len(entries), raw, size, entries))
+
+    def _set_size(self, batch: _Batch, size: int) -> None:
+        with self._lock:
+            self._sealed_bytes += size - batch.size
+        batch.size = size
+
+    # -- reactor thread: encoding -----------------------------------------------------------
+
+    def _encode_next(self) -> None:
+        """Encode the closed batches in order, one at a time (a loop, not a recursion)."""
+        self._wake_sender()
+        self._spool_behind()
+        if self._encode_looping:
+            return
+        self._encode_looping = True
+        try:
+            while not self._encoding:
+                batch = next((b for b in self._sealed if b.body is None), None)
+                if batch is None:
+                    waiters, self._encode_waiters = self._encode_waiters, []
+                    for w in waiters:
+                        w.callback(None)
+                    return
+                self._encoding = True
+                d = Deferred.fromCoroutine(self._encode_one(batch))
+                d.addErrback(lambda f: self.log.failure("Encoding log lines for Loki failed", failure=f))
+        finally:
+            self._encode_looping = False
+
+    def _encoded(self) -> None:
+        """One encoding ended: let the sender go, and go on with the next one."""
+        self._encoding = False
+        self._progress()
+        self._wake_sender()
+        self._spool_behind()
+        if not self._encode_looping:
+            self._encode_next()
+
+    async def _encode_one(self, batch: _Batch) -> None:
+        entries = batch.entries
+        assert entries is not None
+        floors = {}
+        for key, _, _ in entries:
+            if key in self._floors and key not in floors:
+                floors[key] = self._floors[key]
+        try:
+            if self._runner is not None and batch.raw_bytes > _OFF_REACTOR_BYTES:
+                body, last = await self._runner.run(_encode, entries, floors, self._gzip_level)
+            else:
+                body, last = _encode(entries, floors, self._gzip_level)
+        except Exception as e:
+            self.log.error(
+                "Encoding {lines} log lines for Loki failed ({error}); they are dropped",
+                lines=batch.lines,
+                error=f"{type(e).__name__}: {e}",
+            )
+            self._count_drop("encode_failed", batch.lines)
+            if batch in self._sealed:
+                self._sealed.remove(batch)
+                self._set_size(batch, 0)
+            self._encoded()
+            return
+        self._floors.update(last)
+        if len(self._floors) > _MAX_STREAM_FLOORS:
+            for key in list(self._floors)[: len(self._floors) - _MAX_STREAM_FLOORS]:
+                del self._floors[key]
+        batch.body = body
+        batch.entries = None
+        self._set_size(batch, len(body) + 256)
+        self._encoded()
+
+    # -- reactor thread: done-tracking ------------------------------------------------------
+
+    def delivered_through(self) -> int:
+        """See L{ILogSink.delivered_through}."""
+        if self._sealed:
+            return self._sealed[0].first_seq - 1
+        with self._lock:
+            if self._open:
+                return self._open_first - 1
+            return self._seq
+
+    def _count_drop(self, reason: str, lines: int) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + lines
+
+    def _progress(self) -> None:
+        """Something was delivered, spooled, dropped or shrunk: tell whoever waits."""
+        if self._done_waiters:
+            through = self.delivered_through()
+            ready = [w for w in self._done_waiters if w[0] <= through]
+            for entry in ready:
+                self._done_waiters.remove(entry)
+                entry[1].callback(None)
+        if self._room_waiters and self.pressure() <= self._resume_at:
+            waiters, self._room_waiters = self._room_waiters, []
+            for d in waiters:
+                d.callback(None)
+
+    def _wait_done(self, target: int, timeout: float) -> Deferred[bool]:
+        d: Deferred[None] = Deferred()
+        entry = (target, d)
+        self._done_waiters.append(entry)
+        result: Deferred[bool] = Deferred()
+
+        def expire() -> None:
+            if entry in self._done_waiters:
+                self._done_waiters.remove(entry)
+                result.callback(False)
+
+        timer = self._reactor.callLater(timeout, expire)
+
+        def fired(_: object) -> None:
+            if timer.active():
+                timer.cancel()
+            result.callback(True)
+
+        d.addCallback(fired)
+        return result
+
+    # -- flush and lifecycle ----------------------------------------------------------------
+
+    def flush(self, timeout: float) -> Deferred[bool]:
+        """See L{ILogSink.flush}."""
+        return Deferred.fromCoroutine(self._flush(timeout))
+
+    async def _flush(self, timeout: float) -> bool:
+        target = self._seq
+        self._seal()
+        if self.delivered_through() >= target:
+            return True
+        spool = self._spool is not None and self._spool.available
+        if self._loop_d is not None and not (self._failing and spool):
+            waiting = self._wait_done(target, timeout)
+            if self._failing:
+                # No spool to fall back on: one attempt now rather than after the backoff.
+                self._retry_at = 0.0
+                self._wake_sender()
+            await waiting
+            if self.delivered_through() >= target:
+                return True
+        if spool:
+            await self._spool_everything()
+        return self.delivered_through() >= target
+
+    async def _spool_everything(self) -> None:
+        """Spool every closed batch now (an in-flight push is given up and spooled too)."""
+        self._force_spool = True
+        try:
+            if self._loop_d is None:
+                await self._spool_memory()
+                return
+            d: Deferred[None] = Deferred()
+            self._spool_waiters.append(d)
+            if self._attempt is not None:
+                self._attempt.cancel()
+            self._wake_sender()
+            await d
+        finally:
+            # Once stopping, whatever comes later goes to disk too.
+            self._force_spool = self._stopping
+
+    def describe(self) -> dict[str, Any]:
+        """Counters for diagnostics and metrics (no secrets: the URL has no password)."""
+        return {
+            "enabled": True,
+            "url": self.display_url,
+            "running": bool(self.running),
+            **self.auth.describe(),
+            **self.stats(),
+            "spool": self._spool.describe() if self._spool is not None else {"enabled": False},
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """
+        The shipping counters, under stable names (see the README's metrics list): lines in,
+        sent, dropped by reason, pushes by outcome, memory and the retry state.
+        """
+        with self._lock:
+            open_lines = len(self._open)
+        spool = self._spool
+        return {
+            "lines_in": self.lines_in,
+            "sent": self.lines_sent,
+            "dropped": sum(self.dropped.values()),
+            "dropped_by_reason": dict(self.dropped),
+            "truncated": self.truncated,
+            "pushes": self.pushes_ok,
+            "failed_pushes": self.pushes_failed,
+            "rejected_pushes": self.pushes_rejected,
+            "splits": self.splits,
+            "queue_lines": open_lines + sum(b.lines for b in self._sealed),
+            "queue_depth": open_lines + sum(b.lines for b in self._sealed) + (spool.lines if spool else 0),
+            "memory_bytes": self._open_bytes + self._sealed_bytes,
+            "memory_max_bytes": self.memory_bytes,
+            "pressure": round(self.pressure(), 3),
+            "spool_bytes": spool.bytes_used if spool is not None else 0,
+            "spool_max_bytes": spool.max_bytes if spool is not None else 0,
+            "spool_lines": spool.lines if spool is not None else 0,
+            "spool_available": bool(spool is not None and spool.available),
+            "consecutive_failures": self.consecutive_failures,
+            "retrying": self._failing,
+            "last_error": self.last_error,
+            "last_success_at": self.last_success_at,
+        }
+
+    def secrets(self) -> list[str]:
+        """Secret values this shipper holds (for the redaction filter)."""
+        return self.auth.secrets()
+
+    def startService(self) -> None:
+        super().startService()
+        self._stopped = False
+        self._stopping = False
+        self._force_spool = False
+        d = Deferred.fromCoroutine(self._start())
+        d.addErrback(lambda f: self.log.failure("Starting the Loki shipper failed", failure=f))
+        self._ready = d
+
+    async def _start(self) -> None:
+        if self.auth.password_file or self.auth.bearer_token_file:
+            await self._load_auth()
+        if self._spool is not None:
+            await self._spool.open()
+            if self._spool.corrupt_lines:
+                self._count_drop("spool_corrupt", self._spool.corrupt_lines)
+        if self._stopped:
+            return
+        loop = Deferred.fromCoroutine(self._run())
+        loop.addErrback(lambda f: self.log.failure("The Loki sender stopped", failure=f))
+        if not loop.called:
+            self._loop_d = loop
+        self._check_open()
+
+    async def _load_auth(self) -> None:
+        try:
+            if self._runner is not None:
+                await self._runner.run(self.auth.load)
+            else:
+                self.auth.load()
+        except ValueError as e:
+            self.log.error("{error}; Loki pushes go without it", error=str(e))
+
+    def stopService(self) -> Deferred[None]:
+        """Push what is left (bounded by C{stop_timeout}), spool the rest, then stop."""
+        super().stopService()
+        return Deferred.fromCoroutine(self._stop())
+
+    async def _stop(self) -> None:
+        self._stopping = True
+        if self._ready is not None and not self._ready.called:
+            await self._ready
+        target = self._seq
+        done = await self._flush(self._stop_timeout)
+        self._stopped = True
+        if self._attempt is not None:
+            self._attempt.cancel()
+        self._wake_sender()
+        loop, self._loop_d = self._loop_d, None
+        if loop is not None and not loop.called:
+            await loop
+        if self._age_call is not None and self._age_call.active():
+            self._age_call.cancel()
+        self._age_call = None
+        if not done:
+            left = target - self.delivered_through()
+            if left > 0:
+                self._count_drop("stopped", sum(b.lines for b in self._sealed))
+                self.log.warn(
+                    "{lines} log lines were neither shipped to Loki nor spooled before stopping "
+                    "({error}); the journal and container logs are read again from there at the "
+                    "next start",
+                    lines=left,
+                    error=self.last_error or "stop timeout",
+                )
+        if self._spool is not None:
+            await self._spool.close()
+        for d in self._spool_waiters:
+            d.callback(None)
+        self._spool_waiters = []
+
+    # -- reactor thread: the sender -----------------------------------------------------------
+
+    def _wake_sender(self) -> None:
+        waiting, self._waiting = self._waiting, None
+        if self._wait_timer is not None and self._wait_timer.active():
+            self._wait_timer.cancel()
+        self._wait_timer = None
+        if waiting is not None:
+            waiting.callback(None)
+
+    def _sleep_until(self, when: float | None) -> Deferred[None]:
+        d: Deferred[None] = Deferred()
+        self._waiting = d
+        if when is not None:
+            self._wait_timer = self._reactor.callLater(
+                max(0.0, when - self._reactor.seconds()), self._wake_sender
+            )
+        return d
+
+    async def _run(self) -> None:
+        while not self._stopped:
+            try:
+                await self._step()
+            except CancelledError:
+                if self._stopped:
+                    return
+            except Exception:
+                self.log.failure("The Loki sender failed; it carries on in 1 s")
+                await self._sleep_until(self._reactor.seconds() + 1.0)
+
+    def _should_spool(self) -> bool:
+        if self._spool is None or not self._spool.available or not self._sealed:
+            return False
+        if self._force_spool:
+            return True
+        if self._reactor.seconds() < self._spool_retry_at:
+            return False
+        if self._sealed[0].body is None:
+            return False
+        return self._failing or self._sealed_bytes > self._spool_after
+
+    def _spool_behind(self) -> None:
+        """
+        While the sender waits on a push of a I{spooled} record, closed batches can go to disk
+        behind it (the order holds); a push of a batch from memory must end first.
+        """
+        if self._inflight_disk and self._spool_task is None and self._should_spool():
+            d = Deferred.fromCoroutine(self._spool_guarded())
+            d.addErrback(lambda f: self.log.failure("Spooling log lines failed", failure=f))
+
+    async def _spool_guarded(self) -> None:
+        """L{_spool_memory}, one at a time."""
+        while self._spool_task is not None:
+            await _observe(self._spool_task)
+        if not self._should_spool():
+            return
+        task = Deferred.fromCoroutine(self._spool_memory())
+        if not task.called:
+            self._spool_task = task
+        try:
+            await task
+        finally:
+            self._spool_task = None
+
+    async def _spool_memory(self) -> None:
+        """Move the encoded batches at the front of memory to the spool (in order)."""
+        assert self._spool is not None
+        if self._force_spool and (self._encoding or any(b.body is None for b in self._sealed)):
+            # Everything is to go to disk: wait for the encodings first.
+            d: Deferred[None] = Deferred()
+            self._encode_waiters.append(d)
+            self._encode_next()
+            await d
+        ready: list[_Batch] = []
+        for b in self._sealed:
+            if b.body is None:
+                break
+            ready.append(b)
+        if not ready:
+            return
+        n = await self._spool.append([(b.body, b.lines) for b in ready if b.body is not None])
+        for b in ready[:n]:
+            self._sealed.popleft()
+            self._set_size(b, 0)
+        if n < len(ready):
+            # Full (or a write error): try again in a while, or after an acknowledgement.
+            self._spool_retry_at = self._reactor.seconds() + 1.0
+        if n:
+            self._progress()
+
+    def _head(self) -> tuple[str, Any] | None:
+        if self._spool is not None and self._spool.records:
+            return "disk", self._spool.records[0]
+        if self._sealed:
+            return "memory", self._sealed[0]
         return None
 
-    def _drain_ended(self, _: object) -> None:
-        self._draining = None
-        self._notify_idle()
-
-    def _notify_idle(self) -> None:
-        waiters, self._idle_waiters = self._idle_waiters, []
-        for w in waiters:
-            w.callback(None)
-
-    def _take(self) -> list[_Entry]:
-        with self._lock:
-            n = min(self._batch_size, len(self._queue))
-            return [self._queue.popleft() for _ in range(n)]
-
-    async def _next_batch(self) -> _Batch | None:
-        if self._pending is not None:
-            return self._pending
-        entries = self._take()
-        if not entries:
-            return None
-        self._held = (entries[0].seq, len(entries))
-        floors = {e.labels: self._floors[e.labels] for e in entries if e.labels in self._floors}
-        size = sum(len(e.line) for e in entries)
-        try:
-            if self._runner is not None and size > _OFF_REACTOR_CHARS:
-                body, last = await self._runner.run(encode_batch, entries, floors, self._gzip)
-            else:
-                body, last = encode_batch(entries, floors, self._gzip)
-        except CancelledError:
-            self._held = None
-            self.dropped_invalid += len(entries)
-            raise
-        except Exception:
-            self._held = None
-            self.dropped_invalid += len(entries)
-            self.log.failure("Encoding {lines} log lines for Loki failed; they are dropped",
-                             lines=len(entries))
-            self._notify_seq_waiters()
-            return await self._next_batch()
-        batch = _Batch(entries[0].seq, entries[-1].seq, len(entries), body, last)
-        self._pending = batch
-        return batch
-
-    async def _drain(self) -> None:
-        while True:
-            batch = await self._next_batch()
-            if batch is None:
-                return
-            outcome = await self._deliver(batch)
-            if outcome == _RETRY:
-                self.pushes_failed += 1
-                self.consecutive_failures += 1
-                if self._stopping:
-                    return
-                delay = self._backoff.delay(self.consecutive_failures)
-                if self.consecutive_failures == 1 or self.consecutive_failures % 10 == 0:
-                    self.log.warn(
-                        "Pushing {lines} log lines to Loki failed ({error}); retry {attempt} "
-                        "in {delay:.1f} s",
-                        lines=batch.lines,
-                        error=self.last_error,
-                        attempt=self.consecutive_failures,
-                        delay=delay,
-                    )
-                await self._sleep(delay)
-                continue
-            self._pending = None
-            self._held = None
-            if outcome == _SENT:
-                if self.consecutive_failures:
-                    self.log.info(
-                        "Loki accepts log lines again after {failures} failed pushes",
-                        failures=self.consecutive_failures,
-                    )
-                self.consecutive_failures = 0
-                self.lines_sent += batch.lines
-                self.pushes_ok += 1
-                self.last_success_at = self._reactor.seconds()
-                self._floors.update(batch.floors)
-                if len(self._floors) > _MAX_STREAM_FLOORS:
-                    for key in list(self._floors)[: len(self._floors) - _MAX_STREAM_FLOORS]:
-                        del self._floors[key]
-            else:
-                self.dropped_rejected += batch.lines
-            self._notify_seq_waiters()
-
-    async def _sleep(self, delay: float) -> None:
-        d: Deferred[None] = deferLater(self._reactor, delay, lambda: None)
-        self._sleeping = d
-        try:
-            await d
-        except CancelledError:
-            if not self._stopping:
-                raise
-        finally:
-            self._sleeping = None
-
-    def _notify_seq_waiters(self) -> None:
-        if not self._seq_waiters:
+    async def _step(self) -> None:
+        await self._spool_guarded()
+        if self._force_spool:
+            waiters, self._spool_waiters = self._spool_waiters, []
+            for d in waiters:
+                d.callback(None)
+        if self._stopped:
             return
-        through = self.delivered_through()
-        ready = [w for w in self._seq_waiters if w[0] <= through]
-        for entry in ready:
-            self._seq_waiters.remove(entry)
-            entry[1].callback(True)
+        head = self._head()
+        now = self._reactor.seconds()
+        if head is None:
+            await self._sleep_until(None)
+            return
+        if self._retry_at > now:
+            await self._sleep_until(self._retry_at)
+            return
+        kind, item = head
+        if kind == "memory" and item.body is None:
+            await self._sleep_until(None)  # woken when it is encoded
+            return
+        if kind == "disk":
+            assert self._spool is not None
+            try:
+                body = await self._spool.read(item)
+            except (SpoolCorrupt, OSError) as e:
+                self.log.error(
+                    "A Loki spool record could not be read back ({error}); its {lines} lines "
+                    "are dropped",
+                    error=str(e),
+                    lines=item.lines,
+                )
+                self._count_drop("spool_corrupt", item.lines)
+                self._spool.drop_head()
+                return
+        else:
+            body = item.body
+        self._inflight_disk = kind == "disk"
+        try:
+            outcome = await self._send(body, item.lines)
+        finally:
+            self._inflight_disk = False
+        if self._stopped and outcome == _RETRY:
+            return
+        self._finish_head(kind, item, outcome)
 
-    async def _post(self, body: bytes) -> tuple[int, bytes]:
-        headers = {
-            "Content-Type": "application/json",
-            "User-Agent": f"llmport-agent/{VERSION}",
-        }
-        if self._gzip:
-            headers["Content-Encoding"] = "gzip"
-        kwargs: dict[str, Any] = {"data": body, "headers": headers}
-        if self._auth is not None:
-            kwargs["auth"] = self._auth
-        response = await self._http.post(self._url, **kwargs)
-        content = await response.content()
-        return int(response.code), bytes(content)
+    def _finish_head(self, kind: str, item: Any, outcome: str) -> None:
+        if outcome == _RETRY:
+            return
+        if kind == "disk":
+            assert self._spool is not None
+            if self._spool.records and self._spool.records[0] is item:
+                self._spool.drop_head()
+            self._spool_retry_at = 0.0
+        elif self._sealed and self._sealed[0] is item:
+            self._sealed.popleft()
+            self._set_size(item, 0)
+        self._progress()
+        if self._sealed or not self._open_empty():
+            self._check_open()
 
-    async def _deliver(self, batch: _Batch) -> str:
-        attempt: Deferred[tuple[int, bytes]] = Deferred.fromCoroutine(self._post(batch.body))
+    def _open_empty(self) -> bool:
+        with self._lock:
+            return not self._open
+
+    async def _send(self, body: bytes, lines: int) -> str:
+        """Deliver one body (split on 413); returns C{_SENT} (or dropped) or C{_RETRY}."""
+        code, detail, after = await self._post_once(body)
+        if code == _CANCELLED:
+            return _RETRY  # given up on purpose (spooling or stopping): not a failure
+        if code is None or code == 429 or code >= 500 or code in (401, 403):
+            self._retry(lines, code, after)
+            return _RETRY
+        self._recovered()
+        if 200 <= code < 300:
+            self.lines_sent += lines
+            self.pushes_ok += 1
+            self.last_success_at = self._wallclock()
+            return _SENT
+        if code == 413:
+            return await self._split(body, lines)
+        reason = _drop_reason(detail)
+        self.pushes_rejected += 1
+        self._count_drop(reason, lines)
+        self.log.error(
+            "Loki refused {lines} log lines with HTTP {code} ({detail}); they are dropped "
+            "(counted as {reason})",
+            lines=lines,
+            code=code,
+            detail=detail or "no detail",
+            reason=reason,
+        )
+        return _SENT
+
+    async def _split(self, body: bytes, lines: int) -> str:
+        """413: send the batch in halves (each retried on its own until it is done)."""
+        try:
+            if self._runner is not None:
+                entries: list[Entry] = await self._runner.run(decode_body, body)
+            else:
+                entries = decode_body(body)
+        except ValueError as e:
+            self._count_drop("encode_failed", lines)
+            self.log.error("A batch Loki refused as too large cannot be split ({error})", error=str(e))
+            return _SENT
+        if len(entries) <= 1:
+            self._count_drop("too_large", max(lines, len(entries)))
+            self.log.error("Loki refused a single log line as too large (HTTP 413); it is dropped")
+            return _SENT
+        self.splits += 1
+        new_bound = max(16 * 1024, len(body) // 2)
+        if self.batch_bytes > new_bound:
+            self.batch_bytes = new_bound
+            self.log.warn(
+                "Loki (or a proxy in front of it) refused a push of {size} bytes as too large "
+                "(HTTP 413); batches are now closed at {bound} bytes",
+                size=len(body),
+                bound=new_bound,
+            )
+        half = len(entries) // 2
+        for part in (entries[:half], entries[half:]):
+            if self._runner is not None:
+                sub, _ = await self._runner.run(_encode, part, {}, self._gzip_level)
+            else:
+                sub, _ = _encode(part, {}, self._gzip_level)
+            while True:
+                outcome = await self._send(sub, len(part))
+                if outcome != _RETRY:
+                    break
+                if self._stopped:
+                    return _RETRY
+                await self._sleep_until(self._retry_at)
+        return _SENT
+
+    def _recovered(self) -> None:
+        if self.consecutive_failures:
+            self.log.info(
+                "Loki takes log lines again after {failures} failed pushes",
+                failures=self.consecutive_failures,
+            )
+        self.consecutive_failures = 0
+        self._failing = False
+        self._retry_at = 0.0
+        self.last_error = None
+
+    def _retry(self, lines: int, code: int | None, after: float | None) -> None:
+        self.pushes_failed += 1
+        self.consecutive_failures += 1
+        self._failing = True
+        delay = self._backoff.delay(self.consecutive_failures)
+        if after is not None:
+            delay = max(delay, min(after, MAX_RETRY_AFTER))
+        self._retry_at = self._reactor.seconds() + delay
+        if code in (401, 403):
+            d = Deferred.fromCoroutine(self._load_auth())
+            d.addErrback(lambda f: None)
+        if self.consecutive_failures == 1 or self.consecutive_failures % 10 == 0:
+            hint = ""
+            if code in (401, 403):
+                hint = " (check LOKI_USERNAME/LOKI_PASSWORD or LOKI_BEARER_TOKEN and LOKI_TENANT)"
+            where = "spooled" if self._spool is not None and self._spool.available else "kept in memory"
+            self.log.warn(
+                "Pushing {lines} log lines to Loki failed ({error}){hint}; retry {attempt} in "
+                "{delay:.1f} s, lines are {where} meanwhile",
+                lines=lines,
+                error=self.last_error,
+                hint=hint,
+                attempt=self.consecutive_failures,
+                delay=delay,
+                where=where,
+            )
+
+    async def _post_once(self, body: bytes) -> tuple[int | None, str, float | None]:
+        """One POST: C{(status or None, detail, retry-after seconds)}; sets C{last_error}."""
+        attempt: Deferred[Any] = Deferred.fromCoroutine(self._post(body))
+        self._attempt = attempt
         timed_out = False
 
         def expire() -> None:
@@ -628,33 +1134,53 @@ class LokiShipper(Service):
 
         timer = self._reactor.callLater(self._timeout, expire)
         try:
-            code, content = await attempt
+            code, content, after_header = await attempt
         except Exception as e:
             if timed_out:
                 self.last_error = f"no answer within {self._timeout:g} s"
-                return _RETRY
-            if isinstance(e, CancelledError):
-                raise
-            self.last_error = _describe_error(e)
-            return _RETRY
+            elif isinstance(e, CancelledError):
+                return _CANCELLED, "", None
+            else:
+                self.last_error = _describe_error(e)
+            return None, "", None
         finally:
+            self._attempt = None
             if timer.active():
                 timer.cancel()
-        if 200 <= code < 300:
-            self.last_error = None
-            return _SENT
         detail = content[:300].decode("utf-8", "replace").strip()
-        if code == 429 or code >= 500:
+        if not 200 <= code < 300:
             self.last_error = f"HTTP {code}: {detail}" if detail else f"HTTP {code}"
-            return _RETRY
-        self.last_error = f"HTTP {code}: {detail}" if detail else f"HTTP {code}"
-        self.log.error(
-            "Loki refused {lines} log lines with HTTP {code} ({detail}); the batch is dropped",
-            lines=batch.lines,
-            code=code,
-            detail=detail or "no detail",
-        )
-        return _REJECTED
+        return code, detail, retry_after(after_header, self._wallclock())
+
+    async def _post(self, body: bytes) -> tuple[int, bytes, str | None]:
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": f"llmport-agent/{VERSION}",
+        }
+        if self._gzip_level > 0 or body[:2] == b"\x1f\x8b":
+            headers["Content-Encoding"] = "gzip"
+        headers.update(self.auth.headers())
+        kwargs: dict[str, Any] = {"data": body, "headers": headers}
+        basic = self.auth.basic()
+        if basic is not None:
+            kwargs["auth"] = basic
+        response = await self._http.post(self._url, **kwargs)
+        content = await response.content()
+        values = response.headers.getRawHeaders(b"retry-after") or []
+        after = values[0].decode("latin-1") if values else None
+        return int(response.code), bytes(content), after
+
+
+def _observe(d: Deferred[Any]) -> Deferred[None]:
+    """A Deferred that fires (with None) when C{d} does, leaving C{d}'s result alone."""
+    out: Deferred[None] = Deferred()
+
+    def done(result: object) -> object:
+        out.callback(None)
+        return result
+
+    d.addBoth(done)
+    return out
 
 
 def _describe_error(e: BaseException) -> str:
@@ -664,3 +1190,4 @@ def _describe_error(e: BaseException) -> str:
         value = getattr(inner, "value", inner)
         return f"{type(e).__name__}: {type(value).__name__}: {value}"[:300]
     return f"{type(e).__name__}: {e}"[:300]
+

@@ -39,16 +39,52 @@ _KEYED = re.compile(
 )
 
 
+#: Lower-case words one of which a line must contain for L{_KEYED} to match (a cheap pre-check).
+_KEY_WORDS = ("token", "credential", "passw", "secret", "api_key")
+
+
+def _bearer(m: re.Match[str]) -> str:
+    return f"{m.group(1)}{m.group(2)}{MASK}"
+
+
+def _url_password(m: re.Match[str]) -> str:
+    return f"{m.group(1)}{MASK}@"
+
+
+def _keyed(m: re.Match[str]) -> str:
+    return f"{m.group(1)}{MASK}"
+
+
+def _ordered(secrets: Iterable[str | None]) -> list[str]:
+    """The secrets worth searching for, longest first (a secret inside another one is masked last)."""
+    return sorted(
+        {s for s in secrets if isinstance(s, str) and len(s) >= MIN_SECRET_CHARS}, key=len, reverse=True
+    )
+
+
+def _redact(text: str, ordered: list[str]) -> str:
+    for secret in ordered:
+        if secret in text:
+            text = text.replace(secret, MASK)
+    # Each pattern only runs when a cheap substring test says it could match: most lines
+    # hold none of these shapes, and the patterns cost most of a line's shipping time.
+    if "-" in text and "." in text:
+        text = _CREDENTIAL.sub(MASK, text)
+    low = text.lower()
+    if "bearer" in low:
+        text = _BEARER.sub(_bearer, text)
+    if "://" in text and "@" in text:
+        text = _URL_PASSWORD.sub(_url_password, text)
+    for word in _KEY_WORDS:
+        if word in low:
+            text = _KEYED.sub(_keyed, text)
+            break
+    return text
+
+
 def redact(text: str, secrets: Iterable[str] = ()) -> str:
     """C{text} with every secret-looking value and every exact C{secrets} entry masked."""
-    for secret in sorted({s for s in secrets if isinstance(s, str)}, key=len, reverse=True):
-        if len(secret) >= MIN_SECRET_CHARS and secret in text:
-            text = text.replace(secret, MASK)
-    text = _CREDENTIAL.sub(MASK, text)
-    text = _BEARER.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", text)
-    text = _URL_PASSWORD.sub(lambda m: f"{m.group(1)}{MASK}@", text)
-    text = _KEYED.sub(lambda m: f"{m.group(1)}{MASK}", text)
-    return text
+    return _redact(text, _ordered(secrets))
 
 
 class Redactor:
@@ -63,11 +99,21 @@ class Redactor:
     def __init__(self, secrets: Callable[[], Iterable[str | None]] | None = None) -> None:
         self._secrets = secrets
 
+    def _values(self) -> list[str]:
+        if self._secrets is None:
+            return []
+        try:
+            return _ordered(self._secrets())
+        except Exception:
+            return []
+
     def __call__(self, text: str) -> str:
-        values: list[str] = []
-        if self._secrets is not None:
-            try:
-                values = [s for s in self._secrets() if s]
-            except Exception:
-                values = []
-        return redact(text, values)
+        return _redact(text, self._values())
+
+    def snapshot(self) -> Callable[[str], str]:
+        """
+        A redacting function with the secrets as they are now, for a batch of lines (reading
+        the secrets once per batch instead of once per line). Safe in any thread.
+        """
+        values = self._values()
+        return lambda text: _redact(text, values)

@@ -1,0 +1,122 @@
+# -*- test-case-name: tests.test_logs_agent -*-
+"""
+Log shipping as the agent builds it from its configuration (used by the root service and by
+the tests that restart it): a worker pool, the shipper with its spool, the agent's own log
+observer, the journal reader and, with the Docker executor, the container log reader.
+
+Start order: pool, shipper, journal reader, (engine,) container reader; stop in reverse, so the
+readers hand their last lines to the shipper, which pushes or spools them, before the pool goes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from attrs import define
+
+from llmport_agent.config import AgentConfig
+from llmport_agent.threads import PoolService
+
+__all__ = ["LogShipping", "build_log_shipping"]
+
+
+@define
+class LogShipping:
+    """The parts; C{services} in start order (the container reader goes after the engine)."""
+
+    pool: PoolService
+    shipper: Any
+    http_pool: Any
+    observer: Any
+    journald: Any
+    containers: Any
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "loki": self.shipper.describe(),
+            "journal": self.journald.describe() if self.journald is not None else {},
+            "containers": self.containers.describe() if self.containers is not None else {},
+        }
+
+
+def build_log_shipping(
+    reactor: Any,
+    config: AgentConfig,
+    *,
+    state_dir: str,
+    host: Callable[[], str],
+    secrets: Callable[[], list[str]],
+    engine: Any = None,
+    docker_environ: Mapping[str, str] | None = None,
+    journal_directory: str | None = None,
+    journal_units: tuple[str, ...] | None = None,
+) -> LogShipping:
+    """
+    Build (not start) log shipping to C{config.loki_url}.
+
+    @param host: returns the C{host} label (what the backend stores as the node host).
+    @param secrets: returns the agent's secret values (token, credentials) to mask in every line.
+    @param engine: the L{DockerEngine}, or C{None} for no container logs.
+    """
+    from twisted.logger import LogLevel
+
+    from llmport_agent.logs.agent_source import AgentLogObserver, node_labels
+    from llmport_agent.logs.auth import LokiAuth
+    from llmport_agent.logs.containers import ContainerLogSource
+    from llmport_agent.logs.journald import JournaldSource
+    from llmport_agent.logs.loki import LokiShipper, loki_http_client
+    from llmport_agent.logs.spool import SPOOL_DIR, Spool
+    from llmport_agent.logsetup import LEVELS
+    from llmport_agent.tls import https_policy
+
+    c = config
+    assert c.loki_url is not None
+    pool = PoolService(reactor, "logs", 2)
+    http, http_pool = loki_http_client(
+        reactor,
+        tls_policy=https_policy(c.verify_tls, c.ca_bundle),
+        connect_timeout=c.request_timeout_sec,
+    )
+    spool = None
+    if c.loki_spool_max_mb > 0:
+        spool = Spool(pool, os.path.join(state_dir, SPOOL_DIR), c.loki_spool_max_mb << 20)
+    auth = LokiAuth(
+        tenant=c.loki_tenant,
+        username=c.loki_username,
+        password=c.loki_password,
+        password_file=c.loki_password_file,
+        bearer_token=c.loki_bearer_token,
+        bearer_token_file=c.loki_bearer_token_file,
+    )
+    shipper = LokiShipper(
+        reactor,
+        http,
+        c.loki_url,
+        batch_size=c.log_batch_size,
+        flush_interval=c.log_flush_interval_sec,
+        batch_bytes=c.loki_batch_bytes,
+        spool=spool,
+        auth=auth,
+        runner=pool,
+    )
+
+    def all_secrets() -> list[str]:
+        return [*secrets(), *shipper.secrets()]
+
+    labels = node_labels(c.agent_id, host)
+    observer = AgentLogObserver(
+        shipper, labels, secrets=all_secrets, min_level=LEVELS.get(c.log_level, LogLevel.info)
+    )
+    journald = JournaldSource(
+        reactor, shipper, labels, pool, state_dir=state_dir, secrets=all_secrets,
+        directory=journal_directory, units=journal_units,
+    )
+    containers = None
+    if engine is not None:
+        containers = ContainerLogSource(
+            reactor, engine, shipper, host, runner=pool, streams=c.loki_container_streams,
+            environ=docker_environ, secrets=all_secrets, state_dir=state_dir,
+        )
+    return LogShipping(pool, shipper, http_pool, observer, journald, containers)
