@@ -42,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench._common import free_port, percentile  # noqa: E402
+from tests.support.probe import LatenessProbe  # noqa: E402
 
 JOURNAL_REMOTE = "/lib/systemd/systemd-journal-remote"
 
@@ -146,20 +147,13 @@ def run_agent(args: argparse.Namespace) -> None:
                                   docker_environ={"DOCKER_HOST": args.docker_host},
                                   journal_directory=args.journal_dir)
     order = [shipping.pool, shipping.shipper, shipping.journald, engine, shipping.containers]
-    lateness: list[float] = []
-    last = [time.monotonic()]
-
-    def probe() -> None:
-        now = time.monotonic()
-        lateness.append(max(0.0, now - last[0] - 0.01) * 1000)
-        last[0] = now
+    probe = LatenessProbe(0.01)
 
     def dump() -> None:
         stats = shipping.shipper.stats()
         stats["spool"] = shipping.shipper.describe()["spool"]
-        ordered = sorted(lateness) or [0.0]
-        stats["lateness_p99_ms"] = ordered[int(0.99 * (len(ordered) - 1))]
-        stats["lateness_max_ms"] = ordered[-1]
+        stats["lateness_p99_ms"] = probe.percentile(0.99) * 1000
+        stats["lateness_max_ms"] = probe.worst * 1000
         stats["sender"] = {"attempt": shipping.shipper._attempt is not None,
                            "waiting": shipping.shipper._waiting is not None,
                            "sealed": len(shipping.shipper._sealed), "journal": shipping.journald.describe(),
@@ -179,32 +173,30 @@ def run_agent(args: argparse.Namespace) -> None:
 
     for svc in order:
         svc.startService()
-    LoopingCall(probe).start(0.01)
+    probe.start()
     LoopingCall(dump).start(0.5, now=False)
     # SIGTERM stops the reactor (Twisted's handler); the services stop cleanly before it does.
     reactor.addSystemEventTrigger("before", "shutdown", lambda: ensureDeferred(stop()))
-    reactor.run()
+    if os.environ.get("BENCH_LOKI_PROFILE"):  # the reactor thread's profile, for digging
+        import cProfile
+
+        cProfile.runctx("reactor.run()", globals(), {"reactor": reactor},
+                        os.environ["BENCH_LOKI_PROFILE"])
+    else:
+        reactor.run()
 
 
 def run_probe(path: str) -> None:
     """Child process: only a 10 ms timer (the lateness any process sees on this loaded machine)."""
     from twisted.internet import reactor
-    from twisted.internet.task import LoopingCall
 
-    lateness: list[float] = []
-    last = [time.monotonic()]
-
-    def probe() -> None:
-        now = time.monotonic()
-        lateness.append(max(0.0, now - last[0] - 0.01) * 1000)
-        last[0] = now
+    probe = LatenessProbe(0.01)
 
     def dump() -> None:
-        ordered = sorted(lateness) or [0.0]
         with open(path, "w") as f:
-            json.dump({"p99": ordered[int(0.99 * (len(ordered) - 1))], "max": ordered[-1]}, f)
+            json.dump({"p99": probe.percentile(0.99) * 1000, "max": probe.worst * 1000}, f)
 
-    LoopingCall(probe).start(0.01)
+    probe.start()
     reactor.addSystemEventTrigger("before", "shutdown", dump)
     reactor.run()
 
@@ -252,6 +244,12 @@ class Loki:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/control", timeout=10) as r:
             return dict(json.loads(r.read()))
 
+    def cpu(self) -> float:
+        import psutil
+
+        t = psutil.Process(self.proc.pid).cpu_times()
+        return t.user + t.system
+
     def control(self, **cmd: Any) -> None:
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/control", data=json.dumps(cmd).encode(),
                                      method="POST")
@@ -277,7 +275,17 @@ class Agent:
             cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
         self.ps = psutil.Process(self.proc.pid)
         self.peak_rss = 0
-        time.sleep(1.5)
+        self.samples: list[tuple[float, float]] = []  # (time, CPU seconds so far)
+
+    def ready(self, timeout: float = 30) -> None:
+        """Wait until the agent runs (its first stats file is written half a second after start)."""
+        wait(lambda: bool(self.stats()), timeout, self)
+
+    def cpu_between(self, start: float, end: float) -> float:
+        """CPU seconds spent between two times (the samples just outside them)."""
+        before = [c for t, c in self.samples if t <= start] or [self.samples[0][1]]
+        after = [c for t, c in self.samples if t >= end] or [self.samples[-1][1]]
+        return after[0] - before[-1]
 
     def cpu(self) -> float:
         """CPU seconds of the agent and its children (journalctl) so far."""
@@ -298,6 +306,7 @@ class Agent:
     def sample(self) -> None:
         try:
             self.peak_rss = max(self.peak_rss, self.ps.memory_info().rss)
+            self.samples.append((time.time(), self.cpu()))
         except Exception:  # noqa: BLE001
             pass
 
@@ -380,14 +389,18 @@ def bench_journald(env: Any, lines: int, repeats: int) -> None:
         with open(os.path.join(state_dir, "journal.cursor"), "w") as f:
             f.write(f"@{start_us // 1_000_000 - 1}\n")  # replay the backlog
         loki = Loki()
-        agent = Agent(state_dir, loki, env.host, journal_dir)
         probe = Probe()
-        c0 = agent.cpu()
-        t0 = time.time()
+        loki_cpu = loki.cpu()
+        agent = Agent(state_dir, loki, env.host, journal_dir)  # it reads the backlog at once
         ok = wait(lambda loki=loki: loki.stats()["by_job"].get("node-agent", 0) >= lines, 300, agent)
-        elapsed = time.time() - t0
-        cpu = agent.cpu() - c0
+        wait(lambda: False, 0.2, agent)  # one more CPU sample after the last line
         idle = probe.stop()
+        window = loki.stats()
+        # From the first line Loki received to the last (the agent's start-up is not counted).
+        first, last = window["first"] / 1e9, window["last"] / 1e9
+        elapsed = max(1e-3, last - first)
+        cpu = agent.cpu_between(first, last)
+        print(f"   (the fake Loki used {(loki.cpu() - loki_cpu) / elapsed * 100:.0f} % of a core)")
         stats = agent.stop()
         got = loki.stats()
         loki.stop()
@@ -404,6 +417,7 @@ def bench_container(env: Any, lines: int, repeats: int) -> None:
         os.makedirs(os.path.join(work, "journal"))
         loki = Loki()
         agent = Agent(work, loki, env.host, os.path.join(work, "journal"))
+        agent.ready()
         probe = Probe()
         c0 = agent.cpu()
         t0 = time.time()
@@ -436,6 +450,7 @@ def bench_latency(env: Any, seconds: int) -> None:
     os.makedirs(os.path.join(work, "journal"))
     loki = Loki()
     agent = Agent(work, loki, env.host, os.path.join(work, "journal"))
+    agent.ready()
     c = container(env, f'i=0; while [ $i -lt {seconds * 200} ]; do echo "lat $i"; i=$((i+1)); usleep 5000; done')
     wait(lambda: loki.stats()["by_job"].get("node-container", 0) >= seconds * 200 * 0.9, seconds * 3 + 30, agent)
     time.sleep(2)
@@ -456,6 +471,7 @@ def bench_outage(env: Any, seconds: float) -> None:
     os.makedirs(os.path.join(work, "journal"))
     loki = Loki()
     agent = Agent(work, loki, env.host, os.path.join(work, "journal"))
+    agent.ready()
     c = container(env, "i=0; while true; do j=0; while [ $j -lt 60 ]; do echo \"seq $i INFO "
                        "POST /v1/chat/completions 200 in $((i % 97 + 3))ms model=llama-3-8b "
                        "tokens=$((i % 4096))\"; i=$((i+1)); j=$((j+1)); done; usleep 10000; done")
@@ -465,6 +481,7 @@ def bench_outage(env: Any, seconds: float) -> None:
     time.sleep(seconds / 2)
     before = agent.stop()
     agent = Agent(work, loki, env.host, os.path.join(work, "journal"))
+    agent.ready()
     time.sleep(max(0.0, seconds - (time.time() - t0)))
     mid = agent.stats()
     spool_bytes = mid.get("spool", {}).get("bytes", 0)

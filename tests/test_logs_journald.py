@@ -26,7 +26,9 @@ from twisted.web.server import Site
 from llmport_agent.backoff import Backoff
 from llmport_agent.logs.agent_source import node_labels
 from llmport_agent.logs.journald import (
+    CHUNK_LINES,
     CURSOR_FILE,
+    INLINE_LINES,
     MAX_PENDING_BYTES,
     JournaldSource,
     cursor_time,
@@ -237,7 +239,15 @@ class JournaldSourceTests(SynchronousTestCase):
         self.assertIsNone(protocol_label_problem(l1))
         self.assertEqual((t1, m1), (1_700_000_000_000_001_000, "docker.service: entry 1"))
         self.assertEqual((l2["level"], m2), ("info", "kernel: join with ***"))
-        self.assertIn("parse_chunk", self.runner.calls)  # parsed by the worker, not inline
+        self.assertNotIn("parse_chunk", self.runner.calls)  # two lines: parsed on the spot
+
+    def test_a_backlog_is_parsed_by_the_worker_in_chunks(self) -> None:
+        """More than INLINE_LINES pending lines go to the worker pool, in chunks, in order."""
+        source = self.make()
+        self.transport.out(b"".join(jentry(i) for i in range(CHUNK_LINES + 300)))
+        self.assertEqual(self.runner.calls.count("parse_chunk"), 2)
+        self.assertEqual(self.sink.lines(), [f"docker.service: entry {i}" for i in range(CHUNK_LINES + 300)])
+        self.assertEqual(source.describe()["parse_jobs"], 2)
 
     def test_the_agents_own_entries_are_skipped(self) -> None:
         """Entries of the agent's own process are not shipped again (nor its Loki complaints)."""
@@ -254,16 +264,17 @@ class JournaldSourceTests(SynchronousTestCase):
         runner = HeldRunner()
         source = self.make(runner=runner)
         line = jentry(1, message="m" * 2000)
-        self.transport.out(line)  # the first chunk goes to the (held) worker
+        self.transport.out(line * (INLINE_LINES + 1))  # a backlog: to the (held) worker
         self.assertEqual(len(runner.pending), 1)
-        for _ in range(MAX_PENDING_BYTES // len(line) + 2):
+        more = MAX_PENDING_BYTES // len(line) + 2
+        for _ in range(more):
             self.transport.out(line)
         self.assertTrue(self.transport.paused)
         self.assertTrue(source.paused)
         while runner.pending:
             runner.release_all()
         self.assertFalse(self.transport.paused)
-        self.assertEqual(len(self.sink.pushed), MAX_PENDING_BYTES // len(line) + 3)
+        self.assertEqual(len(self.sink.pushed), INLINE_LINES + 1 + more)
 
     def test_bad_and_oversized_lines_are_skipped(self) -> None:
         """Garbage lines and lines over the limit are counted and skipped; reading goes on."""
