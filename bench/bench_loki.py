@@ -177,6 +177,10 @@ def run_agent(args: argparse.Namespace) -> None:
     LoopingCall(dump).start(0.5, now=False)
     # SIGTERM stops the reactor (Twisted's handler); the services stop cleanly before it does.
     reactor.addSystemEventTrigger("before", "shutdown", lambda: ensureDeferred(stop()))
+    if os.environ.get("BENCH_LOKI_GC"):  # e.g. "50000,50,1000": gc thresholds, for digging
+        import gc
+
+        gc.set_threshold(*(int(x) for x in os.environ["BENCH_LOKI_GC"].split(",")))
     if os.environ.get("BENCH_LOKI_PROFILE"):  # the reactor thread's profile, for digging
         import cProfile
 
