@@ -324,7 +324,28 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("LOG_FORMAT", "log_format", "auto", lambda var, raw: _choice(var, raw, ("auto", "text", "json")),
             "Log line format on stdout: text, json (one flat object per line) or auto (json when "
             "stdout is not a terminal)."),
+    Setting("GPU_SOURCE", "gpu_source", "auto",
+            lambda var, raw: _choice(var, raw, ("auto", "nvidia", "amd", "apple", "none")),
+            "Where GPU facts come from: auto (NVML, else AMD SMI, else macOS), nvidia, amd, apple or none."),
+    Setting("GPU_HEALTH_INTERVAL_SEC", "gpu_health_interval_sec", 10.0, _number(1),
+            "Seconds between GPU health checks (ECC, retired pages, remapped rows, throttling, PCIe)."),
+    Setting("GPU_CALL_TIMEOUT_SEC", "gpu_call_timeout_sec", 10.0, _number(0.5),
+            "Seconds a GPU driver call may take before that GPU counts as unresponsive."),
+    Setting("GPU_IGNORED_XIDS", "gpu_ignored_xids", (), lambda var, raw: _xids(var, raw),
+            "Xid codes counted but never a health verdict, added to the application errors (13,31,43,45,68,69,109)."),
 )
+
+
+def _xids(var: str, raw: str) -> tuple[int, ...]:
+    out: list[int] = []
+    for part in raw.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit() or not 0 < int(part) < 1_000_000:
+            raise ConfigError(f"{var}: {part!r} is not an Xid; expected comma-separated numbers such as 13,31")
+        out.append(int(part))
+    return tuple(out)
 
 
 def _deadlines(var: str, raw: str) -> tuple[tuple[str, float], ...]:
@@ -406,6 +427,10 @@ class AgentConfig:
     notes: tuple[str, ...] = ()
     shutdown_grace_sec: float = 30.0
     log_format: str = "auto"
+    gpu_source: str = "auto"
+    gpu_health_interval_sec: float = 10.0
+    gpu_call_timeout_sec: float = 10.0
+    gpu_ignored_xids: tuple[int, ...] = ()
 
     @property
     def state_dir(self) -> str:
@@ -421,7 +446,10 @@ class AgentConfig:
             elif isinstance(value, str) and s.parse in (_http_url, _optional_http_url, _backend_url):
                 value = mask_url(value)
             elif isinstance(value, tuple):
-                value = ",".join(v if isinstance(v, str) else f"{v[0]}={v[1]:g}" for v in value)
+                value = ",".join(
+                    v if isinstance(v, str) else str(v) if isinstance(v, int) else f"{v[0]}={v[1]:g}"
+                    for v in value
+                )
             out[s.env] = value
         return out
 

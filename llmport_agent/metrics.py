@@ -3,7 +3,7 @@ Prometheus metrics of the agent, through C{prometheus_client} (its own L{Collect
 exposition by C{generate_latest}).
 
 Most families are read from the subsystems' own counters at scrape time by L{AgentCollector}
-(session, commands, journal, outbox, engine, GPUs, Loki, model sync), so the subsystems keep
+(session, commands, journal, outbox, engine, GPUs and their health, Loki, model sync), so the subsystems keep
 plain counters and know nothing about Prometheus. The two things a counter cannot express,
 latency distributions, are prometheus_client C{Histogram}s kept in small recorder objects:
 L{TimedCalls} (commands by type and outcome, engine calls by operation and outcome) and
@@ -27,6 +27,7 @@ from twisted.application.service import Service
 from twisted.internet.task import LoopingCall
 
 from llmport_agent import VERSION
+from llmport_agent.inventory.health import DEGRADED, HEALTHY, UNHEALTHY
 
 PREFIX = "llmport_agent_"
 
@@ -164,6 +165,17 @@ def gpu_snapshot(agent: Any) -> Any:
     return last() if callable(last) else last
 
 
+def gpu_health_view(agent: Any) -> dict[str, Any] | None:
+    """The GPU health monitor's view (L{GPUHealthMonitor.metrics}), or C{None} without one."""
+    monitor = getattr(agent, "gpu_monitor", None)
+    if monitor is None:
+        return None
+    try:
+        return dict(monitor.metrics())
+    except Exception:
+        return None
+
+
 def loki_stats(agent: Any) -> dict[str, Any] | None:
     loki = getattr(agent, "loki", None)
     if loki is None:
@@ -225,6 +237,7 @@ class AgentCollector:
         yield from self._engine(a)
         yield from self._workloads(a)
         yield from self._gpus(a)
+        yield from self._gpu_monitor(a)
         yield from self._loki(a)
         yield from self._models(a)
 
@@ -353,6 +366,13 @@ class AgentCollector:
         ecc = GaugeMetricFamily(PREFIX + "gpu_ecc_errors",
                                 "ECC memory errors (volatile: since boot, aggregate: lifetime)",
                                 labels=[*labels, "counter", "type"])
+        # Health (issue 13): the verdicts as they are now (the snapshot carries the current ones).
+        health = GaugeMetricFamily(PREFIX + "gpu_health", "1 for the GPU's current health state",
+                                   labels=[*labels, "state"])
+        xids = CounterMetricFamily(PREFIX + "gpu_xid_errors", "Xid errors seen per GPU and code since "
+                                   "the agent started", labels=[*labels, "xid"])
+        unresponsive = GaugeMetricFamily(PREFIX + "gpu_unresponsive",
+                                         "1 while a driver call for this GPU hangs", labels=labels)
         for d in devices:
             lv = [str(_get(d, "index")), str(_get(d, "uuid", "")), str(_get(d, "name", ""))[:96]]
             families["memory_total"].add_metric(lv, _get(d, "memory_total_bytes"))
@@ -367,8 +387,31 @@ class AgentCollector:
             for counter in ("volatile", "aggregate"):
                 for kind in ("corrected", "uncorrected"):
                     ecc.add_metric([*lv, counter, kind], _get(counts, f"{counter}_{kind}"))
+            verdict = _get(d, "health", None)
+            state = _get(verdict, "state", HEALTHY)
+            for name in (HEALTHY, DEGRADED, UNHEALTHY):
+                health.add_metric([*lv, name], 1.0 if state == name else 0.0)
+            for code, n in _get(verdict, "xid_counts", ()):
+                xids.add_metric([*lv, str(code) if code >= 0 else "other"], n)
+            unresponsive.add_metric(lv, 1.0 if _get(verdict, "unresponsive", False) else 0.0)
         yield from families.values()
         yield ecc
+        yield health
+        yield xids
+        yield unresponsive
+        yield _gauge("gpu_unhealthy", "GPUs left out of scheduling (unhealthy)",
+                     sum(1 for d in devices if _get(_get(d, "health", None), "state", HEALTHY) == UNHEALTHY))
+
+    def _gpu_monitor(self, a: Any) -> Iterator[Metric]:
+        """The GPU health monitor's loop counters (issue 13); per-GPU verdicts are in L{_gpus}."""
+        view = gpu_health_view(a)
+        if view is None:
+            return
+        yield _counter("gpu_driver_events", "GPU driver events (NVML) handled", view.get("events_handled", 0))
+        yield _counter("gpu_calls_timed_out", "GPU driver calls that ran past GPU_CALL_TIMEOUT_SEC",
+                       view.get("calls_timed_out", 0))
+        yield _gauge("gpu_calls_hung", "GPU driver calls running past their deadline now",
+                     view.get("calls_hung_now", 0))
 
     def _loki(self, a: Any) -> Iterator[Metric]:
         loki = getattr(a, "loki", None)

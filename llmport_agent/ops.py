@@ -63,18 +63,7 @@ def readiness(agent: Any) -> dict[str, Any]:
             "detail": f"Docker engine {engine.version} at {engine.address}" if engine.available
             else f"Docker engine unreachable: {engine.last_error}",
         }
-    snap = gpu_snapshot(agent)
-    if snap is None:
-        checks["nvml"] = {"ok": True, "detail": "not read yet", "gpus": 0}
-    else:
-        error = getattr(snap, "gpu_error", "")
-        seen = getattr(snap, "vendor", "none") != "none"
-        checks["nvml"] = {
-            # A host without GPUs (no driver) is not unready; a GPU host whose NVML broke is.
-            "ok": not (error and seen),
-            "detail": error or f"{snap.count} GPU(s)",
-            "gpus": snap.count,
-        }
+    checks["nvml"] = gpu_readiness(gpu_snapshot(agent))
     loki = loki_stats(agent)
     if loki is None:
         checks["loki"] = {"ok": True, "detail": "log shipping off (no LOKI_URL)"}
@@ -102,6 +91,39 @@ def readiness(agent: Any) -> dict[str, Any]:
             "commands_running": len(agent.pipeline._running),
             "heartbeat_status": agent._heartbeat_fields()["status"],
         },
+    }
+
+
+def gpu_readiness(snap: Any) -> dict[str, Any]:
+    """
+    The C{nvml} check of C{/readyz}: whether the GPU driver answers, not whether the GPUs
+    are good. Not ok when a GPU host's source fails (NVML broke) or when every GPU's driver
+    calls hang (NVML is not answering at all). A GPU the driver I{reports} bad (an Xid 79,
+    uncorrectable ECC, a reset required) is a hardware verdict, not an unready agent: the
+    check stays ok and names it, while the heartbeat turns C{degraded} and the GPU leaves
+    C{gpu_count} (restarting the agent would not mend the GPU). A host without GPUs (no
+    driver) is not unready either.
+    """
+    if snap is None:
+        return {"ok": True, "detail": "not read yet", "gpus": 0}
+    error = str(snap.gpu_error or "")
+    seen = snap.vendor != "none"
+    devices = tuple(snap.devices)
+    every_gpu_hangs = bool(devices) and all(d.health is not None and d.health.unresponsive for d in devices)
+    if error:
+        detail = error
+    else:
+        detail = f"{snap.device_count} GPU(s), {snap.count} schedulable"
+        for d in [d for d in devices if d.state != "healthy"][:8]:
+            detail += f"; {d.describe()} {d.state}: {'; '.join(d.health.reasons if d.health else ())[:200]}"
+        if every_gpu_hangs:
+            detail = "every GPU's driver calls hang (NVML is not answering): " + detail
+    return {
+        "ok": not (error and seen) and not every_gpu_hangs,
+        "detail": detail[:2000],
+        "gpus": snap.device_count,
+        "schedulable": snap.count,
+        "health": snap.by_state(),
     }
 
 

@@ -130,7 +130,8 @@ class AgentService(MultiService):
         self.modes = PersistentModes(self.state, on_change=self._modes_changed)
 
         from llmport_agent.inventory.collector import InventoryCollector
-        from llmport_agent.inventory.gpu import NVMLGPUSource
+        from llmport_agent.inventory.monitor import GPUHealthMonitor
+        from llmport_agent.inventory.select import make_gpu_source
         from llmport_agent.models.syncer import ModelSyncer
 
         # Each blob being fetched writes and hashes at the same time.
@@ -148,6 +149,13 @@ class AgentService(MultiService):
             buffer_bytes=config.model_sync_buffer_mb * 1024 * 1024,
         )
         self._docker_environ = docker_environ
+        if gpu_source is None:
+            gpu_source = make_gpu_source(
+                config.gpu_source,
+                call_timeout=config.gpu_call_timeout_sec,
+                ignored_xids=config.gpu_ignored_xids,
+            )
+        self.gpu_source = gpu_source
         self.engine: Any = None
         self.workloads: Any = None
         self.health: Any = None
@@ -156,11 +164,21 @@ class AgentService(MultiService):
         self.collector = InventoryCollector(
             reactor,
             self.host_pool,
-            gpu_source if gpu_source is not None else NVMLGPUSource(),
+            gpu_source,
             state_dir=state_dir,
             model_store=config.model_store,
             engine_facts=self._engine_facts,
         )
+        # GPU health (issue 13): driver events and periodic checks; transitions become
+        # gpu.health.* events, a heartbeat on change (notify_changed) and a fresh inventory.
+        self.gpu_monitor = GPUHealthMonitor(
+            reactor,
+            gpu_source,
+            self.host_pool,
+            interval=config.gpu_health_interval_sec,
+            on_transition=self._gpu_transition,
+        )
+        self._gpu_inventory_call: Any = None
         self.session = SessionService(
             reactor,
             config,
@@ -224,7 +242,7 @@ class AgentService(MultiService):
         self._ordered: list[Service] = [self.io_pool, self.host_pool, self.hash_pool]
         if self.engine is not None:
             self._ordered.append(self.engine)
-        self._ordered += [self.outbox, self.pipeline, self.heartbeat, self.inventory]
+        self._ordered += [self.outbox, self.pipeline, self.heartbeat, self.inventory, self.gpu_monitor]
         if self.health is not None:
             self._ordered.append(self.health)
         self._ordered.append(self.session)
@@ -337,6 +355,7 @@ class AgentService(MultiService):
             ),
             profile=lambda: self.modes.profile,
             health=self.health,
+            gpus=lambda: self.collector.last_gpu if self.collector.last_report is not None else None,
         )
 
     def _emit_event(self, event_type: str, payload: dict[str, Any], severity: str = "info") -> None:
@@ -531,6 +550,8 @@ class AgentService(MultiService):
             await self._drain()
         except Exception:
             self.log.failure("Draining before the stop failed")
+        if self._gpu_inventory_call is not None and self._gpu_inventory_call.active():
+            self._gpu_inventory_call.cancel()
         self.notify.stopping("stopping: closing the backend session")
         pools = (self.io_pool, self.host_pool, self.hash_pool)
         for svc in reversed(list(self)):
@@ -580,15 +601,39 @@ class AgentService(MultiService):
     # -- glue ------------------------------------------------------------------------------
 
     def _heartbeat_fields(self) -> dict[str, Any]:
-        # Degraded only once the engine was found unreachable: before its first probe the
-        # engine is unknown, not down (a false "degraded" halves the node's score).
-        degraded = self.engine is not None and self.engine.checked and not self.engine.available
-        return {
-            "status": "draining" if self.stopping else self.modes.status(degraded=degraded),
+        # Degraded once the engine was found unreachable (before its first probe the engine is
+        # unknown, not down: a false "degraded" halves the node's score) or a GPU is not healthy.
+        engine_down = self.engine is not None and self.engine.checked and not self.engine.available
+        reasons = self.gpu_monitor.status_reasons()
+        status = "draining" if self.stopping else self.modes.status(degraded=engine_down or bool(reasons))
+        fields = {
+            "status": status,
             "version": VERSION,
             "capabilities": self.collector.last_capabilities(),
             "advertise_host": self.config.advertise_host,
         }
+        if engine_down:
+            reasons.insert(0, "the container engine is unreachable")
+        if reasons and fields["status"] == "degraded":
+            # Extra key (protocol 3.2 ignores it): why the node is degraded, for people.
+            fields["status_reason"] = "; ".join(reasons)[:1000]
+        return fields
+
+    def _gpu_transition(self, t: Any) -> None:
+        """
+        A GPU's verdict changed: an event, a heartbeat as soon as its status/status_reason
+        differ (heartbeat.notify_changed, rate-limited), a fresh inventory soon.
+        """
+        self.outbox.emit(t.event_type, t.payload(), t.severity)
+        self.heartbeat.notify_changed()
+        if self._gpu_inventory_call is None or not self._gpu_inventory_call.active():
+            # Coalesced: one inventory (gpu_count, free VRAM) for a burst of transitions.
+            self._gpu_inventory_call = self.reactor.callLater(1.0, self._gpu_inventory)
+
+    def _gpu_inventory(self) -> None:
+        self._gpu_inventory_call = None
+        if self.session.connected and self.running:
+            self.inventory.report_now()
 
     def _modes_changed(self) -> None:
         self.heartbeat.notify_changed()
@@ -645,9 +690,11 @@ class AgentService(MultiService):
                 "free_vram_bytes": g.get("free_vram_bytes", 0),
                 "gpu_error": g.get("gpu_error", ""),
                 "devices": [
-                    {k: d.get(k) for k in ("index", "name", "memory_total_mib", "utilization_pct", "temperature_c")}
+                    {k: d.get(k) for k in ("index", "uuid", "name", "memory_total_mib", "utilization_pct",
+                                           "temperature_c", "health", "health_reasons")}
                     for d in g.get("devices", [])
                 ],
+                "health": self.gpu_monitor.metrics(),
             }
         except Exception as e:
             gpu = {"error": f"{type(e).__name__}: {e}"}

@@ -50,6 +50,7 @@ class AgentTestCase(TestCase):
         token: bool = True,
         fatal: list[tuple[int, str]] | None = None,
         docker_host: str | None = None,
+        gpu_source: Any = None,
         **extra: str,
     ) -> AgentService:
         state_dir = os.path.abspath(state_dir or self.mktemp())
@@ -60,7 +61,8 @@ class AgentTestCase(TestCase):
         sink = fatal if fatal is not None else []
         agent = AgentService(
             reactor, config, fatal=lambda code, msg: sink.append((code, msg)),
-            gpu_source=NoGPUSource(), docker_enabled=docker_host is not None,
+            gpu_source=gpu_source if gpu_source is not None else NoGPUSource(),
+            docker_enabled=docker_host is not None,
             docker_environ={"DOCKER_HOST": docker_host} if docker_host else None,
         )
         agent.state_dir = state_dir  # type: ignore[attr-defined]

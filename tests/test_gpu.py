@@ -348,8 +348,9 @@ class NVMLSnapshotTests(SynchronousTestCase):
         self.assertEqual(dev["power_limit_w"], 0.0)
         self.assertEqual(dev["temperature_c"], 0)
         self.assertEqual(dev["utilization_pct"], 0)
-        self.assertEqual(dev["pci_bus_id"], "")
-        self.assertEqual(dev["uuid"], "")
+        # Identity the device no longer offers comes from its last good read.
+        self.assertEqual(dev["pci_bus_id"], "00000000:3A:00.0")
+        self.assertEqual(dev["uuid"], self.fake.gpus[2].uuid)
         self.assertEqual(dev["mig_mode"], {"current": "", "pending": ""})
         self.assertEqual(dev["ecc_mode"], "")
         self.assertEqual(dev["ecc_errors"]["volatile_corrected"], 0)
@@ -357,6 +358,8 @@ class NVMLSnapshotTests(SynchronousTestCase):
         self.assertEqual(dev["error"], "")
         self.assertEqual(dev["name"], "NVIDIA H100 80GB HBM3")
         self.assertEqual(d["devices"][1]["power_draw_w"], 615.5)
+        self.assertEqual(dev["health"], "healthy")
+        self.assertEqual(d["count"], 8)
         assert_no_nulls(d)
         self.assertEqual(self.logs.events, [])
 
@@ -378,15 +381,22 @@ class NVMLSnapshotTests(SynchronousTestCase):
         self.assertIn("no NVML errors", self.logs.events[1]["log_format"])
 
     def test_lost_gpu_does_not_sink_snapshot(self) -> None:
-        """A lost GPU stays in the list with zeros and an error; the others are fine."""
+        """
+        A GPU lost before it was ever read stays in the list, unhealthy, with zeros and an
+        error; it is left out of the count; the others are fine.
+        """
         self.fake.gpus[5].lost = True
         d = self.source.snapshot().to_dict()
-        self.assertEqual(d["count"], 8)
+        self.assertEqual(d["count"], 7)
+        self.assertEqual(d["device_count"], 8)
         dev = d["devices"][5]
         self.assertEqual(dev["index"], 5)
         self.assertEqual(dev["memory_total_mib"], 0)
         self.assertIn("GPU is lost", dev["error"])
+        self.assertEqual(dev["health"], "unhealthy")
+        self.assertFalse(dev["schedulable"])
         self.assertEqual(d["devices"][4]["memory_total_mib"], 81559)
+        self.assertEqual(d["total_vram_bytes"], 7 * 81559 * MIB)
         assert_no_nulls(d)
 
     def test_gpu_lost_mid_probe_stops_asking(self) -> None:
@@ -406,8 +416,9 @@ class NVMLSnapshotTests(SynchronousTestCase):
 
         self.patch(self.fake, "nvmlDeviceGetPowerUsage", broken)
         d = self.source.snapshot().to_dict()
-        self.assertEqual(d["count"], 8)
+        self.assertEqual(d["count"], 8)  # a binding bug is no verdict on the GPU
         self.assertIn("power_draw: TypeError: boom", d["devices"][0]["error"])
+        self.assertEqual(d["devices"][0]["health"], "healthy")
 
     def test_bytes_from_older_bindings(self) -> None:
         """Strings returned as bytes (older bindings) are decoded."""
@@ -575,17 +586,28 @@ class NVMLUnavailableTests(SynchronousTestCase):
         self.assertEqual(len(self.logs.events), 2)
 
     def test_driver_lost_while_running(self) -> None:
-        """A failing device count shuts NVML down, keeps the last vendor, backs off."""
+        """
+        A failing device count shuts NVML down, keeps the last vendor, backs off; the GPUs
+        seen before stay listed (named), unhealthy, and none is offered to the scheduler.
+        """
         fake = h100_node()
         source = NVMLGPUSource(fake, clock=self.clock)
         self.assertEqual(source.snapshot().count, 8)
         fake.fail("nvmlDeviceGetCount", pynvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH)
-        d = self.assertEmpty(source.snapshot(), vendor="nvidia")
+        snap = source.snapshot()
+        d = snap.to_dict()
+        self.assertEqual(d["count"], 0)
+        self.assertEqual(d["vendor"], "nvidia")
+        self.assertEqual(len(d["devices"]), 8)
+        self.assertEqual({dev["health"] for dev in d["devices"]}, {"unhealthy"})
+        self.assertEqual(d["devices"][3]["uuid"], fake.gpus[3].uuid)
+        self.assertIn("RM has detected an NVML/RM version mismatch", d["devices"][3]["health_reasons"][0])
+        assert_no_nulls(d)
         self.assertIn("RM has detected an NVML/RM version mismatch", d["gpu_error"])
         self.assertEqual(fake.shutdown_count, 1)
         self.assertEqual(fake.refcount, 0)
         self.assertTrue(source.failing)
-        self.assertEmpty(source.snapshot(), vendor="nvidia")
+        self.assertEqual(source.snapshot().count, 0)
         self.assertEqual(fake.init_count, 1)  # not retried before the backoff ends
         fake.clear_failures()
         self.clock.now += 30
@@ -604,14 +626,32 @@ class NVMLUnavailableTests(SynchronousTestCase):
         self.assertEqual(NoGPUSource("disabled").snapshot().gpu_error, "disabled")
         NoGPUSource().close()
 
+    def test_device_probe_bug_is_contained_to_that_device(self) -> None:
+        """An exception escaping one device's probe makes that device unhealthy, not the rest."""
+        fake = h100_node()
+        source = NVMLGPUSource(fake, clock=self.clock)
+        original = source._probe_device
+
+        def explode(index: int, full: bool, job: Any = None) -> Any:
+            if index == 2:
+                raise RuntimeError("bug")
+            return original(index, full, job)
+
+        self.patch(source, "_probe_device", explode)
+        d = source.snapshot().to_dict()
+        self.assertEqual(d["count"], 7)
+        self.assertEqual(d["devices"][2]["health"], "unhealthy")
+        self.assertIn("RuntimeError: bug", d["devices"][2]["health_reasons"][0])
+        self.assertEqual(d["devices"][1]["health"], "healthy")
+
     def test_unexpected_failure_gives_empty_snapshot(self) -> None:
         """An exception escaping the probing code is logged and yields an empty snapshot."""
         source = NVMLGPUSource(h100_node(), clock=self.clock)
 
-        def explode(index: int) -> Any:
+        def explode(count: int, full: bool) -> Any:
             raise RuntimeError("bug")
 
-        self.patch(source, "_probe_device", explode)
+        self.patch(source, "_run_devices", explode)
         d = self.assertEmpty(source.snapshot())
         self.assertIn("bug", d["gpu_error"])
         source.snapshot()

@@ -109,8 +109,10 @@ def build_capabilities(
     runtime = engine.get("container_runtime")
     caps["container_runtime"] = str(runtime) if runtime else "none"
 
-    caps["gpu_count"] = gpu.count
+    caps["gpu_count"] = gpu.count  # schedulable GPUs: unhealthy ones are left out
     caps["gpu_vendor"] = _vendor(gpu)
+    caps["gpu_device_count"] = gpu.device_count
+    caps["gpu_health"] = gpu.by_state()
     caps["gpu_models"] = sorted({d.name for d in gpu.devices if d.name})
     caps["gpu_total_vram_bytes"] = gpu.total_vram_bytes
     caps["gpu_driver_version"] = gpu.driver_version

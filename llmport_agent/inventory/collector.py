@@ -177,7 +177,7 @@ class InventoryCollector:
         cheap, for every heartbeat. Valid (all keys present) even before any reading.
         """
         host = self._static if self._static is not None else self._quick_facts()
-        return scrub_nulls(build_capabilities(host, self._last_gpu, self._engine()))
+        return scrub_nulls(build_capabilities(host, self.last_gpu, self._engine()))
 
     @property
     def last_report(self) -> InventoryReport | None:
@@ -186,8 +186,15 @@ class InventoryCollector:
 
     @property
     def last_gpu(self) -> GPUSnapshot:
-        """The last GPU snapshot taken (empty before the first)."""
-        return self._last_gpu
+        """
+        The last GPU snapshot taken (empty before the first), with the GPU verdicts as
+        they are now (an Xid since the snapshot counts at once).
+        """
+        try:
+            health = self._gpu.health()
+        except Exception:
+            return self._last_gpu
+        return self._last_gpu.with_health(health)
 
     def close(self) -> Deferred[None]:
         """Release the GPU source (C{nvmlShutdown}) through the runner. Never fails."""

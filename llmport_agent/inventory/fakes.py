@@ -13,8 +13,27 @@ lost GPU answers C{NVMLError_GpuIsLost}).
 
 Knobs: C{init_error} makes C{nvmlInit} fail with an NVML code (e.g.
 C{NVML_ERROR_LIBRARY_NOT_FOUND}, C{NVML_ERROR_DRIVER_NOT_LOADED}); L{FakeNVML.fail} makes one
-function raise a code for one device or for all; C{FakeGPU.lost} makes a device lost;
+function raise a code for one device or for all; C{FakeGPU.lost} makes a device lost
+(C{GPU_IS_LOST}) and C{FakeGPU.reset_required} makes it answer C{RESET_REQUIRED};
+L{FakeNVML.hang} makes a function block (a hung ioctl) until released;
 C{calls} records every call (name, thread name) for assertions.
+
+Health and events, as the real library has them:
+
+ - error counters: ECC (volatile counters are cleared by L{FakeNVML.reset_gpu}, aggregate
+   ones are not), retired pages and their pending status (C{FakeGPU.retired_pages}, C{None}
+   = not supported, as on A100/H100 which remap rows instead), remapped rows
+   (C{FakeGPU.remapped_rows}), the driver's recovery action through
+   C{nvmlDeviceGetFieldValues} (C{FakeGPU.recovery_action}, C{None} = not supported, as
+   before R570), clock event (throttle) reasons, the PCIe link;
+ - events: C{nvmlEventSetCreate}, C{nvmlDeviceRegisterEvents} (refusing types the device
+   does not support with C{NOT_SUPPORTED}, and MIG handles), C{nvmlEventSetWait} (delivers
+   the events injected after registration, for registered devices and types, oldest first;
+   raises C{NVMLError_Timeout} when none comes within C{timeoutms}: really waiting, or at
+   once with C{wait_mode="immediate"}), C{nvmlEventSetFree}. L{FakeNVML.inject_xid} and
+   L{FakeNVML.inject_event} produce events; the event data object has the fields of
+   C{c_nvmlEventData_t} (C{device}, C{eventType}, C{eventData}, C{gpuInstanceId},
+   C{computeInstanceId}).
 
 L{h100_node} builds a ready-made 8-GPU H100 node: GPUs 6 and 7 in MIG mode with instances,
 ECC counters on GPU 3, a tensor-parallel vLLM process on GPUs 0-3, MIG processes.
@@ -23,6 +42,8 @@ ECC counters on GPU 3, a tensor-parallel vLLM process on GPUs 0-3, MIG processes
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,6 +52,8 @@ from attrs import define, field
 
 __all__ = [
     "FAKE_FUNCTIONS",
+    "FakeEventData",
+    "FakeEventSet",
     "FakeGPU",
     "FakeHandle",
     "FakeMigDevice",
@@ -103,6 +126,24 @@ class FakeGPU:
     compute_processes: list[FakeProcess] = field(factory=list)
     graphics_processes: list[FakeProcess] = field(factory=list)
     lost: bool = False
+    reset_required: bool = False
+    supported_events: int = (
+        _real.nvmlEventTypeSingleBitEccError
+        | _real.nvmlEventTypeDoubleBitEccError
+        | _real.nvmlEventTypePState
+        | _real.nvmlEventTypeXidCriticalError
+        | _real.nvmlEventTypeClock
+    )
+    #: C{{NVML_PAGE_RETIREMENT_CAUSE_*: [addresses]}}, or C{None}: not supported.
+    retired_pages: dict[int, list[int]] | None = None
+    retired_pending: bool = False
+    #: C{(correctable, uncorrectable, pending, failure)}, or C{None}: not supported.
+    remapped_rows: tuple[int, int, int, int] | None = (0, 0, 0, 0)
+    #: C{NVML_GPU_RECOVERY_ACTION_*}, or C{None}: the field is not supported.
+    recovery_action: int | None = None
+    throttle_reasons: int = 0
+    #: C{(generation, max generation, width, max width)}
+    pcie: tuple[int, int, int, int] = (5, 5, 16, 16)
 
     @property
     def mig_enabled(self) -> bool:
@@ -110,7 +151,10 @@ class FakeGPU:
 
 
 class FakeHandle:
-    """An opaque device handle, like C{pynvml.c_nvmlDevice_t}."""
+    """
+    An opaque device handle, like C{pynvml.c_nvmlDevice_t}: handles of the same device
+    compare equal (NVML hands out the same pointer for a device within a session).
+    """
 
     __slots__ = ("gpu_index", "mig_slot")
 
@@ -118,10 +162,38 @@ class FakeHandle:
         self.gpu_index = gpu_index
         self.mig_slot = mig_slot
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FakeHandle):
+            return NotImplemented
+        return (self.gpu_index, self.mig_slot) == (other.gpu_index, other.mig_slot)
+
+    def __hash__(self) -> int:
+        return hash((FakeHandle, self.gpu_index, self.mig_slot))
+
     def __repr__(self) -> str:
         if self.mig_slot is None:
             return f"<FakeHandle gpu={self.gpu_index}>"
         return f"<FakeHandle gpu={self.gpu_index} mig={self.mig_slot}>"
+
+
+@define
+class FakeEventData:
+    """The fields of C{pynvml.c_nvmlEventData_t}; C{device} is C{None} when not attributed."""
+
+    device: FakeHandle | None
+    eventType: int
+    eventData: int
+    gpuInstanceId: int = 0xFFFFFFFF
+    computeInstanceId: int = 0xFFFFFFFF
+
+
+class FakeEventSet:
+    """An event set (C{c_nvmlEventSet_t}): registrations and the events waiting in it."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}  # gpu index -> event type mask
+        self.queue: deque[FakeEventData] = deque()
+        self.freed = False
 
 
 def _raise(code: int) -> None:
@@ -145,7 +217,10 @@ class FakeNVML:
         cuda_driver_version: int = 12040,
         nvml_version: str = "12.550.54.15",
         init_error: int | None = None,
+        wait_mode: str = "block",
     ) -> None:
+        if wait_mode not in ("block", "immediate"):
+            raise ValueError("wait_mode is 'block' or 'immediate'")
         self.gpus: list[FakeGPU] = list(gpus)
         self.driver_version = driver_version
         self.cuda_driver_version = cuda_driver_version
@@ -157,6 +232,12 @@ class FakeNVML:
         self.calls: list[tuple[str, int | None, str]] = []
         self._failures: dict[tuple[str, int | None], int] = {}
         self._lock = threading.Lock()
+        self.wait_mode = wait_mode
+        self._events = threading.Condition()
+        self._event_sets: list[FakeEventSet] = []
+        self._hangs: dict[tuple[str, int | None], threading.Event] = {}
+        #: Events injected that no registered set took (device or type not registered).
+        self.undelivered = 0
 
     # -- knobs
 
@@ -173,6 +254,81 @@ class FakeNVML:
         """Forget every L{fail} knob."""
         self._failures.clear()
 
+    def hang(self, function: str, device: int | None = None) -> threading.Event:
+        """
+        Make C{function} block (for the GPU at C{device}, or every call) until the returned
+        event is set (or L{release_hangs}): a hung ioctl.
+        """
+        if not callable(getattr(self, function, None)):
+            raise AttributeError(f"FakeNVML has no function {function!r}")
+        ev = threading.Event()
+        self._hangs[(function, device)] = ev
+        return ev
+
+    def release_hangs(self) -> None:
+        """Unblock every hung call and forget the L{hang} knobs."""
+        hangs, self._hangs = self._hangs, {}
+        for ev in hangs.values():
+            ev.set()
+
+    def inject_event(
+        self,
+        device: int | None,
+        event_type: int,
+        data: int = 0,
+        gpu_instance: int = 0xFFFFFFFF,
+        compute_instance: int = 0xFFFFFFFF,
+    ) -> int:
+        """
+        An event happens on the GPU at index C{device} (C{None}: not attributed to one).
+        It is queued in every event set that registered that device for that type; returns
+        how many sets took it.
+        """
+        taken = 0
+        with self._events:
+            for es in self._event_sets:
+                if es.freed:
+                    continue
+                if device is None:
+                    wanted = any(m & event_type for m in es.registered.values())
+                else:
+                    wanted = bool(es.registered.get(device, 0) & event_type)
+                if wanted:
+                    handle = FakeHandle(device) if device is not None else None
+                    es.queue.append(
+                        FakeEventData(handle, event_type, data, gpu_instance, compute_instance)
+                    )
+                    taken += 1
+            if not taken:
+                self.undelivered += 1
+            self._events.notify_all()
+        return taken
+
+    def inject_xid(self, device: int | None, xid: int, gpu_instance: int = 0xFFFFFFFF) -> int:
+        """An Xid critical error (C{eventData} = the Xid) on the GPU at C{device}."""
+        return self.inject_event(
+            device, _real.nvmlEventTypeXidCriticalError, xid, gpu_instance=gpu_instance
+        )
+
+    def reset_gpu(self, index: int) -> None:
+        """
+        What a GPU reset (or reboot) does to the GPU at C{index}: it answers again, its
+        volatile ECC counters are cleared, pending page retirements and row remappings are
+        applied, its recovery action goes back to none.
+        """
+        gpu = self.gpus[index]
+        gpu.lost = False
+        gpu.reset_required = False
+        for key in list(gpu.ecc_counts):
+            if key[1] == _real.NVML_VOLATILE_ECC:
+                gpu.ecc_counts[key] = 0
+        gpu.retired_pending = False
+        if gpu.remapped_rows is not None:
+            corr, unc, _pending, failure = gpu.remapped_rows
+            gpu.remapped_rows = (corr, unc, 0, failure)
+        if gpu.recovery_action is not None:
+            gpu.recovery_action = _real.NVML_GPU_RECOVERY_ACTION_NONE
+
     def called(self, function: str, device: int | None = None) -> int:
         """How many times C{function} was called (for the GPU at C{device}, if given)."""
         return sum(
@@ -187,6 +343,10 @@ class FakeNVML:
         gpu_index = handle.gpu_index if isinstance(handle, FakeHandle) else None
         with self._lock:
             self.calls.append((name, gpu_index, threading.current_thread().name))
+        if self._hangs:
+            ev = self._hangs.get((name, gpu_index)) or self._hangs.get((name, None))
+            if ev is not None:
+                ev.wait()
         if needs_init and self.refcount <= 0:
             _raise(_real.NVML_ERROR_UNINITIALIZED)
         if handle is not None:
@@ -200,6 +360,8 @@ class FakeNVML:
                 _raise(code)
             if gpu.lost:
                 _raise(_real.NVML_ERROR_GPU_IS_LOST)
+            if gpu.reset_required:
+                _raise(_real.NVML_ERROR_RESET_REQUIRED)
         else:
             code = self._failures.get((name, None))
             if code is not None:
@@ -505,6 +667,190 @@ class FakeNVML:
         self._enter("nvmlDeviceGetGraphicsRunningProcesses", handle)
         return self.nvmlDeviceGetGraphicsRunningProcesses_v3(handle)
 
+    # -- health: retired pages, remapped rows, recovery action, throttle, PCIe
+
+    def nvmlDeviceGetRetiredPages(self, device: FakeHandle, sourceFilter: int) -> list[int]:
+        self._enter("nvmlDeviceGetRetiredPages", device)
+        gpu = self._parent_only(device)
+        if gpu.retired_pages is None:
+            _raise(_real.NVML_ERROR_NOT_SUPPORTED)
+            raise AssertionError("unreachable")  # pragma: no cover
+        if sourceFilter not in (
+            _real.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+            _real.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+        ):
+            _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+        return list(gpu.retired_pages.get(sourceFilter, []))
+
+    def nvmlDeviceGetRetiredPages_v2(self, device: FakeHandle, sourceFilter: int) -> list[dict[str, int]]:
+        self._enter("nvmlDeviceGetRetiredPages_v2", device)
+        pages = self.nvmlDeviceGetRetiredPages(device, sourceFilter)
+        return [{"address": a, "timestamp": 1_700_000_000_000_000 + n} for n, a in enumerate(pages)]
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, device: FakeHandle) -> int:
+        self._enter("nvmlDeviceGetRetiredPagesPendingStatus", device)
+        gpu = self._parent_only(device)
+        if gpu.retired_pages is None:
+            _raise(_real.NVML_ERROR_NOT_SUPPORTED)
+        return _real.NVML_FEATURE_ENABLED if gpu.retired_pending else _real.NVML_FEATURE_DISABLED
+
+    def nvmlDeviceGetRemappedRows(self, device: FakeHandle) -> tuple[int, int, int, int]:
+        self._enter("nvmlDeviceGetRemappedRows", device)
+        gpu = self._parent_only(device)
+        if gpu.remapped_rows is None:
+            _raise(_real.NVML_ERROR_NOT_SUPPORTED)
+            raise AssertionError("unreachable")  # pragma: no cover
+        corr, unc, pending, failure = gpu.remapped_rows
+        return (corr, unc, pending, failure)
+
+    def _field(self, gpu: FakeGPU, field_id: int) -> tuple[int, int, int] | None:
+        """(value type, value, scope) of a field the fake knows, or None (not supported)."""
+        uint = _real.NVML_VALUE_TYPE_UNSIGNED_INT
+        if field_id == _real.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION and gpu.recovery_action is not None:
+            return (uint, gpu.recovery_action, 0)
+        if gpu.remapped_rows is not None:
+            corr, unc, pending, failure = gpu.remapped_rows
+            remap = {
+                _real.NVML_FI_DEV_REMAPPED_COR: corr,
+                _real.NVML_FI_DEV_REMAPPED_UNC: unc,
+                _real.NVML_FI_DEV_REMAPPED_PENDING: pending,
+                _real.NVML_FI_DEV_REMAPPED_FAILURE: failure,
+            }
+            if field_id in remap:
+                return (uint, remap[field_id], 0)
+        if gpu.retired_pages is not None:
+            retired = {
+                _real.NVML_FI_DEV_RETIRED_SBE: len(
+                    gpu.retired_pages.get(_real.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS, [])
+                ),
+                _real.NVML_FI_DEV_RETIRED_DBE: len(
+                    gpu.retired_pages.get(_real.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR, [])
+                ),
+                _real.NVML_FI_DEV_RETIRED_PENDING: int(gpu.retired_pending),
+            }
+            if field_id in retired:
+                return (_real.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, retired[field_id], 0)
+        return None
+
+    def nvmlDeviceGetFieldValues(self, handle: FakeHandle, fieldIds: list[Any]) -> Any:
+        self._enter("nvmlDeviceGetFieldValues", handle)
+        gpu = self._parent_only(handle)
+        values = (_real.c_nvmlFieldValue_t * len(fieldIds))()
+        now_us = int(time.time() * 1_000_000)
+        for i, fid in enumerate(fieldIds):
+            try:
+                field_id, scope = fid
+            except TypeError:
+                field_id, scope = fid, 0
+            values[i].fieldId = field_id
+            values[i].scopeId = scope
+            values[i].timestamp = now_us
+            known = self._field(gpu, field_id)
+            if known is None:
+                values[i].nvmlReturn = _real.NVML_ERROR_NOT_SUPPORTED
+                continue
+            vtype, value, _ = known
+            values[i].valueType = vtype
+            values[i].nvmlReturn = _real.NVML_SUCCESS
+            if vtype == _real.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG:
+                values[i].value.ullVal = value
+            else:
+                values[i].value.uiVal = value
+        return values
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: FakeHandle) -> int:
+        self._enter("nvmlDeviceGetCurrentClocksEventReasons", handle)
+        return self._parent_only(handle).throttle_reasons
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: FakeHandle) -> int:
+        self._enter("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
+        return self._parent_only(handle).throttle_reasons
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: FakeHandle) -> int:
+        self._enter("nvmlDeviceGetCurrPcieLinkGeneration", handle)
+        return self._parent_only(handle).pcie[0]
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: FakeHandle) -> int:
+        self._enter("nvmlDeviceGetMaxPcieLinkGeneration", handle)
+        return self._parent_only(handle).pcie[1]
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: FakeHandle) -> int:
+        self._enter("nvmlDeviceGetCurrPcieLinkWidth", handle)
+        return self._parent_only(handle).pcie[2]
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: FakeHandle) -> int:
+        self._enter("nvmlDeviceGetMaxPcieLinkWidth", handle)
+        return self._parent_only(handle).pcie[3]
+
+    # -- events
+
+    def nvmlEventSetCreate(self) -> FakeEventSet:
+        self._enter("nvmlEventSetCreate")
+        es = FakeEventSet()
+        with self._events:
+            self._event_sets.append(es)
+        return es
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: FakeHandle) -> int:
+        self._enter("nvmlDeviceGetSupportedEventTypes", handle)
+        return self._gpu(handle).supported_events
+
+    def nvmlDeviceRegisterEvents(self, handle: FakeHandle, eventTypes: int, eventSet: FakeEventSet) -> None:
+        self._enter("nvmlDeviceRegisterEvents", handle)
+        if handle.mig_slot is not None:
+            # "This API does not currently support per-instance event reporting using MIG
+            # device handles."
+            _raise(_real.NVML_ERROR_NOT_SUPPORTED)
+        if not isinstance(eventSet, FakeEventSet) or eventSet.freed:
+            _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+        gpu = self._gpu(handle)
+        if eventTypes & ~gpu.supported_events:
+            # "NVML_ERROR_NOT_SUPPORTED if the platform does not support this feature or some
+            # of requested event types"
+            _raise(_real.NVML_ERROR_NOT_SUPPORTED)
+        with self._events:
+            eventSet.registered[handle.gpu_index] = eventSet.registered.get(handle.gpu_index, 0) | eventTypes
+        return None
+
+    def nvmlEventSetWait_v2(self, eventSet: FakeEventSet, timeoutms: int) -> FakeEventData:
+        self._enter("nvmlEventSetWait_v2")
+        if not isinstance(eventSet, FakeEventSet):
+            _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+        deadline = time.monotonic() + max(0, timeoutms) / 1000.0
+        with self._events:
+            while True:
+                if eventSet.freed:
+                    _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+                if eventSet.queue:
+                    return eventSet.queue.popleft()
+                if self.refcount <= 0:
+                    _raise(_real.NVML_ERROR_UNINITIALIZED)
+                left = deadline - time.monotonic()
+                if self.wait_mode == "immediate" or left <= 0:
+                    _raise(_real.NVML_ERROR_TIMEOUT)
+                self._events.wait(left)
+
+    def nvmlEventSetWait(self, eventSet: FakeEventSet, timeoutms: int) -> FakeEventData:
+        self._enter("nvmlEventSetWait")
+        return self.nvmlEventSetWait_v2(eventSet, timeoutms)
+
+    def nvmlEventSetFree(self, eventSet: FakeEventSet) -> None:
+        self._enter("nvmlEventSetFree")
+        if not isinstance(eventSet, FakeEventSet) or eventSet.freed:
+            _raise(_real.NVML_ERROR_INVALID_ARGUMENT)
+        with self._events:
+            eventSet.freed = True
+            if eventSet in self._event_sets:
+                self._event_sets.remove(eventSet)
+            self._events.notify_all()
+        return None
+
+    @property
+    def event_sets(self) -> int:
+        """How many event sets are allocated (not freed)."""
+        with self._events:
+            return len(self._event_sets)
+
 
 #: The public functions L{FakeNVML} implements (each also exists in C{pynvml}).
 FAKE_FUNCTIONS: tuple[str, ...] = tuple(
@@ -513,7 +859,9 @@ FAKE_FUNCTIONS: tuple[str, ...] = tuple(
 
 # The module-level names of the real bindings: error classes, constants, helpers.
 for _name in dir(_real):
-    if _name.startswith(("NVML_", "NVMLError")) or _name in (
+    if _name.startswith(
+        ("NVML_", "NVMLError", "nvmlEventType", "nvmlClocksThrottleReason", "nvmlClocksEventReason")
+    ) or _name in (
         "nvmlExceptionClass",
         "nvmlMemory_v2",
         "nvmlTemperature_v1",
@@ -526,6 +874,9 @@ for _name in dir(_real):
         "c_nvmlProcessInfo_t",
         "c_nvmlProcessInfo_v2_t",
         "c_nvmlProcessInfo_v3_t",
+        "c_nvmlFieldValue_t",
+        "c_nvmlValue_t",
+        "c_nvmlEventData_t",
     ):
         setattr(FakeNVML, _name, getattr(_real, _name))
 del _name

@@ -38,6 +38,18 @@ from ..threads import PoolService
 T = TypeVar("T")
 
 DEFAULT_ADDRESS = "unix:///var/run/docker.sock"
+#: Where rootful Podman's Docker-compatible socket lives (C{podman.socket}).
+PODMAN_ADDRESS = "unix:///run/podman/podman.sock"
+
+
+def default_address(exists: Callable[[str], bool] = os.path.exists) -> str:
+    """
+    The engine address without C{DOCKER_HOST}: Docker's socket, or Podman's when only that
+    one exists (a host that runs Podman instead of Docker).
+    """
+    if not exists(DEFAULT_ADDRESS[len("unix://") :]) and exists(PODMAN_ADDRESS[len("unix://") :]):
+        return PODMAN_ADDRESS
+    return DEFAULT_ADDRESS
 
 
 class EngineError(CommandFailed):
@@ -209,14 +221,18 @@ class DockerEngine(Service):
         probe_initial: float = 1.0,
         probe_max: float = 30.0,
         client_factory: Callable[..., docker.DockerClient] | None = None,
+        socket_exists: Callable[[str], bool] = os.path.exists,
     ) -> None:
         self.setName("docker-engine")
         self._reactor = reactor
         env = dict(os.environ if environ is None else environ)
         self._client_kwargs: dict[str, Any] = docker.utils.kwargs_from_env(environment=env)
         # For messages and diagnostics: a password in DOCKER_HOST is masked (the client gets
-        # the address as configured, through _client_kwargs).
-        self.address: str = mask_url(str(self._client_kwargs.get("base_url") or DEFAULT_ADDRESS))
+        # the address as configured, through _client_kwargs). Without DOCKER_HOST: Docker's
+        # socket, or Podman's when only that one exists.
+        self.address: str = mask_url(
+            str(self._client_kwargs.get("base_url") or default_address(socket_exists))
+        )
         self.call_timeout = call_timeout
         self.stream_timeout = stream_timeout
         self._max_threads = max(1, min(max_threads, 10))
@@ -249,6 +265,8 @@ class DockerEngine(Service):
 
         #: Durations of calls by operation (the function's name) and outcome (metrics).
         self.call_stats = engine_calls()
+        #: C{docker} or C{podman} (from the engine's version answer).
+        self.kind = "docker"
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -337,6 +355,17 @@ class DockerEngine(Service):
             self.runtimes = tuple(facts.get("runtimes", ()))
             self.default_runtime = str(facts.get("default_runtime", ""))
             self.info = facts
+            kind = str(facts.get("engine") or "docker")
+            if kind != self.kind or not self.version:
+                if kind == "podman":
+                    self.log.info(
+                        "The container engine at {address} is Podman {version} (Docker-compatible "
+                        "API): NVIDIA GPU requests are refused there (the API ignores them), and "
+                        "workloads restart after a reboot only with podman-restart.service enabled",
+                        address=self.address,
+                        version=facts.get("version", ""),
+                    )
+            self.kind = kind
             self._probe_delay = self._probe_initial
             self._setAvailable(True)
 
@@ -372,7 +401,8 @@ class DockerEngine(Service):
         """Cheap static facts for heartbeat and inventory (no engine call)."""
         return {
             "docker_available": self.available,
-            "container_runtime": f"docker {self.version}" if self.version else "docker",
+            "container_runtime": self.kind,
+            "container_runtime_version": self.version,
             "docker_nvidia_runtime": self.nvidia_runtime,
             "docker_address": self.address,
             "docker_error": self.last_error,
@@ -508,6 +538,7 @@ def _probe_engine(client: docker.DockerClient) -> dict[str, Any]:
     info = api.info()
     runtimes = sorted((info.get("Runtimes") or {}).keys())
     return {
+        "engine": engine_kind(version),
         "version": str(version.get("Version", "")),
         "api_version": str(version.get("ApiVersion", "")),
         "os": str(info.get("OperatingSystem", "")),
@@ -519,3 +550,11 @@ def _probe_engine(client: docker.DockerClient) -> dict[str, Any]:
         "containers_running": int(info.get("ContainersRunning") or 0),
         "images": int(info.get("Images") or 0),
     }
+
+
+def engine_kind(version: Mapping[str, Any]) -> str:
+    """C{podman} when the engine's version answer names Podman, else C{docker}."""
+    names = [str((c or {}).get("Name", "")) for c in (version.get("Components") or []) if isinstance(c, Mapping)]
+    platform = version.get("Platform") or {}
+    names.append(str(platform.get("Name", "")) if isinstance(platform, Mapping) else "")
+    return "podman" if any("podman" in n.lower() for n in names) else "docker"

@@ -23,9 +23,11 @@ from ..commands.base import (
     CommandFailed,
     HandlerSpec,
 )
+from ..inventory.gpu import GPUSnapshot
 from . import containers as ops
 from . import exits
 from .engine import DockerEngine, EngineError
+from .gpus import place_gpus
 from .images import PULL_FAILED, PULL_STALLED, ImageManager
 from .policy import (
     PolicyError,
@@ -211,6 +213,7 @@ class WorkloadManager:
         health: HealthHooks | None = None,
         probe: Callable[[str], Deferred[int]] | None = None,
         port_free: Callable[[int], bool] = port_is_free,
+        gpus: Callable[[], GPUSnapshot | None] | None = None,
     ) -> None:
         self._reactor = reactor
         self.engine = engine
@@ -234,12 +237,15 @@ class WorkloadManager:
         self._probe = probe
         self._port_free = port_free
         self._claimed: set[int] = set()
+        self._gpus = gpus or (lambda: None)
 
     # -- helpers ----------------------------------------------------------------------
 
     def _spec(self, ctx: CommandContext) -> WorkloadSpec:
         profile = self._profile()
-        return build_spec(ctx.command.payload, self.settings, self.allowlist, profile)
+        spec = build_spec(ctx.command.payload, self.settings, self.allowlist, profile)
+        # GPUs against this node's GPUs, their health and the engine (issue 13).
+        return place_gpus(spec, self._gpus(), getattr(self.engine, "kind", "docker"))
 
     async def _find(self, runtime_id: str, name: str | None) -> list[dict[str, Any]]:
         return await self.engine.call(

@@ -129,6 +129,9 @@ class WorkloadSpec:
     registry_auth: dict[str, str] | None = field(eq=False, repr=False)
     #: Sentences for the command's progress about settings changed by local policy.
     notes: tuple[str, ...] = ()
+    #: AMD (ROCm): device nodes given to the container instead of a device request
+    #: (set by L{llmport_agent.workloads.gpus.place_gpus}, never from the payload).
+    gpu_devices: tuple[str, ...] = ()
 
     @property
     def uses_default_command(self) -> bool:
@@ -629,7 +632,9 @@ def render(
         create["ports"] = [spec.container_port]
         binding: Any = (publish_host_ip, host_port) if publish_host_ip else host_port
         host_config["port_bindings"] = {spec.container_port: binding}
-    if spec.gpu is not None:
+    if spec.gpu_devices:
+        host_config["devices"] = [f"{path}:{path}:rwm" for path in spec.gpu_devices]
+    elif spec.gpu is not None:
         host_config["device_requests"] = [spec.gpu.device_request()]
     if spec.shm_size is not None:
         host_config["shm_size"] = spec.shm_size
