@@ -221,9 +221,11 @@ class WorkloadTestBase(TestCase):
     timeout = 120
     health = False
     overrides: dict[str, Any] = {}
+    #: The engine the tests run against (tests.test_workloads_podman swaps in Podman).
+    engine_env: Callable[[], Any] = staticmethod(require_docker)
 
     async def setUp(self) -> None:  # type: ignore[override]
-        self.env = require_docker()
+        self.env = type(self).engine_env()
         self.rig = Rig(reactor, self.env, health=self.health, **self.overrides)
         self.addCleanup(self.env.remove_all_containers)
         self.addCleanup(lambda: ensureDeferred(self.rig.stop()))
