@@ -110,25 +110,27 @@ def place_gpus(spec: WorkloadSpec, gpus: GPUSnapshot | None, engine: str = "dock
         GPUs are left) or C{gpu_unavailable} (no such GPU; GPUs this engine cannot give).
     """
     request = spec.gpu
-    if request is None or gpus is None or not gpus.devices:
+    if request is None:
         return spec
-    vendor = gpus.vendor
-    if vendor == "apple":
-        raise CommandFailed(
-            GPU_UNAVAILABLE,
-            f"gpu_request {request.describe()} cannot be met: this node's GPU is an Apple GPU, "
-            "which containers cannot use; deploy this workload without a GPU (gpu_request none).",
-        )
-    if vendor == "nvidia" and engine == "podman":
+    vendor = gpus.vendor if gpus is not None and gpus.devices else ""
+    if engine == "podman" and vendor in ("", "nvidia"):
         raise CommandFailed(
             GPU_UNAVAILABLE,
             f"gpu_request {request.describe()} cannot be met on this node's Podman engine: its "
             "Docker-compatible API ignores GPU device requests, so the container would start "
             "without GPUs. Run GPU workloads on Docker with the NVIDIA Container Toolkit.",
         )
+    if gpus is None or not vendor:
+        return spec
+    if vendor == "apple":
+        raise CommandFailed(
+            GPU_UNAVAILABLE,
+            f"gpu_request {request.describe()} cannot be met: this node's GPU is an Apple GPU, "
+            "which containers cannot use; deploy this workload without a GPU (gpu_request none).",
+        )
     resolved, chosen = _choose(request, gpus)
     if vendor != "amd":
-        return evolve(spec, gpu=resolved)
+        return spec if resolved is request else evolve(spec, gpu=resolved)
     nodes = [d.render_node for d in (chosen or gpus.schedulable) if d.render_node]
     paths = [KFD, *sorted(set(nodes))]
     for path in paths:

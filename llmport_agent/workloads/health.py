@@ -374,7 +374,12 @@ class HealthWatcher(Service):
         if before:
             tracked.history.insert(0, (window_start, before[-1]))
         name = snap["name"]
-        if count - baseline >= self.crash_loop_restarts and (snap["restarting"] or snap["running"]):
+        looping = snap["restarting"] or snap["running"]
+        if not looping and tracked.kind == "crash_loop" and getattr(self._engine, "kind", "") == "podman":
+            # Podman has no "restarting" state: between two restarts of a crash loop the
+            # container reads as stopped. It is still the same crash loop.
+            looping = True
+        if count - baseline >= self.crash_loop_restarts and looping:
             return (
                 "crash_loop",
                 {

@@ -72,12 +72,18 @@ class PodmanEnv:
         self.socket = os.path.join(self.root, "p.sock")
         self.host = f"unix://{self.socket}"
         self.conf = os.path.join(self.root, "containers.conf")
+        self.registries = os.path.join(self.root, "registries.conf")
         self.log_path = os.path.join(self.root, "podman.log")
         self.proc: subprocess.Popen[bytes] | None = None
         self._client: Any = None
         os.makedirs(os.path.join(self.root, "no-cni-plugins"), exist_ok=True)
         os.makedirs(os.path.join(self.root, "cni"), exist_ok=True)
         nofile, nproc = _limits()
+        with open(self.registries, "w") as f:
+            # The test registry serves plain HTTP on loopback (Docker allows that for
+            # 127.0.0.0/8 by itself; Podman must be told). "127.0.0.1" covers every port.
+            f.write('unqualified-search-registries = ["docker.io"]\n'
+                    '[[registry]]\nlocation = "127.0.0.1"\ninsecure = true\n')
         with open(self.conf, "w") as f:
             f.write(
                 "[containers]\n"
@@ -112,6 +118,7 @@ class PodmanEnv:
     def _environ(self) -> dict[str, str]:
         env = dict(os.environ)
         env["CONTAINERS_CONF"] = self.conf
+        env["CONTAINERS_REGISTRIES_CONF"] = self.registries
         env.pop("DOCKER_HOST", None)
         return env
 
