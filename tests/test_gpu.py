@@ -540,6 +540,13 @@ class NVMLUnavailableTests(SynchronousTestCase):
             self.assertNotEqual(dev["uuid"], "")
         assert_no_nulls(d)
         json.dumps(d, allow_nan=False)
+        # Health and the event loop on the real driver, for a few seconds.
+        source.check_health()
+        states = {h.state for h in source.health().values()}
+        self.assertTrue(states <= {"healthy", "degraded", "unhealthy"})
+        batches = [source.wait_events(timeout_ms=1000) for _ in range(3)]
+        self.assertTrue({b.state for b in batches} <= {"ok", "unsupported"}, batches)
+        source.close()
 
     def test_backoff_doubles_to_thirty_minutes_and_logs_once(self) -> None:
         """Failed init retries after 30 s, doubling to 30 min; one log line for the outage."""

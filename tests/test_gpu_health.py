@@ -840,3 +840,36 @@ class AgentGPUHealthTests(AgentTestCase):
         self.assertEqual(gpu_events()[1]["event_type"], "gpu.health.recovered")
         await backend.wait_for(lambda: inventory().get("gpu_count") == 8, 10)
         await backend.wait_for(lambda: backend.node(node_id)["status"] == "healthy", 10)
+
+
+class MetricsTests(SynchronousTestCase):
+    """/metrics carries per-GPU health and Xid counters (from the monitor's stable view)."""
+
+    def test_families(self) -> None:
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from llmport_agent.ops import gpu_metric_families
+
+        Quiet(self, NVMLGPUSource)
+        fake, source = sync_source()
+        source.snapshot()
+        source.wait_events()
+        fake.inject_xid(3, 79)
+        fake.inject_xid(3, 13)
+        fake.inject_xid(3, 13)
+        source.wait_events()
+        monitor = GPUHealthMonitor(Clock(), source, SynchronousRunner())
+
+        class View:
+            def collect(self) -> Any:
+                return gpu_metric_families(monitor.metrics())
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(View())  # type: ignore[arg-type]
+        text = generate_latest(registry).decode()
+        uuid = fake.gpus[3].uuid
+        self.assertIn(f'llmport_agent_gpu_health{{gpu="3",state="unhealthy",uuid="{uuid}"}} 1.0', text)
+        self.assertIn(f'llmport_agent_gpu_health{{gpu="2",state="healthy",uuid="{fake.gpus[2].uuid}"}} 1.0', text)
+        self.assertIn(f'llmport_agent_gpu_xid_errors_total{{gpu="3",uuid="{uuid}",xid="13"}} 2.0', text)
+        self.assertIn(f'llmport_agent_gpu_xid_errors_total{{gpu="3",uuid="{uuid}",xid="79"}} 1.0', text)
+        self.assertIn("llmport_agent_gpu_unhealthy 1.0", text)
