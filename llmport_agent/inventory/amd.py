@@ -322,12 +322,13 @@ class AMDGPUSource:
             return self._unavailable(f"AMD SMI did not answer within {self.call_timeout:g} s ({job.doing()})")
         except Exception as e:
             return self._unavailable(f"AMD SMI failed: {type(e).__name__}: {describe_error(e)}")
-        devices = []
         for device, reading in rows:
             self.tracker.observe_reading(device.index, reading)
-            devices.append(device)
-        for i in self.tracker.indexes_beyond(len(rows)):
-            self.tracker.observe_missing(i, f"GPU {i} is no longer listed by AMD SMI")
+        return self._result([device for device, _ in rows], driver, "AMD SMI")
+
+    def _result(self, devices: list[GPUDevice], driver: str, tool: str) -> GPUSnapshot:
+        for i in self.tracker.indexes_beyond(len(devices)):
+            self.tracker.observe_missing(i, f"GPU {i} is no longer listed by {tool}")
         if devices:
             self._seen = True
         self._last_error = ""
@@ -335,7 +336,7 @@ class AMDGPUSource:
             vendor="amd" if devices else "none",
             devices=tuple(devices),
             driver_version=driver,
-            source="amdsmi",
+            source="amdsmi" if tool == "AMD SMI" else tool,
         ).with_health(self.tracker.health())
 
     def _amdsmi_pass(self, job: Job[Any]) -> tuple[list[tuple[GPUDevice, HealthReading]], str]:
@@ -492,14 +493,4 @@ class AMDGPUSource:
                 ),
             )
             devices.append(device)
-        for i in self.tracker.indexes_beyond(len(rows)):
-            self.tracker.observe_missing(i, f"GPU {i} is no longer listed by rocm-smi")
-        if devices:
-            self._seen = True
-        self._last_error = ""
-        return GPUSnapshot(
-            vendor="amd" if devices else "none",
-            devices=tuple(devices),
-            driver_version=driver,
-            source="rocm-smi",
-        ).with_health(self.tracker.health())
+        return self._result(devices, driver, "rocm-smi")

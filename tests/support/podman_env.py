@@ -37,7 +37,7 @@ from typing import Any
 
 from twisted.trial.unittest import SkipTest
 
-from .docker_env import BUSYBOX, _busybox_rootfs_tar, _stop_child
+from .docker_env import BUSYBOX, DockerEnv, _busybox_rootfs_tar, _stop_child
 
 REQUIRE_ENV = "LLMPORT_REQUIRE_PODMAN"
 
@@ -62,8 +62,8 @@ def _limits() -> tuple[int, int]:
     return cap_nofile, cap_nproc
 
 
-class PodmanEnv:
-    """One C{podman system service} for the whole test process."""
+class PodmanEnv(DockerEnv):
+    """One C{podman system service} for the whole test process (DockerEnv's helpers, Podman's daemon)."""
 
     kind = "podman"
 
@@ -165,22 +165,7 @@ class PodmanEnv:
                 self._client.close()
         self._client = None
 
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    # -- helpers (the same as DockerEnv's) ------------------------------------------------
-
-    def client(self) -> Any:
-        import docker
-
-        if self._client is None:
-            self._client = docker.DockerClient(base_url=self.host, version="auto", timeout=60)
-        return self._client
+    # -- helpers (client, managed_containers, remove_* come from DockerEnv)
 
     def ensure_busybox(self) -> None:
         import docker
@@ -198,24 +183,6 @@ class PodmanEnv:
         api.tag(image_id, repo, tag)
         api.inspect_image(BUSYBOX)
 
-    def managed_containers(self, runtime_id: str | None = None) -> list[Any]:
-        label = "io.llmport.managed=llmport-agent"
-        filters: dict[str, Any] = {"label": [label]}
-        if runtime_id:
-            filters["label"].append(f"io.llmport.runtime-id={runtime_id}")
-        return list(self.client().containers.list(all=True, filters=filters))
-
-    def remove_all_containers(self) -> None:
-        for c in self.client().containers.list(all=True):
-            with contextlib.suppress(Exception):
-                c.remove(force=True)
-
-    def remove_image(self, ref: str) -> None:
-        import docker
-
-        with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
-            self.client().images.remove(ref, force=True)
-
     def shutdown(self) -> None:
         """Every container removed (their conmon processes end with them), service down, files gone."""
         if self.running:
@@ -229,16 +196,6 @@ class PodmanEnv:
             )
         self._unmount_leftovers()
         shutil.rmtree(self.root, ignore_errors=True)
-
-    def _unmount_leftovers(self) -> None:
-        mounts: list[str] = []
-        with contextlib.suppress(OSError):
-            for line in open("/proc/self/mounts"):
-                parts = line.split()
-                if len(parts) > 1 and parts[1].startswith(self.root + "/"):
-                    mounts.append(parts[1])
-        for path in sorted(mounts, key=len, reverse=True):
-            subprocess.run(["umount", "-l", path], capture_output=True, check=False)
 
 
 def _unavailable(reason: str) -> None:
