@@ -126,7 +126,8 @@ def suites() -> None:
     for label, targets in runs:
         start = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "twisted.trial", "--temp-directory", tempfile.mkdtemp(prefix="bench-trial-"),
+            [sys.executable, "-m", "twisted.trial", "--temp-directory",
+             os.path.join(tempfile.gettempdir(), f"bench-trial-{os.getpid()}-{label.lower()}"),
              *targets],
             cwd=ROOT, capture_output=True, text=True, check=False,
         )

@@ -249,6 +249,7 @@ class TrackerTests(SynchronousTestCase):
         h = self.tracker.health()[0]
         self.assertLessEqual(len(h.xid_counts), 33)
         self.assertEqual(sum(c for _, c in h.xid_counts), 100)
+        self.assertLessEqual(len(h.reasons), 33)  # reasons stay bounded too
 
     def test_identity_cached_and_new_gpu_at_index_starts_afresh(self) -> None:
         self.tracker.observe_xid(0, 79)

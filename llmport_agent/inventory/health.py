@@ -541,7 +541,11 @@ class HealthTracker:
                     text = f"Xid {xid} ({name}){where}"
                     if index is None:
                         text += " (not attributed to one GPU)"
-                    d.sticky[f"xid:{xid}"] = (verdict, text)
+                    key_s = f"xid:{xid}"
+                    if key_s not in d.sticky and len(d.sticky) >= _MAX_DISTINCT_XIDS:
+                        key_s = "xid:other"  # bounded, whatever a driver sends
+                        text = f"Xid {xid} ({name}) and other Xids"
+                    d.sticky[key_s] = (verdict, text)
                     self._update(d)
 
     @_notifying
