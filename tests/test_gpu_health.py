@@ -799,6 +799,8 @@ class AgentGPUHealthTests(AgentTestCase):
         node_id = await self.wait_connected(backend, agent)
         await backend.wait_for(lambda: (backend.latest_inventory(node_id) or {}).get("inventory", {}).get("gpu_count") == 8)
         await backend.wait_for(lambda: fake.event_sets == 1)
+        # No change-heartbeat pending from the first inventory: the one after the Xid is its own.
+        await backend.wait_for(lambda: agent.heartbeat._change_call is None)
         beats = len([f for f in backend.frames(node_id) if f.get("type") == "heartbeat"])
         fake.inject_xid(3, 79)
         fake.gpus[3].lost = True
@@ -819,6 +821,13 @@ class AgentGPUHealthTests(AgentTestCase):
             return (backend.latest_inventory(node_id) or {}).get("inventory", {})
 
         await backend.wait_for(lambda: inventory().get("gpu_count") == 7, 10)
+        # The transition's own heartbeat (notify_changed), not one that only follows the fresh
+        # inventory a second later: the degraded heartbeat arrives before that inventory.
+        kinds = [(f.get("type"), f.get("status"), (f.get("inventory") or {}).get("gpu_count"))
+                 for f in backend.frames(node_id)]
+        first_degraded = kinds.index(("heartbeat", "degraded", None))
+        first_seven = next(i for i, k in enumerate(kinds) if k[0] == "inventory" and k[2] == 7)
+        self.assertLess(first_degraded, first_seven, kinds[-12:])
         inv = inventory()
         self.assertEqual(inv["gpu"]["count"], 7)
         self.assertEqual(len(inv["gpu"]["devices"]), 8)
@@ -844,33 +853,48 @@ class AgentGPUHealthTests(AgentTestCase):
 
 
 class MetricsTests(SynchronousTestCase):
-    """/metrics carries per-GPU health and Xid counters (from the monitor's stable view)."""
+    """
+    /metrics carries per-GPU health and Xid counters next to the other per-GPU families
+    (llmport_agent.metrics.AgentCollector), from the snapshot's current verdicts.
+    """
 
     def test_families(self) -> None:
+        from types import SimpleNamespace
+
         from prometheus_client import CollectorRegistry, generate_latest
 
-        from llmport_agent.ops import gpu_metric_families
+        from llmport_agent.metrics import AgentCollector
 
         Quiet(self, NVMLGPUSource)
         fake, source = sync_source()
-        source.snapshot()
+        snap = source.snapshot()
         source.wait_events()
         fake.inject_xid(3, 79)
         fake.inject_xid(3, 13)
         fake.inject_xid(3, 13)
         source.wait_events()
         monitor = GPUHealthMonitor(Clock(), source, SynchronousRunner())
+        agent = SimpleNamespace(
+            collector=SimpleNamespace(last_gpu=snap.with_health(source.health()),
+                                      gpu_source_errors=0, gpu_device_errors=0),
+            gpu_monitor=monitor,
+        )
+        collector = AgentCollector(agent)
 
         class View:
             def collect(self) -> Any:
-                return gpu_metric_families(monitor.metrics())
+                yield from collector._gpus(agent)
+                yield from collector._gpu_monitor(agent)
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(View())  # type: ignore[arg-type]
         text = generate_latest(registry).decode()
-        uuid = fake.gpus[3].uuid
-        self.assertIn(f'llmport_agent_gpu_health{{gpu="3",state="unhealthy",uuid="{uuid}"}} 1.0', text)
-        self.assertIn(f'llmport_agent_gpu_health{{gpu="2",state="healthy",uuid="{fake.gpus[2].uuid}"}} 1.0', text)
-        self.assertIn(f'llmport_agent_gpu_xid_errors_total{{gpu="3",uuid="{uuid}",xid="13"}} 2.0', text)
-        self.assertIn(f'llmport_agent_gpu_xid_errors_total{{gpu="3",uuid="{uuid}",xid="79"}} 1.0', text)
+        uuid, name = fake.gpus[3].uuid, fake.gpus[3].name
+        self.assertIn(f'llmport_agent_gpu_health{{gpu="3",name="{name}",state="unhealthy",uuid="{uuid}"}} 1.0', text)
+        self.assertIn(f'llmport_agent_gpu_health{{gpu="3",name="{name}",state="healthy",uuid="{uuid}"}} 0.0', text)
+        self.assertIn(f'llmport_agent_gpu_health{{gpu="2",name="{name}",state="healthy",'
+                      f'uuid="{fake.gpus[2].uuid}"}} 1.0', text)
+        self.assertIn(f'llmport_agent_gpu_xid_errors_total{{gpu="3",name="{name}",uuid="{uuid}",xid="13"}} 2.0', text)
+        self.assertIn(f'llmport_agent_gpu_xid_errors_total{{gpu="3",name="{name}",uuid="{uuid}",xid="79"}} 1.0', text)
         self.assertIn("llmport_agent_gpu_unhealthy 1.0", text)
+        self.assertIn("llmport_agent_gpu_driver_events_total", text)

@@ -29,7 +29,9 @@ def fake_gpus(n: int = 8) -> FakeNVML:
         FakeGPU(name="NVIDIA H100 80GB HBM3", uuid=f"GPU-{i:08x}-0000-0000-0000-000000000000",
                 pci_bus_id=f"00000000:{i + 10:02X}:00.0", memory_total=80 * 1024**3,
                 memory_used=(i + 1) * 1024**3, utilization_gpu=10 * i, temperature=40 + i,
-                power_usage_mw=100_000 + i * 1000, ecc_counts={(1, 0): i})
+                power_usage_mw=100_000 + i * 1000,
+                # Lifetime counts only: corrected ones and old uncorrected ones change no verdict.
+                ecc_counts={(0, 0): 10 * i, (1, 1): i})
         for i in range(n)
     ]
     return FakeNVML(gpus)
@@ -71,9 +73,11 @@ class OpsTests(AgentTestCase):
         backend = await self.start_backend()
         d = os.path.abspath(self.mktemp())
         os.makedirs(d)
-        config = load_config(agent_env(backend, d, ENROLLMENT_TOKEN=backend.mint_token()["token"]), {})
+        config = load_config(agent_env(backend, d, ENROLLMENT_TOKEN=backend.mint_token()["token"],
+                                       GPU_HEALTH_INTERVAL_SEC="1"), {})
+        fake = fake_gpus(8)
         agent = AgentService(reactor, config, fatal=lambda *a: None,
-                             gpu_source=NVMLGPUSource(fake_gpus(8)), docker_enabled=False)
+                             gpu_source=NVMLGPUSource(fake), docker_enabled=False)
         agent.health = _Health(20)
         agent.startService()
         self.addCleanup(agent.stopService)
@@ -112,6 +116,55 @@ class OpsTests(AgentTestCase):
         self.assertEqual(info.labels["version"], agent.heartbeat._build()["version"])
         # No secret in any label or value.
         self.assertNotIn(agent.state.credential.split(".")[1], body.decode())
+        # GPU health (issue 13), next to the per-GPU gauges: all 8 healthy so far.
+        self.assertEqual(len(samples("llmport_agent_gpu_health")), 8 * 3)
+        self.assertEqual(sum(s.value for s in samples("llmport_agent_gpu_health", state="healthy")), 8)
+        self.assertEqual(samples("llmport_agent_gpu_unhealthy")[0].value, 0)
+        self.assertEqual(samples("llmport_agent_gpus")[0].value, 8)
+
+        # GPU 3 falls off the bus (Xid 79), GPU 5's uncorrectable ECC count rises.
+        await self.backend_wait(lambda: fake.event_sets == 1)
+        fake.inject_xid(3, 79)
+        fake.gpus[3].lost = True
+        fake.gpus[5].ecc_counts[(1, 0)] = 2
+        await self.backend_wait(lambda: backend.node(node_id)["status"] == "degraded")
+        await self.backend_wait(
+            lambda: (backend.latest_inventory(node_id) or {}).get("inventory", {}).get("gpu_count") == 6
+        )
+        code, body = await self.get(base + "/metrics")
+        self.assertEqual(code, 200)
+        parsed = list(text_string_to_metric_families(body.decode()))
+        names = [f.name for f in parsed]
+        self.assertEqual(len(names), len(set(names)), "a metric family is exposed twice")
+        families = {f.name: f for f in parsed}
+        for name in ("llmport_agent_gpu_health", "llmport_agent_gpu_xid_errors", "llmport_agent_gpu_unresponsive",
+                     "llmport_agent_gpu_unhealthy", "llmport_agent_gpu_driver_events",
+                     "llmport_agent_gpu_calls_timed_out", "llmport_agent_gpu_calls_hung"):
+            self.assertIn(name, families)
+        self.assertEqual(families["llmport_agent_gpu_xid_errors"].type, "counter")
+        unhealthy = sorted(s.labels["gpu"] for s in samples("llmport_agent_gpu_health", state="unhealthy")
+                           if s.value == 1)
+        self.assertEqual(unhealthy, ["3", "5"])
+        self.assertEqual(sum(s.value for s in samples("llmport_agent_gpu_health", state="healthy")), 6)
+        gpu3 = samples("llmport_agent_gpu_health", gpu="3", state="unhealthy")[0]
+        self.assertEqual((gpu3.labels["uuid"], gpu3.labels["name"]), (fake.gpus[3].uuid, "NVIDIA H100 80GB HBM3"))
+        xids = samples("llmport_agent_gpu_xid_errors", gpu="3", xid="79")
+        self.assertEqual([s.value for s in xids], [1])
+        self.assertEqual(samples("llmport_agent_gpu_unhealthy")[0].value, 2)
+        self.assertEqual(samples("llmport_agent_gpus")[0].value, 8)  # still listed, left out of gpu_count
+        self.assertGreaterEqual(samples("llmport_agent_gpu_driver_events")[0].value, 1)
+        ecc5 = samples("llmport_agent_gpu_ecc_errors", gpu="5", counter="volatile", type="uncorrected")
+        self.assertEqual([s.value for s in ecc5], [2])
+        # /readyz: a GPU the driver reports bad is a hardware verdict, not an unready agent.
+        code, body = await self.get(base + "/readyz")
+        ready = json.loads(body)
+        self.assertEqual((code, ready["ready"]), (200, True), ready)
+        nvml = ready["checks"]["nvml"]
+        self.assertEqual((nvml["gpus"], nvml["schedulable"]), (8, 6))
+        self.assertEqual(nvml["health"], {"healthy": 6, "degraded": 0, "unhealthy": 2})
+        self.assertIn("GPU 3 (GPU-00000003", nvml["detail"])
+        self.assertIn("Xid 79", nvml["detail"])
+        self.assertEqual(ready["agent"]["heartbeat_status"], "degraded")
 
     async def test_readyz_follows_backend_and_engine(self) -> None:
         """Red with a JSON body naming what is wrong when the backend or the engine goes, green when back."""
@@ -175,6 +228,25 @@ class ReadinessRulesTests(AgentTestCase):
         body = readiness(agent)
         self.assertFalse(body["ready"])
         self.assertIn("GPU is lost", body["checks"]["nvml"]["detail"])
+        # Unhealthy GPUs keep it ready (named in the detail); every GPU's calls hanging does not.
+        from llmport_agent.inventory.gpu import GPUDevice
+        from llmport_agent.inventory.health import DeviceHealth
+
+        hung = DeviceHealth(index=0, state="unhealthy", reasons=("unresponsive: nvmlDeviceGetMemoryInfo hangs",),
+                            unresponsive=True)
+        lost = DeviceHealth(index=1, state="unhealthy", reasons=("Xid 79 (GPU has fallen off the bus)",))
+        devices = (GPUDevice(index=0, uuid="GPU-0", health=hung), GPUDevice(index=1, uuid="GPU-1", health=lost))
+        agent.collector._last_gpu = GPUSnapshot(vendor="nvidia", devices=devices)
+        nvml = readiness(agent)["checks"]["nvml"]
+        self.assertTrue(nvml["ok"], nvml)
+        self.assertEqual((nvml["gpus"], nvml["schedulable"], nvml["health"]["unhealthy"]), (2, 0, 2))
+        self.assertIn("GPU 1 (GPU-1) unhealthy: Xid 79", nvml["detail"])
+        devices = (devices[0], GPUDevice(index=1, uuid="GPU-1", health=DeviceHealth(index=1, state="unhealthy",
+                                                                                    unresponsive=True)))
+        agent.collector._last_gpu = GPUSnapshot(vendor="nvidia", devices=devices)
+        nvml = readiness(agent)["checks"]["nvml"]
+        self.assertFalse(nvml["ok"])
+        self.assertIn("every GPU's driver calls hang", nvml["detail"])
         agent.collector._last_gpu = GPUSnapshot()
 
         class Loki:
