@@ -307,43 +307,10 @@ def exit_info(client: docker.DockerClient, ident: str, tail: int = 20) -> dict[s
         text = client.api.logs(ident, stdout=True, stderr=True, timestamps=False, tail=tail) or b""
     except NotFound:
         pass
-    exit_code = snap["exit_code"]
-    if exit_code == 0 and snap["restart_count"] > 0 and snap["running"]:
-        # Restarted by its policy: Podman resets the exit code when it restarts a container
-        # (Docker keeps it); the engine's last "die" event still has it.
-        exit_code = _last_exit_code(client, ident, exit_code)
     return {
         "status": snap["status"],
-        "exit_code": exit_code,
+        "exit_code": snap["exit_code"],
         "restart_count": snap["restart_count"],
         "logs": text.decode("utf-8", "replace")[-4000:],
         "error": snap["error"] or ("out of memory (OOM killed)" if snap["oom_killed"] else ""),
     }
-
-
-def _last_exit_code(client: docker.DockerClient, ident: str, default: int, limit: int = 2000) -> int:
-    """The exit code of the container's last C{die} event in the past day (bounded read)."""
-    import time
-
-    until = int(time.time()) + 1
-    code = default
-    stream: Any = None
-    try:
-        stream = client.api.events(since=until - 86400, until=until, filters={"container": ident}, decode=True)
-        for n, event in enumerate(stream):
-            if n >= limit:
-                break
-            if str(event.get("status") or event.get("Action") or "") != "die":
-                continue
-            raw = str(((event.get("Actor") or {}).get("Attributes") or {}).get("exitCode", ""))
-            if raw.lstrip("-").isdigit():
-                code = int(raw)
-    except Exception:  # noqa: BLE001 - best effort; the state's own code stands
-        return default
-    finally:
-        if stream is not None and hasattr(stream, "close"):
-            try:
-                stream.close()
-            except Exception:  # noqa: BLE001
-                pass
-    return code

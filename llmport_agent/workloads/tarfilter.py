@@ -46,6 +46,9 @@ MAX_EXTENSION_BYTES = 1024 * 1024
 #: At most this many symlinks are remembered (members below one are refused).
 MAX_SYMLINKS = 100_000
 
+#: A layer blob at the top of a Podman docker-archive (C{podman save}, its compat API's save).
+_PODMAN_LAYER = re.compile(r"[0-9a-f]{64}\.tar")
+
 MANIFEST = "manifest.json"
 REPOSITORIES = "repositories"
 INDEX = "index.json"
@@ -417,7 +420,8 @@ class ImageTarFilter:
     def _check_symlink(self, clean: str, name: str, linkname: str) -> None:
         """
         Only the layer links docker save writes (C{<id>/layer.tar -> ../<id>/layer.tar} or a
-        blob) are accepted: nothing else, so no metadata file and no directory is a link.
+        blob) and Podman's save writes (C{<id>/layer.tar -> ../<sha256 hex>.tar}) are accepted:
+        nothing else, so no metadata file and no directory is a link.
         """
         parts = clean.split("/")
         target = posixpath.normpath(posixpath.join(posixpath.dirname(clean), linkname))
@@ -429,6 +433,7 @@ class ImageTarFilter:
             and (
                 (target.endswith("/layer.tar") and target.count("/") == 1)
                 or (target.startswith("blobs/") and target.count("/") == 2)
+                or _PODMAN_LAYER.fullmatch(target) is not None
             )
         )
         if not ok:

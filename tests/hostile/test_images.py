@@ -420,6 +420,22 @@ class TarFilterTests(SynchronousTestCase):
         out = run_filter(docker_save_like(["allowed/app:1"], [(d, None), (link, None)]))
         self.assertIn("c" * 64 + "/layer.tar", [m.name for m, _ in members(out)])
 
+    def test_layer_links_of_podman_save_are_accepted(self) -> None:
+        """Podman's save links each layer as `<id>/layer.tar -> ../<sha256 hex>.tar`; nothing wider."""
+        d = tarfile.TarInfo("c" * 64)
+        d.type = tarfile.DIRTYPE
+        link = tarfile.TarInfo("c" * 64 + "/layer.tar")
+        link.type = tarfile.SYMTYPE
+        link.linkname = "../" + "a" * 64 + ".tar"
+        out = run_filter(docker_save_like(["allowed/app:1"], [(d, None), (link, None)]))
+        self.assertIn("c" * 64 + "/layer.tar", [m.name for m, _ in members(out)])
+        for target in ("../manifest.json", "../" + "a" * 63 + ".tar", "../x/" + "a" * 64 + ".tar",
+                       "../../" + "a" * 64 + ".tar"):
+            bad = tarfile.TarInfo("c" * 64 + "/layer.tar")
+            bad.type = tarfile.SYMTYPE
+            bad.linkname = target
+            self.assertRejected(docker_save_like(["allowed/app:1"], [(d, None), (bad, None)]), "symlink")
+
     def test_manifest_that_is_a_hard_link(self) -> None:
         evil = file_info("evil.json", b"[]")
         link = tarfile.TarInfo("manifest.json")
