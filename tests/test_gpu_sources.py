@@ -471,6 +471,22 @@ class ChoiceTests(SynchronousTestCase):
         self.assertEqual(choose_vendor("auto", platform="linux", has_nvml=no, has_amd=no), "nvidia")
         self.assertEqual(choose_vendor("amd", platform="darwin", has_nvml=yes, has_amd=no), "amd")
 
+    def test_nvml_probe_needs_no_temporary_files_or_tools(self) -> None:
+        """The unit's sandbox (read-only /, no usable temp dir): auto still chooses, no subprocess."""
+        import subprocess
+        import tempfile
+
+        from llmport_agent.inventory import select
+
+        def refused(*a: object, **kw: object) -> None:
+            raise AssertionError("the NVML probe ran a program or made a temporary file")
+
+        self.patch(tempfile, "gettempdir", refused)
+        self.patch(tempfile, "NamedTemporaryFile", refused)
+        self.patch(subprocess, "Popen", refused)
+        self.assertIsInstance(select._has_nvml(), bool)
+        self.assertIn(choose_vendor("auto", platform="linux"), ("nvidia", "amd"))
+
     def test_make(self) -> None:
         self.assertIsInstance(make_gpu_source("nvidia"), NVMLGPUSource)
         self.assertIsInstance(make_gpu_source("amd"), AMDGPUSource)

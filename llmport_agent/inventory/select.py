@@ -3,14 +3,14 @@
 Which GPU source a node uses (C{GPU_SOURCE}): C{nvidia} (NVML), C{amd} (AMD SMI or
 C{rocm-smi}), C{apple} (C{system_profiler} on macOS), C{none}, or C{auto}.
 
-C{auto} picks, without blocking the caller for long: NVML when C{libnvidia-ml} is present
+C{auto} picks, without blocking the caller for long: NVML when C{libnvidia-ml} loads
 (or the platform is neither macOS nor has AMD tools), the AMD source when the C{amdsmi}
 library or C{rocm-smi} is found (and no NVIDIA library is), the Apple source on macOS.
 """
 
 from __future__ import annotations
 
-import ctypes.util
+import ctypes
 import importlib.util
 import shutil
 import sys
@@ -23,7 +23,16 @@ __all__ = ["choose_vendor", "make_gpu_source"]
 
 
 def _has_nvml() -> bool:
-    return ctypes.util.find_library("nvidia-ml") is not None
+    """
+    Whether NVIDIA's driver library loads, the way the NVML bindings load it (C{dlopen} of
+    C{libnvidia-ml.so.1}). Not C{ctypes.util.find_library}: that runs C{ldconfig}, C{gcc} and
+    C{ld} with temporary files, which the unit's read-only sandbox refuses.
+    """
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def _has_amd() -> bool:

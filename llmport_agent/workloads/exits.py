@@ -52,7 +52,8 @@ def last_die(client: docker.DockerClient, container_id: str, since: float | None
         stream = client.api.events(
             since=params_since,
             until=int(time.time()) + 1,
-            filters={"type": "container", "container": container_id, "event": "die"},
+            # Docker names the event "die", Podman's filter "died" (its events still say "die").
+            filters={"type": "container", "container": container_id, "event": ["die", "died"]},
             decode=True,
         )
     except APIError:
