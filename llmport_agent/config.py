@@ -258,6 +258,12 @@ SETTINGS: tuple[Setting, ...] = (
             "DEBUG, INFO, WARNING or ERROR."),
     Setting("COMMAND_POLL_INTERVAL_SEC", "command_poll_interval_sec", 2.0, _number(0.5),
             "Seconds between small poll frames (the backend sends commands only in reply to a frame)."),
+    Setting("COMMAND_POLL_IDLE_INTERVAL_SEC", "command_poll_idle_interval_sec", 8.0, _number(0.5),
+            "Seconds between poll frames of an idle node (no command and no connect within "
+            "COMMAND_POLL_ACTIVE_WINDOW_SEC; never shorter than COMMAND_POLL_INTERVAL_SEC; at most 100)."),
+    Setting("COMMAND_POLL_ACTIVE_WINDOW_SEC", "command_poll_active_window_sec", 600.0, _number(0),
+            "Seconds after a connect or a command (received, running or answered) during which "
+            "polls go every COMMAND_POLL_INTERVAL_SEC (0 = only while a command runs)."),
     Setting("MAX_CONCURRENT_COMMANDS", "max_concurrent_commands", 8, _number(1, integer=True),
             "Commands executed at the same time."),
     Setting("COMMAND_MAX_AGE_SEC", "command_max_age_sec", 0.0, _number(0),
@@ -431,6 +437,13 @@ class AgentConfig:
     gpu_health_interval_sec: float = 10.0
     gpu_call_timeout_sec: float = 10.0
     gpu_ignored_xids: tuple[int, ...] = ()
+    command_poll_idle_interval_sec: float = 8.0
+    command_poll_active_window_sec: float = 600.0
+
+    @property
+    def poll_idle_interval(self) -> float:
+        """The idle poll interval in effect (never shorter than the active one)."""
+        return max(self.command_poll_interval_sec, self.command_poll_idle_interval_sec)
 
     @property
     def state_dir(self) -> str:
@@ -530,6 +543,17 @@ def load_config(
         raise ConfigError(
             f"{PREFIX}HEARTBEAT_INTERVAL_SEC={values['heartbeat_interval_sec']:g} is too long: the "
             "backend closes a silent connection after 120 s; expected 1-60"
+        )
+    if values["command_poll_idle_interval_sec"] > 100:
+        raise ConfigError(
+            f"{PREFIX}COMMAND_POLL_IDLE_INTERVAL_SEC={values['command_poll_idle_interval_sec']:g} is "
+            "too long: the backend closes a connection silent for 120 s; expected 0.5-100"
+        )
+    if values["command_poll_active_window_sec"] > 7 * 86400:
+        raise ConfigError(
+            f"{PREFIX}COMMAND_POLL_ACTIVE_WINDOW_SEC={values['command_poll_active_window_sec']:g} is "
+            "too long; expected 0-604800 seconds (set COMMAND_POLL_IDLE_INTERVAL_SEC to "
+            "COMMAND_POLL_INTERVAL_SEC to poll fast always)"
         )
     if values["shutdown_grace_sec"] > 3600:
         raise ConfigError(

@@ -188,6 +188,8 @@ class AgentService(MultiService):
             self._fatal,
             version=VERSION,
             endpoint_factory=endpoint_factory,
+            # Fast polls while a command runs or its result awaits confirmation.
+            busy=lambda: self.pipeline.busy(),
         )
         self.outbox = EventOutbox(reactor, self.io_pool, os.path.join(state_dir, "events.jsonl"), self.session)
         self.heartbeat = HeartbeatReporter(

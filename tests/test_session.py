@@ -186,7 +186,7 @@ class FakeProto:
     def sendClose(self, code: int, reason: str) -> None:
         self.close = (code, reason)
 
-    def send_frame(self, frame: dict[str, Any]) -> int:
+    def send_frame(self, frame: dict[str, Any], *, seq: bool = True) -> int:
         self.sent.append(frame)
         return len(self.sent)
 

@@ -455,6 +455,7 @@ class DevApiResource(JsonResource):
             ("runtimes", 2): lambda p: b.runtime(p[1]),
             ("commands", 1): lambda p: b.commands(),
             ("commands", 2): lambda p: b.command(p[1]) if p[1] in b.state.commands else None,
+            ("costs", 1): lambda p: b.costs(),
         }
         sub_node: dict[str, Callable[[str], Any]] = {
             "inventory": b.latest_inventory,
@@ -463,6 +464,7 @@ class DevApiResource(JsonResource):
             "commands": b.commands,
             "frames": b.frames,
             "anomalies": b.anomalies,
+            "costs": b.costs,
         }
         if not path:
             return json_response(request, 404, {"detail": "Not Found"})

@@ -144,6 +144,8 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
         if not isinstance(frame, dict):
             raise FrameRejected("frame is not a JSON object")
         state = self.backend.state
+        cost = state.cost(node_id)
+        cost.frames += 1
         seq = frame.get("seq")
         if seq is not None:
             try:
@@ -159,8 +161,13 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
         if inbound_filter is not None and not inbound_filter(node_id, frame):
             state.record_frame(node_id, frame, accepted=False)
             return
+        # What the real backend does for an accepted frame: the offset-row write (frames
+        # with seq), then, after processing, one pending-commands query and a commit.
+        if seq is not None:
+            cost.offset_writes += 1
         state.record_frame(node_id, frame, accepted=True)
         state.apply_frame(node_id, frame)
+        cost.dispatch_queries += 1
         hook = self.backend.frame_hook
         if hook is not None:
             hook(node_id, frame)

@@ -131,6 +131,8 @@ class DevBackend:
     @ivar inbound_filter: called as C{filter(node_id, frame)} after the C{seq} check;
         returning C{False} discards the frame as if lost on the wire (not processed, no
         dispatch).
+    @ivar keep_frames: keep a copy of every inbound frame (L{frames}); a fleet benchmark
+        turns it off (the cost counters, L{costs}, count either way).
     @ivar models: the model repository served under C{api/node-files/models/} when
         C{llmport_agent.devbackend.modelfiles} exists, else C{None}.
     """
@@ -148,12 +150,13 @@ class DevBackend:
         admin_token: str | None = None,
         runner: BlockingRunner | None = None,
         models: Any = None,
+        keep_frames: bool = True,
     ) -> None:
         self.reactor = reactor
         # An IReactorTime (seconds, callLater): idle timers and timestamps.
         self.clock: Any = clock if clock is not None else reactor
         self.faults = Faults(idle_timeout=idle_timeout)
-        self.state = BackendState(self.clock, token_ttl)
+        self.state = BackendState(self.clock, token_ttl, keep_frames=keep_frames)
         self.base_path = _normalize_base(base_path)
         self.admin_token = admin_token
         self.images: dict[str, ImageEntry] = {}
@@ -566,6 +569,26 @@ class DevBackend:
         C{_accepted} (false for frames dropped by the C{seq} check or the inbound filter).
         """
         return copy.deepcopy(self.state.frames.get(node_id, []))
+
+    def costs(self, node_id: str | None = None) -> dict[str, Any]:
+        """
+        What the frames received so far would cost the real backend (protocol 3.2), per node
+        (C{node_id} given: that node only) and in total: C{frames}, C{offset_writes} (frames
+        with C{seq} that passed the check), C{dispatch_queries} (accepted frames: one
+        pending-commands query and commit each), C{connects} and C{cpu_ms} (4.4 ms per frame
+        with C{seq}, 2.9 ms without). C{at} is the backend clock's time of the reading.
+        """
+        from llmport_agent.devbackend._state import FrameCost
+
+        if node_id is not None:
+            found = self.state.costs.get(node_id, FrameCost())
+            return {"at": self.clock.seconds(), "node_id": node_id, **found.to_dict()}
+        total = FrameCost()
+        nodes = {}
+        for nid, cost in self.state.costs.items():
+            total.add(cost)
+            nodes[nid] = cost.to_dict()
+        return {"at": self.clock.seconds(), "total": total.to_dict(), "nodes": nodes}
 
     def anomalies(self, node_id: str) -> list[str]:
         """Notes about suspicious frames and dropped connections of the node."""

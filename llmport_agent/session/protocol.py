@@ -163,10 +163,17 @@ class AgentClientProtocol(WebSocketClientProtocol):
 
     # -- outbound --------------------------------------------------------------------------
 
-    def send_frame(self, frame: dict[str, Any]) -> int:
-        """Stamp the next C{seq} on C{frame} and send it as one text frame."""
-        self.seq += 1
-        frame["seq"] = self.seq
+    def send_frame(self, frame: dict[str, Any], *, seq: bool = True) -> int:
+        """
+        Stamp the next C{seq} on C{frame} and send it as one text frame; with C{seq=False}
+        the frame goes without one (the backend then skips its check and its session-offset
+        write) and the counter stays where it is. Returns the C{seq} stamped (0 for none).
+        """
+        if seq:
+            self.seq += 1
+            frame["seq"] = self.seq
+        else:
+            frame.pop("seq", None)
         try:
             data = json.dumps(frame, separators=(",", ":"), default=str, allow_nan=False).encode()
         except ValueError:
@@ -174,7 +181,7 @@ class AgentClientProtocol(WebSocketClientProtocol):
             data = json.dumps(_finite(frame), separators=(",", ":"), default=str).encode()
         self.sendMessage(data, isBinary=False)
         self.frames_sent += 1
-        return self.seq
+        return self.seq if seq else 0
 
     def confirm(self) -> Deferred[None]:
         """

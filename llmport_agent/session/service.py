@@ -2,6 +2,13 @@
 The backend session: enrollment when needed, one authenticated WebSocket connection kept up
 through every network fault (ClientService + Autobahn), credential rotation, command polling.
 
+Polling (protocol 3.2: the backend sends commands only in reply to a frame, and each frame costs
+it a query and a commit, plus an offset-row write when the frame carries C{seq}): a poll frame
+carries no C{seq} and leaves when nothing else was sent for the poll interval. The interval is
+C{COMMAND_POLL_INTERVAL_SEC} while the node is active (a connect, or a command received,
+running, or answered within C{COMMAND_POLL_ACTIVE_WINDOW_SEC}) and
+C{COMMAND_POLL_IDLE_INTERVAL_SEC} otherwise; the first command back makes it active again.
+
 Listeners (the command pipeline, heartbeat, inventory, event outbox) subscribe with
 L{SessionService.subscribe} and receive plain dicts; they send with L{SessionService.send}.
 """
@@ -42,6 +49,9 @@ TOKEN_HELP = "mint a new one with POST /api/admin/system/nodes/enrollment-tokens
 #: Exit status reserved for "an operator must act" (EX_CONFIG); the systemd unit does not
 #: restart on it.
 EXIT_NEEDS_OPERATOR = 78
+
+#: Outbound frame types that mean a command is being worked on (activity for the poll rate).
+COMMAND_FRAMES = frozenset({"command_ack", "command_progress", "command_result"})
 
 ROTATION_INTERVAL = 12 * 3600.0
 ROTATION_CHECK = 600.0
@@ -130,6 +140,8 @@ class SessionService(Service):
         operator (enrollment token rejected, no credential and no token).
     @param capabilities: fires with the static capabilities (sent at enrollment).
     @param endpoint_factory: for tests: C{(host, port, tls) -> IStreamClientEndpoint}.
+    @param busy: how many commands are running or have a result not yet confirmed (the
+        command pipeline's C{busy}); the node polls fast while it is above 0.
     """
 
     log = Logger()
@@ -147,6 +159,7 @@ class SessionService(Service):
         endpoint_factory: Callable[[str, int, bool], Any] | None = None,
         rng: Callable[[], float] = random.random,
         wallclock: Callable[[], float] = time.time,
+        busy: Callable[[], int] | None = None,
     ) -> None:
         self.setName("session")
         self._reactor = reactor
@@ -169,6 +182,9 @@ class SessionService(Service):
         self._poll: Any = None  # IDelayedCall: the next poll frame, pushed back by every frame sent
         self._rotation_loop: LoopingCall | None = None
         self._last_sent_at = 0.0
+        self._busy = busy
+        #: Reactor time of the last connect or command activity (None: never).
+        self._last_activity: float | None = None
         # Refusals of the stream upgrade (401/403) since the last open, persisted so that a
         # restart does not start counting again (wall-clock time of the first one).
         refusals = state.get("refusals")
@@ -484,6 +500,9 @@ class SessionService(Service):
         if self._revoked:
             self._revoked = False
         self._last_sent_at = self._reactor.seconds()
+        # A connect counts as activity: the first command after a node (re)connects is
+        # picked up as fast as the next ones.
+        self._last_activity = self._last_sent_at
         self._schedule_poll()
         self.log.info("Connected to the backend stream at {url}", url=stream_url(self.config.backend_url))
         if self._unverified_tls and self.stats.opens > 1:
@@ -522,6 +541,9 @@ class SessionService(Service):
         kind = frame.get("type")
         key = kind if isinstance(kind, str) and kind in INBOUND_TYPES else "other"
         self.stats.frames_in[key] = self.stats.frames_in.get(key, 0) + 1
+        items = frame.get("items") if kind == "commands" else frame.get("commands") if kind == "hello_ack" else None
+        if isinstance(items, list) and items:
+            self.note_activity()
         if frame.get("type") == "hello_ack":
             sid = frame.get("session_id")
             nid = frame.get("node_id")
@@ -651,11 +673,17 @@ class SessionService(Service):
 
     def send(self, frame: dict[str, Any]) -> bool:
         """Send one frame now if connected (C{seq} is set here). False when not connected."""
+        return self._send(frame, seq=True)
+
+    def _send(self, frame: dict[str, Any], *, seq: bool) -> bool:
         proto = self.proto
         if proto is None or not proto.can_send:
             return False
         try:
-            proto.send_frame(frame)
+            if seq:
+                proto.send_frame(frame)
+            else:
+                proto.send_frame(frame, seq=False)
         except Disconnected:
             return False
         except Exception:
@@ -664,6 +692,8 @@ class SessionService(Service):
         self._last_sent_at = self._reactor.seconds()
         kind = str(frame.get("type"))[:32]
         self.stats.frames_out[kind] = self.stats.frames_out.get(kind, 0) + 1
+        if kind in COMMAND_FRAMES:
+            self._last_activity = self._last_sent_at
         self._schedule_poll()
         return True
 
@@ -677,13 +707,51 @@ class SessionService(Service):
         except Disconnected:
             return None
 
-    def _schedule_poll(self) -> None:
-        """(Re)arm the poll: the next frame leaves at most one poll interval after the last one."""
-        interval = self.config.command_poll_interval_sec
+    # -- polling -------------------------------------------------------------------------
+
+    def note_activity(self) -> None:
+        """A command arrived or is being worked on: poll fast from now on (for the window)."""
+        now = self._reactor.seconds()
+        was_active = self.poll_active(now)
+        self._last_activity = now
+        if not was_active and self.proto is not None:
+            self._schedule_poll()
+
+    def poll_active(self, now: float | None = None) -> bool:
+        """True while polls go every COMMAND_POLL_INTERVAL_SEC (see the module docstring)."""
+        if self._busy is not None:
+            try:
+                if self._busy() > 0:
+                    return True
+            except Exception:
+                self.log.failure("Could not tell whether commands are running")
+                return True
+        last = self._last_activity
+        if last is None:
+            return False
+        now = self._reactor.seconds() if now is None else now
+        return now - last < self.config.command_poll_active_window_sec
+
+    def poll_interval(self) -> float:
+        """Seconds from the last frame sent to the next poll, as things stand now."""
+        if self.poll_active():
+            return self.config.command_poll_interval_sec
+        return self.config.poll_idle_interval
+
+    def _schedule_poll(self, since: float | None = None) -> None:
+        """
+        (Re)arm the poll: the next frame leaves at most one poll interval after the last one
+        sent (or after C{since}).
+        """
+        if self.proto is None or self._stopping:
+            return
+        now = self._reactor.seconds()
+        base = self._last_sent_at if since is None else since
+        delay = max(0.0, base + self.poll_interval() - now)
         if self._poll is not None and self._poll.active():
-            self._poll.reset(interval)
-        elif self.proto is not None and not self._stopping:
-            self._poll = self._reactor.callLater(interval, self._poll_now)
+            self._poll.reset(delay)
+        else:
+            self._poll = self._reactor.callLater(delay, self._poll_now)
 
     def _cancel_poll(self) -> None:
         poll, self._poll = self._poll, None
@@ -692,8 +760,10 @@ class SessionService(Service):
 
     def _poll_now(self) -> None:
         self._poll = None
-        if self.proto is not None and not self.send({"type": "poll"}):
-            self._schedule_poll()
+        # No seq: a poll has no side effects, and a frame without seq spares the backend its
+        # session-offset write (protocol 3.2).
+        if self.proto is not None and not self._send({"type": "poll"}, seq=False):
+            self._schedule_poll(since=self._reactor.seconds())
 
     # -- rotation --------------------------------------------------------------------------
 
