@@ -189,7 +189,7 @@ class AgentService(MultiService):
             version=VERSION,
             endpoint_factory=endpoint_factory,
             # Fast polls while a command runs or its result awaits confirmation.
-            busy=lambda: self.pipeline.busy(),
+            busy=lambda: self.pipeline.busy,
         )
         self.outbox = EventOutbox(reactor, self.io_pool, os.path.join(state_dir, "events.jsonl"), self.session)
         self.heartbeat = HeartbeatReporter(

@@ -14,9 +14,10 @@ import json
 import os
 from typing import Any
 
+from twisted.internet import reactor
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint
-from twisted.internet.task import LoopingCall
+from twisted.internet.task import LoopingCall, deferLater
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -27,6 +28,7 @@ from llmport_agent.session.protocol import AgentClientProtocol
 from llmport_agent.session.service import SessionService
 from llmport_agent.state import StateStore
 from llmport_agent.testing import SynchronousRunner
+from tests.agentharness import AgentTestCase
 from tests.test_session import CRED, FakeBackend
 
 #: The original agent at idle: about 6 frames a minute, all with seq (protocol 3.2).
@@ -249,3 +251,37 @@ class PollingTests(SynchronousTestCase):
                 load_config({"LLM_PORT_NODE_AGENT_" + var: raw}, {})
             self.assertIn("LLM_PORT_NODE_AGENT_" + var, str(e.exception))
             self.assertNotIn("\n", str(e.exception))
+
+
+class AgentPollingTests(AgentTestCase):
+    """The whole agent against the stand-in backend over loopback: idle, then fast at a command."""
+
+    timeout = 60
+
+    async def test_idle_then_fast_at_a_command(self) -> None:
+        """Past the window the agent polls at the idle interval (no seq); a command makes it fast again."""
+        backend = await self.start_backend()
+        agent = self.start_agent(
+            backend, COMMAND_POLL_INTERVAL_SEC="0.5", COMMAND_POLL_IDLE_INTERVAL_SEC="4",
+            COMMAND_POLL_ACTIVE_WINDOW_SEC="1", HEARTBEAT_INTERVAL_SEC="30",
+        )
+        node_id = await self.wait_connected(backend, agent)
+        await backend.wait_for(lambda: not agent.session.poll_active(), 10)
+        await deferLater(reactor, 0.1, lambda: None)
+        start = backend.costs(node_id)
+        await deferLater(reactor, 4.5, lambda: None)
+        idle = backend.costs(node_id)
+        polls_idle = idle["dispatch_queries"] - idle["offset_writes"] - (
+            start["dispatch_queries"] - start["offset_writes"])
+        # 4 s idle interval: 1 or 2 polls in 4.5 s (at 0.5 s it would be about 9).
+        self.assertLessEqual(polls_idle, 2)
+        command = backend.issue_command(node_id, "resume_node", {})
+        await backend.wait_for(lambda: backend.command(command["id"])["status"] == "succeeded", 10)
+        self.assertTrue(agent.session.poll_active() or agent.pipeline.busy)
+        before = backend.costs(node_id)
+        await deferLater(reactor, 0.9, lambda: None)
+        after = backend.costs(node_id)
+        self.assertGreaterEqual(after["dispatch_queries"] - before["dispatch_queries"], 1)
+        polls = [f for f in backend.frames(node_id) if f.get("type") == "poll"]
+        self.assertTrue(polls)
+        self.assertTrue(all("seq" not in f for f in polls))
