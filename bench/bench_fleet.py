@@ -178,10 +178,15 @@ def run_backend(port: int) -> None:
 
 def run_worker(config_path: str) -> None:
     from twisted.internet import reactor, stdio
-    from twisted.internet.defer import Deferred, DeferredList
+    from twisted.internet.defer import DeferredList
     from twisted.internet.endpoints import TCP4ClientEndpoint
-    from twisted.logger import FilteringLogObserver, LogLevel, LogLevelFilterPredicate, globalLogBeginner
-    from twisted.logger import textFileLogObserver
+    from twisted.logger import (
+        FilteringLogObserver,
+        LogLevel,
+        LogLevelFilterPredicate,
+        globalLogBeginner,
+        textFileLogObserver,
+    )
     from twisted.protocols.basic import LineReceiver
 
     from llmport_agent.config import load_config
@@ -244,6 +249,95 @@ def run_worker(config_path: str) -> None:
 
     r.callWhenRunning(lambda: stdio.StandardIO(Control()))
     r.run()
+
+
+# -- pickup latency on a virtual clock, default settings -------------------------------------
+
+
+def virtual_pickup(gaps: list[float], samples: int, seed: int = 7) -> dict[float, list[float]]:
+    """
+    The real SessionService and HeartbeatReporter (with inventory every 60 s) on a virtual
+    clock, default settings (window 600 s): a command is answered, then another is issued
+    C{gap} (+-1) s later; its pickup is the time until the agent's next frame (the backend
+    answers frames only). Transport and processing times are left out (a few ms on loopback).
+    """
+    from twisted.internet.defer import succeed
+    from twisted.internet.endpoints import TCP4ClientEndpoint
+    from twisted.internet.task import LoopingCall
+    from twisted.internet.testing import MemoryReactorClock
+
+    from llmport_agent.config import load_config
+    from llmport_agent.reporting import HeartbeatReporter
+    from llmport_agent.session.service import SessionService
+    from llmport_agent.state import StateStore
+    from llmport_agent.testing import SynchronousRunner
+
+    class Proto:
+        def __init__(self, clock: Any) -> None:
+            self.clock, self.opened_at, self.can_send, self.frames_sent = clock, clock.seconds(), True, 0
+            self.last = clock.seconds()
+            self.is_closed = succeed(None)
+
+        def send_frame(self, frame: dict[str, Any], *, seq: bool = True) -> int:
+            self.last = self.clock.seconds()
+            return 0
+
+        def sendClose(self, *a: Any, **kw: Any) -> None:
+            self.can_send = False
+
+    class NoBackend:
+        pass
+
+    rng = random.Random(seed)
+    config = load_config({"LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:8000"}, {})
+    tmp = tempfile.mkdtemp(prefix="bench-fleet-model-")
+    out: dict[float, list[float]] = {g: [] for g in gaps}
+    for gap in gaps:
+        for i in range(samples):
+            clock = MemoryReactorClock()
+            state = StateStore(SynchronousRunner(), os.path.join(tmp, f"s{gap}-{i}.json"))
+            state.load()
+            state.update(credential="x.y", node_id="n")
+            svc = SessionService(clock, config, state, NoBackend(),  # type: ignore[arg-type]
+                                 lambda: succeed({}), lambda c, m: None, version="0",
+                                 endpoint_factory=lambda h, p, t: TCP4ClientEndpoint(clock, h, p))
+            proto = Proto(clock)
+            svc.proto = proto  # type: ignore[assignment]
+            svc.connection_opened(proto)  # type: ignore[arg-type]
+            hb = HeartbeatReporter(clock, svc, config.heartbeat_interval_sec, lambda: {"status": "healthy"})
+            hb.session_opened()
+            inventory = LoopingCall(svc.send, {"type": "inventory"})
+            inventory.clock = clock
+            clock.advance(rng.uniform(0, 60))
+            inventory.start(config.inventory_interval_sec, now=True)
+
+            def run_to(t: float) -> None:
+                while clock.seconds() < t:
+                    due = min([c.getTime() for c in clock.getDelayedCalls()] + [t])
+                    clock.advance(max(0.0, due - clock.seconds()))
+
+            def next_frame_after(t: float) -> float:
+                run_to(t)
+                while proto.last < t:
+                    due = min(c.getTime() for c in clock.getDelayedCalls())
+                    clock.advance(max(0.0, due - clock.seconds()))
+                return proto.last
+
+            # The previous command: it arrives with the next frame, is acked and answered.
+            run_to(clock.seconds() + rng.uniform(0, 30))
+            seen = next_frame_after(clock.seconds())
+            svc.frame_received(proto, {"type": "commands", "items": [{"id": "c"}]})  # type: ignore[arg-type]
+            svc.send({"type": "command_ack", "command_id": "c"})
+            svc.send({"type": "command_result", "command_id": "c"})
+            issued = seen + gap + rng.uniform(-1, 1)
+            out[gap].append(next_frame_after(issued) - issued)
+            inventory.stop()
+            hb.session_closed()
+            svc.connection_closed(proto, True, 1000, "", None)  # type: ignore[arg-type]
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 # -- the orchestrator -----------------------------------------------------------------------
@@ -346,6 +440,8 @@ def main() -> int:
                    help="idle pickups are issued at random times over this many seconds")
     p.add_argument("--settle", type=float, default=5.0,
                    help="seconds past the window before the idle measurement starts")
+    p.add_argument("--model-samples", type=int, default=300,
+                   help="samples per gap of the virtual-clock pickup model (0 = skip)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     args = p.parse_args()
     if args.role == "backend":
@@ -453,6 +549,13 @@ def orchestrate(args: Any) -> int:  # noqa: C901
             print(f"  idle node (past the window; a command 15 min after the previous one): p50 "
                   f"{percentile(idle, 0.5):.2f} s, p95 {percentile(idle, 0.95):.2f} s, max {max(idle):.2f} s "
                   f"(n={len(idle)})")
+        if args.model_samples:
+            model = virtual_pickup([5.0, 60.0, 900.0], args.model_samples)
+            print(f"  virtual clock, default settings (window 600 s, idle interval 8 s), pickup = time to "
+                  f"the agent's next frame, n={args.model_samples} each:")
+            for gap, lat in model.items():
+                print(f"    {gap:>4g} s after the previous command: p50 {percentile(lat, 0.5):.2f} s, "
+                      f"p95 {percentile(lat, 0.95):.2f} s, max {max(lat):.2f} s")
         back = sorted(t - up for t in curve["open_after_up"].values() if t is not None)
         beats = sorted(t - up for t in curve["heartbeat_after_up"].values())
         total = args.agents

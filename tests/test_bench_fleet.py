@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = [
     "--agents", "20", "--workers", "2", "--window", "3", "--gaps", "0.5,1", "--rounds", "1",
     "--idle-interval", "3", "--idle-minutes", "0.1", "--idle-spread", "1", "--settle", "0.5",
-    "--outage", "3", "--pickup-nodes", "3", "--reconnect-max", "3",
+    "--outage", "3", "--pickup-nodes", "3", "--reconnect-max", "3", "--model-samples", "5",
 ]
 
 
@@ -33,6 +33,6 @@ class FleetBenchSmokeTests(TestCase):
         text = out.decode("utf-8", "replace")
         self.assertEqual(code, 0, text + err.decode("utf-8", "replace")[-3000:])
         for needle in ("idle cost per node", "before (idle interval", "after  (idle interval",
-                       "after the previous command", "idle node", "streams back", "(20/20)",
+                       "after the previous command", "idle node", "virtual clock", "streams back", "(20/20)",
                        "connection attempts"):
             self.assertIn(needle, text)
