@@ -254,6 +254,22 @@ def run_worker(config_path: str) -> None:
 # -- pickup latency on a virtual clock, default settings -------------------------------------
 
 
+def _run_to(clock: Any, t: float) -> None:
+    """Advance C{clock} to C{t}, one pending call at a time."""
+    while clock.seconds() < t:
+        due = min([c.getTime() for c in clock.getDelayedCalls()] + [t])
+        clock.advance(max(0.0, due - clock.seconds()))
+
+
+def _next_frame_after(clock: Any, proto: Any, t: float) -> float:
+    """When the agent sends its first frame at or after C{t}."""
+    _run_to(clock, t)
+    while proto.last < t:
+        due = min(c.getTime() for c in clock.getDelayedCalls())
+        clock.advance(max(0.0, due - clock.seconds()))
+    return float(proto.last)
+
+
 def virtual_pickup(gaps: list[float], samples: int, seed: int = 7) -> dict[float, list[float]]:
     """
     The real SessionService and HeartbeatReporter (with inventory every 60 s) on a virtual
@@ -300,7 +316,7 @@ def virtual_pickup(gaps: list[float], samples: int, seed: int = 7) -> dict[float
             state.update(credential="x.y", node_id="n")
             svc = SessionService(clock, config, state, NoBackend(),  # type: ignore[arg-type]
                                  lambda: succeed({}), lambda c, m: None, version="0",
-                                 endpoint_factory=lambda h, p, t: TCP4ClientEndpoint(clock, h, p))
+                                 endpoint_factory=lambda h, p, t, c=clock: TCP4ClientEndpoint(c, h, p))
             proto = Proto(clock)
             svc.proto = proto  # type: ignore[assignment]
             svc.connection_opened(proto)  # type: ignore[arg-type]
@@ -311,26 +327,14 @@ def virtual_pickup(gaps: list[float], samples: int, seed: int = 7) -> dict[float
             clock.advance(rng.uniform(0, 60))
             inventory.start(config.inventory_interval_sec, now=True)
 
-            def run_to(t: float) -> None:
-                while clock.seconds() < t:
-                    due = min([c.getTime() for c in clock.getDelayedCalls()] + [t])
-                    clock.advance(max(0.0, due - clock.seconds()))
-
-            def next_frame_after(t: float) -> float:
-                run_to(t)
-                while proto.last < t:
-                    due = min(c.getTime() for c in clock.getDelayedCalls())
-                    clock.advance(max(0.0, due - clock.seconds()))
-                return proto.last
-
             # The previous command: it arrives with the next frame, is acked and answered.
-            run_to(clock.seconds() + rng.uniform(0, 30))
-            seen = next_frame_after(clock.seconds())
+            _run_to(clock, clock.seconds() + rng.uniform(0, 30))
+            seen = _next_frame_after(clock, proto, clock.seconds())
             svc.frame_received(proto, {"type": "commands", "items": [{"id": "c"}]})  # type: ignore[arg-type]
             svc.send({"type": "command_ack", "command_id": "c"})
             svc.send({"type": "command_result", "command_id": "c"})
             issued = seen + gap + rng.uniform(-1, 1)
-            out[gap].append(next_frame_after(issued) - issued)
+            out[gap].append(_next_frame_after(clock, proto, issued) - issued)
             inventory.stop()
             hb.session_closed()
             svc.connection_closed(proto, True, 1000, "", None)  # type: ignore[arg-type]
