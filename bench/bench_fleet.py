@@ -344,6 +344,15 @@ def virtual_pickup(gaps: list[float], samples: int, seed: int = 7) -> dict[float
     return out
 
 
+def print_model(samples: int) -> None:
+    model = virtual_pickup([5.0, 60.0, 900.0], samples)
+    print(f"  virtual clock, default settings (window 600 s, idle interval 8 s), pickup = time to "
+          f"the agent's next frame, n={samples} each:")
+    for gap, lat in model.items():
+        print(f"    {gap:>4g} s after the previous command: p50 {percentile(lat, 0.5):.2f} s, "
+              f"p95 {percentile(lat, 0.95):.2f} s, max {max(lat):.2f} s")
+
+
 # -- the orchestrator -----------------------------------------------------------------------
 
 
@@ -446,6 +455,7 @@ def main() -> int:
                    help="seconds past the window before the idle measurement starts")
     p.add_argument("--model-samples", type=int, default=300,
                    help="samples per gap of the virtual-clock pickup model (0 = skip)")
+    p.add_argument("--model-only", action="store_true", help="print only the virtual-clock pickup model")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     args = p.parse_args()
     if args.role == "backend":
@@ -453,6 +463,9 @@ def main() -> int:
         return 0
     if args.role == "worker":
         run_worker(args.config)
+        return 0
+    if args.model_only:
+        print_model(args.model_samples or 300)
         return 0
     return orchestrate(args)
 
@@ -554,12 +567,7 @@ def orchestrate(args: Any) -> int:  # noqa: C901
                   f"{percentile(idle, 0.5):.2f} s, p95 {percentile(idle, 0.95):.2f} s, max {max(idle):.2f} s "
                   f"(n={len(idle)})")
         if args.model_samples:
-            model = virtual_pickup([5.0, 60.0, 900.0], args.model_samples)
-            print(f"  virtual clock, default settings (window 600 s, idle interval 8 s), pickup = time to "
-                  f"the agent's next frame, n={args.model_samples} each:")
-            for gap, lat in model.items():
-                print(f"    {gap:>4g} s after the previous command: p50 {percentile(lat, 0.5):.2f} s, "
-                      f"p95 {percentile(lat, 0.95):.2f} s, max {max(lat):.2f} s")
+            print_model(args.model_samples)
         back = sorted(t - up for t in curve["open_after_up"].values() if t is not None)
         beats = sorted(t - up for t in curve["heartbeat_after_up"].values())
         total = args.agents
