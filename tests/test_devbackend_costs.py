@@ -95,3 +95,12 @@ class CostCounterTests(LoopbackMixin, TestCase):
         self.assertEqual(self.backend.frames(one["node_id"]), [])
         code, _ = await self.get("/dev/nodes/nope/costs")
         self.assertEqual(code, 404)
+
+
+class CliTests(SynchronousTestCase):
+    def test_keep_frames_option(self) -> None:
+        """llmport-agent devbackend keeps frames by default; --no-keep-frames turns it off."""
+        from llmport_agent.devbackend import cli
+
+        self.assertTrue(cli.build_parser().parse_args([]).keep_frames)
+        self.assertFalse(cli.build_parser().parse_args(["--no-keep-frames"]).keep_frames)

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="NAME:TAG=TAR", help="serve a docker-save tar for image transfer")
     parser.add_argument("--model", type=_model, action="append", default=[],
                         metavar="MODEL_ID,HF_REPO_ID,DIR", help="serve a model directory")
+    parser.add_argument("--keep-frames", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep a copy of every inbound frame for GET /dev/nodes/<id>/frames "
+                        "(--no-keep-frames for a large fleet; the cost counters count either way)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warn", "error", "critical"])
     return parser
@@ -135,6 +138,7 @@ def main(argv: list[str]) -> int:
         token_ttl=args.token_ttl,
         base_path=args.base_path,
         admin_token=args.admin_token,
+        keep_frames=args.keep_frames,
     )
     for name, tag, path in args.image:
         backend.add_image(name, tag, path, image_size=None)
