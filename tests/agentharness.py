@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from typing import Any
 
@@ -32,16 +33,58 @@ def agent_env(backend: DevBackend, state_dir: str, **extra: str) -> dict[str, st
     return {"LLM_PORT_NODE_AGENT_" + k: v for k, v in env.items()}
 
 
-class AgentTestCase(TestCase):
+class AnomalyGuard:
+    """
+    The one shared teardown of every test that runs a stand-in backend: when the test ends
+    (after its agents and the backend stopped), any protocol anomaly the backend recorded
+    (ack or progress after a result, a second result, a dropped connection, an ack for an
+    unknown command...) fails the test, unless the test allowed it with L{allow_anomalies}.
+    """
+
+    addCleanup: Any
+    fail: Any
+
+    def watch_backend(self, backend: DevBackend) -> DevBackend:
+        """Check C{backend}'s anomalies when the test ends. Call before registering its stop."""
+        if not hasattr(self, "_allowed_anomalies"):
+            self._allowed_anomalies: list[tuple[re.Pattern[str], str]] = []
+        self.addCleanup(self._check_anomalies, backend)
+        return backend
+
+    def allow_anomalies(self, pattern: str, reason: str) -> None:
+        """This test provokes anomalies matching C{pattern} (a regex searched in each note)."""
+        if not reason:
+            raise ValueError("say why the anomaly is expected")
+        if not hasattr(self, "_allowed_anomalies"):
+            self._allowed_anomalies = []
+        self._allowed_anomalies.append((re.compile(pattern), reason))
+
+    def _check_anomalies(self, backend: DevBackend) -> None:
+        allowed = getattr(self, "_allowed_anomalies", [])
+        found = []
+        for node_id, notes in sorted(backend.state.anomalies.items()):
+            for note in notes:
+                if not any(p.search(note) for p, _reason in allowed):
+                    found.append(f"{node_id}: {note}")
+        if found:
+            self.fail("protocol anomalies at the stand-in backend:\n  " + "\n  ".join(found))
+
+    async def start_watched_backend(self, tls: Any = None, **kw: Any) -> DevBackend:
+        """A stand-in backend on 127.0.0.1, stopped and checked for anomalies at the end."""
+        backend = DevBackend(reactor, **kw)
+        self.watch_backend(backend)
+        await backend.listen(0, "127.0.0.1", tls=tls)
+        self.addCleanup(backend.stop)
+        return backend
+
+
+class AgentTestCase(AnomalyGuard, TestCase):
     """Starts a stand-in backend per test; C{start_agent} runs a real agent against it."""
 
     timeout = 60
 
-    async def start_backend(self, **kw: Any) -> DevBackend:
-        backend = DevBackend(reactor, **kw)
-        await backend.listen(0, "127.0.0.1")
-        self.addCleanup(backend.stop)
-        return backend
+    async def start_backend(self, tls: Any = None, **kw: Any) -> DevBackend:
+        return await self.start_watched_backend(tls=tls, **kw)
 
     def start_agent(
         self,

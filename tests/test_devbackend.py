@@ -41,6 +41,7 @@ from llmport_agent.devbackend._state import (
     StoreFailure,
     rewrite_endpoint,
 )
+from tests.agentharness import AnomalyGuard
 
 CREDENTIAL_RE = re.compile(
     r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\.[A-Za-z0-9_-]{43}"
@@ -368,8 +369,11 @@ def _headers(values: dict[str, str]) -> Any:
     return {k: [v] for k, v in values.items()}
 
 
-class LoopbackMixin:
-    """Starts a DevBackend on 127.0.0.1 and tears down every connection after the test."""
+class LoopbackMixin(AnomalyGuard):
+    """
+    Starts a DevBackend on 127.0.0.1 and tears down every connection after the test; the
+    shared teardown fails the test on protocol anomalies it did not allow.
+    """
 
     backend: DevBackend
     http: HTTPClient
@@ -381,6 +385,7 @@ class LoopbackMixin:
     async def start(self, clock: Clock | None = None, **kwargs: Any) -> None:
         self.clients = []
         self.backend = DevBackend(reactor, base_path=self.base_path, clock=clock, **kwargs)
+        self.watch_backend(self.backend)
         self.addCleanup(self._stop_backend)
         await self.backend.listen(0, "127.0.0.1", tls=self.tls)
         pool = HTTPConnectionPool(reactor, persistent=False)
@@ -744,6 +749,11 @@ class StreamTests(LoopbackMixin, TestCase):
 
     async def test_bad_frames_drop_connection(self) -> None:
         """Non-object, invalid or too deep JSON, binary frames, a non-integer seq: dropped."""
+        self.allow_anomalies(
+            r"^connection dropped: (frame is not a JSON object|frame is not valid JSON|binary frame"
+            r"|frame is nested too deeply|seq is not an integer)$",
+            "the test sends each kind of bad frame on purpose",
+        )
         await self.start()
         reply = await self.enroll()
         node_id = reply["node_id"]
@@ -763,6 +773,8 @@ class StreamTests(LoopbackMixin, TestCase):
 
     async def test_field_limit_drops_connection(self) -> None:
         """An over-long heartbeat status or event field drops the connection, nothing stored."""
+        self.allow_anomalies(r"^connection dropped: .* is longer than \d+ characters$",
+                             "the test sends over-long fields on purpose")
         await self.start()
         reply = await self.enroll()
         node_id = reply["node_id"]
@@ -795,6 +807,8 @@ class StreamTests(LoopbackMixin, TestCase):
 
     async def test_ack_after_result_regresses(self) -> None:
         """No state machine guard: an ack after the result moves the command back, recorded."""
+        self.allow_anomalies(r"^command_ack after the result of .* \(status regresses\)$",
+                             "the test sends an ack after the result on purpose")
         await self.start()
         reply = await self.enroll()
         node_id = reply["node_id"]
@@ -967,6 +981,8 @@ class StreamLifecycleTests(LoopbackMixin, TestCase):
 
     async def test_deleted_node_fails_on_next_frame(self) -> None:
         """An open stream of a deleted node is dropped at its next frame."""
+        self.allow_anomalies(r"^connection dropped: node no longer exists$",
+                             "the test deletes the node while its stream is open")
         await self.start()
         reply = await self.enroll()
         client = await self.open_stream(reply["credential"])

@@ -19,7 +19,7 @@ from typing import Any
 from twisted.internet import reactor
 from twisted.trial.unittest import SkipTest, TestCase
 
-from tests.agentharness import agent_env
+from tests.agentharness import AnomalyGuard, agent_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,16 +34,11 @@ def _artifact(var: str) -> str:
     raise SkipTest(reason)
 
 
-class _Spawning(TestCase):
+class _Spawning(AnomalyGuard, TestCase):
     timeout = 120
 
     async def backend(self) -> Any:
-        from llmport_agent.devbackend import DevBackend
-
-        b = DevBackend(reactor)
-        await b.listen(0, "127.0.0.1")
-        self.addCleanup(b.stop)
-        return b
+        return await self.start_watched_backend()
 
     def bare_env(self, **extra: str) -> dict[str, str]:
         """No Python anywhere on PATH; a HOME and cwd outside the checkout."""

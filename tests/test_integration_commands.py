@@ -176,6 +176,8 @@ class CommandFlowTests(AgentTestCase):
         could learn it: the agent sends it again (at-least-once: a lost result would leave the
         command stuck forever; a duplicate is harmless per protocol 3.2). Never a regression.
         """
+        self.allow_anomalies(r"^second command_result for ",
+                             "the documented at-least-once window: result processed, cut before the agent learnt it")
         backend, cmd = await self._cut_at("command_result", processed=True)
         self.assertIn(len(self.results(backend, cmd["id"])), (1, 2))
 
@@ -193,8 +195,12 @@ class CommandFlowTests(AgentTestCase):
         await backend.wait_for(lambda: all(backend.command(c["id"])["status"] == "failed" for c in cases.values()))
         for name, c in cases.items():
             rec = backend.command(c["id"])
-            self.assertIn(rec["error_code"], ("invalid_command", "signature_invalid"), name)
-            self.assertIn(name.strip(), rec["error_message"] if name != "signature" else "signature")
+            if name == "signature":
+                self.assertEqual(rec["error_code"], "signature_invalid")
+                self.assertIn("signature", rec["error_message"].lower())
+            else:
+                self.assertEqual(rec["error_code"], "invalid_command", name)
+                self.assertIn(name.strip(), rec["error_message"])
         self.assertEqual(gate.started, [])
         self.assertTrue(agent.session.connected)
 

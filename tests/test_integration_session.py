@@ -157,9 +157,7 @@ class TLSTests(AgentTestCase):
         from llmport_agent.devbackend import DevBackend
 
         tls = make_test_tls(self.mktemp())
-        backend = DevBackend(reactor)
-        await backend.listen(0, "127.0.0.1", tls=tls)
-        self.addCleanup(backend.stop)
+        backend: DevBackend = await self.start_backend(tls=tls)
         return backend, tls.ca_pem
 
     async def test_tls_with_ca_bundle(self) -> None:

@@ -107,10 +107,7 @@ class TlsTextTests(SynchronousTestCase):
 
 class TlsAgentTests(AgentTestCase):
     async def _tls_backend(self) -> DevBackend:
-        backend = DevBackend(reactor)
-        await backend.listen(0, "127.0.0.1", tls=make_test_tls(self.mktemp()))
-        self.addCleanup(backend.stop)
-        return backend
+        return await self.start_backend(tls=make_test_tls(self.mktemp()))
 
     async def test_enrollment_tls_failure_says_what_to_set(self) -> None:
         """Enrolling with a certificate from an unknown CA: the retry line names CA_BUNDLE, no repr."""
@@ -144,9 +141,7 @@ class TlsAgentTests(AgentTestCase):
     async def test_started_before_the_critical_line(self) -> None:
         """No credential and no token: "started" is logged first, then the critical line."""
         captured = Captured(self)
-        backend = DevBackend(reactor)
-        await backend.listen(0, "127.0.0.1")
-        self.addCleanup(backend.stop)
+        backend = await self.start_backend()
         fatal: list[tuple[int, str]] = []
         self.start_agent(backend, token=False, fatal=fatal)
         await backend.wait_for(lambda: bool(fatal), 10)

@@ -19,7 +19,7 @@ from twisted.internet.task import deferLater
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmport_agent.config import SETTINGS
-from tests.agentharness import agent_env
+from tests.agentharness import AnomalyGuard, agent_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,16 +31,11 @@ def spawn(args: list[str], env: dict[str, str], log: str) -> subprocess.Popen[by
     return subprocess.Popen(args, cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT)
 
 
-class _ProcessBase(TestCase):
+class _ProcessBase(AnomalyGuard, TestCase):
     timeout = 120
 
     async def backend(self) -> Any:
-        from llmport_agent.devbackend import DevBackend
-
-        b = DevBackend(reactor)
-        await b.listen(0, "127.0.0.1")
-        self.addCleanup(b.stop)
-        return b
+        return await self.start_watched_backend()
 
     def start(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         log = os.path.join(self.mktemp() + ".log")
