@@ -1,0 +1,60 @@
+"""
+remove_workload when the container vanishes under it (protocol 4: "must succeed when the
+container is already gone"), on the real engine: the container is listed, then removed by
+someone else (an operator's `docker rm -f`, a `--rm` container exiting) before the agent's own
+stop or remove reaches the engine. The command still succeeds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.task import deferLater
+
+from llmport_agent.workloads import containers as ops
+
+from .support.rig import WorkloadTestBase, httpd_payload, ids_of
+
+
+class RemoveGoneTests(WorkloadTestBase):
+    def vanish_before(self, name: str) -> list[str]:
+        """Make ops.<name> find its container already removed (force) by someone else."""
+        real = getattr(ops, name)
+        calls: list[str] = []
+
+        def racing(client: Any, ident: str, *args: Any) -> Any:
+            calls.append(ident)
+            client.api.remove_container(ident, force=True)
+            return real(client, ident, *args)
+
+        self.patch(ops, name, racing)
+        return calls
+
+    async def test_container_gone_before_remove(self) -> None:
+        payload = httpd_payload()
+        await self.rig.run("deploy_workload", payload)
+        await self.rig.run("stop_workload", ids_of(payload))
+        calls = self.vanish_before("remove")
+        _ctx, result = await self.rig.run("remove_workload", ids_of(payload))
+        self.assertEqual(len(calls), 1, "the race was not exercised")
+        self.assertEqual(result["runtime_id"], payload["runtime_id"])
+        self.assertEqual(result["removed"], 0)
+        self.assertEqual(self.env.managed_containers(payload["runtime_id"]), [])
+
+    async def test_container_gone_before_stop(self) -> None:
+        """Running when listed, gone when the agent stops it before removing."""
+        payload = httpd_payload()
+        await self.rig.run("deploy_workload", payload)
+        calls = self.vanish_before("stop")
+        _ctx, result = await self.rig.run("remove_workload", ids_of(payload))
+        self.assertEqual(len(calls), 1, "the race was not exercised")
+        self.assertEqual(result["removed"], 0)
+        self.assertEqual(self.env.managed_containers(payload["runtime_id"]), [])
+        await deferLater(reactor, 0, lambda: None)
+
+    def test_ops_remove_of_unknown_container(self) -> None:
+        """containers.remove of an id the engine does not know: False, no exception."""
+        client = self.env.client()
+        self.assertFalse(ops.remove(client, "0" * 64))
+        self.assertFalse(ops.stop(client, "0" * 64, 1))
