@@ -22,6 +22,11 @@ from tests.support.docker_env import require_docker
 from tests.support.rig import httpd_payload
 
 TERMINAL = ("succeeded", "failed")
+
+
+class Missing:
+    state = "missing"
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -77,11 +82,23 @@ class WorkloadFlowTests(_WorkloadBase):
         for phase in ("validate", "start_container", "waiting_for_ready", "ready"):
             self.assertIn(phase, phases)
         await backend.wait_for(lambda: (backend.runtime(rid) or {}).get("status") == "running")
+        # No race with anything else that could bring the runtime back after the drop: the
+        # deploy's result is confirmed delivered (no resend after reconnecting), no delayed
+        # post-command announcement is pending, no health check is in flight and every event
+        # is confirmed delivered (the outbox would send it again after reconnecting, after the
+        # backend marked the runtime error). Only the announcement at connect can restore it.
+        await backend.wait_for(lambda: (agent.journal.get(deploy["id"]) or Missing).state == "delivered", 10)
+        await backend.wait_for(lambda: not agent.health._timers and not agent.health._busy, 10)
+        await backend.wait_for(lambda: agent.outbox.depth == 0, 10)  # no event left to resend
+        health_events = len([e for e in backend.events(node_id) if e["event_type"] == "workload.health.running"])
         # The link drops: the backend marks the node offline and the runtime error...
         backend.drop_connections(node_id)
         await backend.wait_for(lambda: (backend.runtime(rid) or {}).get("status") == "error", 10)
         # ...and the agent's announcement after reconnecting brings it back.
         await backend.wait_for(lambda: (backend.runtime(rid) or {}).get("status") == "running", 20)
+        self.assertGreater(
+            len([e for e in backend.events(node_id) if e["event_type"] == "workload.health.running"]), health_events
+        )
         stop = backend.issue_command(node_id, "stop_workload", {"runtime_id": rid, "runtime_name": payload["runtime_name"], "container_name": ""})
         self.assertEqual((await self.done(backend, stop["id"]))["status"], "succeeded")
         await backend.wait_for(lambda: (backend.runtime(rid) or {}).get("status") == "stopped")
