@@ -57,6 +57,10 @@ class ModelFaults:
     @ivar fail_5xx_times: answer the next N requests (manifest or blob) with 503.
     @ivar rate_limit: bytes per second per blob response (0 = unlimited): a link or a
         proxy that limits each connection (benchmarks of ranged downloads).
+    @ivar refuse_range_times: answer the next N ranged blob requests with 416 (a proxy or
+        a backend that lost the partial file's version).
+    @ivar wrong_range_start: once, answer a ranged blob request with 206 from this offset
+        instead of the one asked (Content-Range and body both start there).
     """
 
     ignore_range: bool = False
@@ -67,6 +71,8 @@ class ModelFaults:
     corrupt_blob: str | None = None
     fail_5xx_times: int = 0
     rate_limit: int = 0
+    refuse_range_times: int = 0
+    wrong_range_start: int | None = None
 
 
 @frozen
@@ -416,10 +422,14 @@ class _ModelFilesResource(Resource):
                     return self._json(request, 416, {"detail": "Suffix ranges are not supported."})
                 start = int(first)
                 end = min(int(last), size - 1) if last and not faults.ignore_range_end else size - 1
-                if start >= size or end < start:
+                if start >= size or end < start or faults.refuse_range_times > 0:
+                    if faults.refuse_range_times > 0:
+                        faults.refuse_range_times -= 1
                     served(416)
                     request.setHeader(b"content-range", f"bytes */{size}".encode())
                     return self._json(request, 416, {"detail": "Range not satisfiable."})
+                if faults.wrong_range_start is not None:
+                    start, faults.wrong_range_start = faults.wrong_range_start, None
                 status = 206
                 request.setHeader(b"content-range", f"bytes {start}-{end}/{size}".encode())
         length = max(0, end - start + 1)
