@@ -177,3 +177,46 @@ class JournalAppendTests(SynchronousTestCase):
         f.trap(OSError)
         self.assertIsNone(j.get("cmd-2"))
         self.assertEqual(len(self.flushLoggedErrors(OSError)), 1)
+
+
+class PipelinePruningTests(SynchronousTestCase):
+    """Journal pruning run by the real pipeline with small caps (the defaults never prune in tests)."""
+
+    def test_unconfirmed_results_survive_pruning(self) -> None:
+        from tests.test_pipeline import Harness, command
+
+        h = Harness(self)
+        j = h.journal
+        j.max_records, j.max_bytes, j.max_age = 10, 4000, 60.0
+        h.session.auto_confirm = False  # results sent, delivery not confirmed: they must stay
+        pending = [command("noop") for _ in range(15)]
+        h.deliver(*pending)
+        h.clock.advance(3600)  # old, by the age bound too
+        h.session.confirm_all()
+        h.session.auto_confirm = True
+        h.session.confirm_all()
+        h.session.auto_confirm = False
+        unconfirmed = [command("noop") for _ in range(12)]
+        h.deliver(*unconfirmed)
+        h.session.auto_confirm = True
+        for _ in range(4):
+            h.deliver(*[command("noop") for _ in range(10)])
+            h.clock.advance(120)
+        for c in unconfirmed:
+            rec = j.get(c["id"])
+            self.assertIsNotNone(rec, "an undelivered result was pruned")
+            assert rec is not None
+            self.assertEqual(rec.state, "finished")
+            self.assertIsNotNone(rec.result_frame)
+        # Delivered ones went: the journal holds the unconfirmed ones and few others.
+        self.assertLessEqual(len(j.records), len(unconfirmed) + j.max_records)
+        self.assertEqual(sum(1 for c in pending if j.get(c["id"]) is not None), 0)
+        # Reloaded from the file (after compaction), the unconfirmed ones are still there.
+        self.successResultOf(j._compact())
+        again = CommandJournal(SynchronousRunner(), j.path, h.clock.seconds, max_records=10)
+        self.successResultOf(again.load())
+        self.assertEqual({r.id for r in again.undelivered()}, {c["id"] for c in unconfirmed})
+        # Delivery confirmed at last: now they may go too.
+        h.session.confirm_all()
+        h.deliver(*[command("noop") for _ in range(10)])
+        self.assertLessEqual(len(j.records), j.max_records)
