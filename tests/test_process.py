@@ -88,8 +88,7 @@ class ProcessTests(_ProcessBase):
 
     async def test_twistd_plugin(self) -> None:
         """`twistd -n llmport-agent` runs the same service and stops cleanly on SIGTERM."""
-        await self._run_and_term([sys.executable, "-m", "twisted", "--help"] if False else
-                                 [sys.executable, "-c", "import sys; from twisted.scripts.twistd import run; "
+        await self._run_and_term([sys.executable, "-c", "import sys; from twisted.scripts.twistd import run; "
                                   "sys.argv=['twistd','-n','--pidfile=','llmport-agent']; run()"])
 
     async def test_sigkill_mid_command_resolved(self) -> None:
