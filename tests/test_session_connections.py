@@ -138,3 +138,33 @@ class ProductionJitterTests(_Base):
         self.assertTrue(all(1.0 <= d <= 30.0 for d in da + db))
         self.assertGreater(len(set(da)), 30)
         self.assertNotEqual(da, db)
+
+
+class AgentJitterTests(SynchronousTestCase):
+    """The agent as production builds it (AgentService, nothing injected) jitters its reconnects."""
+
+    def agent(self) -> Any:
+        from twisted.internet import reactor
+
+        from llmport_agent.inventory.gpu import NoGPUSource
+        from llmport_agent.service import AgentService
+
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        config = load_config({
+            "LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:9",
+            "LLM_PORT_NODE_AGENT_STATE_PATH": os.path.join(d, "state.json"),
+            "LLM_PORT_NODE_AGENT_MODEL_STORE": os.path.join(d, "models"),
+            "LLM_PORT_NODE_AGENT_RECONNECT_MIN_SEC": "1",
+            "LLM_PORT_NODE_AGENT_RECONNECT_MAX_SEC": "60",
+        }, {})
+        return AgentService(reactor, config, fatal=lambda code, msg: None, gpu_source=NoGPUSource(),
+                            docker_enabled=False)
+
+    def test_two_agents_draw_different_bounded_delays(self) -> None:
+        a, b = self.agent(), self.agent()
+        da = [a.session.backoff.delay(4) for _ in range(40)]
+        db = [b.session.backoff.delay(4) for _ in range(40)]
+        self.assertTrue(all(1.0 <= d <= 16.0 for d in da + db))
+        self.assertGreater(len(set(da)), 30)
+        self.assertNotEqual(da, db)
