@@ -45,7 +45,7 @@ class CostCounterTests(LoopbackMixin, TestCase):
         a.send({"type": "poll"}, seq=False)     # query only
         a.send({"type": "poll"}, seq=False)     # query only
         a.send({"type": "heartbeat", "seq": 1})  # not increasing: dropped, no dispatch
-        a.send({"type": "inventory"})           # seq 2: write + query
+        a.send({"type": "inventory", "inventory": {}})  # seq 2: write + query
         b.send({"type": "poll"}, seq=False)
         await a.barrier()
         await b.barrier()
