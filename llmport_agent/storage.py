@@ -7,11 +7,12 @@ classes never touch the disk themselves.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -70,12 +71,31 @@ def move_aside(path: str, now: float | None = None) -> str:
     return target
 
 
-def append_lines(path: str, lines: Iterable[bytes]) -> None:
-    """Append lines to C{path} (mode 0600) and fsync. Blocking."""
+def append_lines(path: str, lines: Iterable[bytes], write: Callable[[int, memoryview], int] = os.write) -> None:
+    """
+    Append lines to C{path} (mode 0600) and fsync, all or nothing. Blocking.
+
+    A full disk makes C{write} return short before it raises C{ENOSPC}: the part that fit is
+    cut off again (C{ftruncate} to the size before), so no torn line is left to swallow the
+    next record, and the error is raised (the caller counts the lines as not written).
+    """
+    data = memoryview(b"".join(lines))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        os.write(fd, b"".join(lines))
-        os.fsync(fd)
+        start = os.fstat(fd).st_size
+        try:
+            while data:
+                n = write(fd, data)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"short write appending to {path}")
+                data = data[n:]
+            os.fsync(fd)
+        except BaseException:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            raise
     finally:
         os.close(fd)
 

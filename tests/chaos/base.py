@@ -43,6 +43,7 @@ class ChaosTestCase(AgentTestCase):
                 + "\n  ".join(problems[:20])
             )
         self.assertEqual(tally.resolved, tally.issued)
+        print("CHAOS", tally.line(), run.describe(proxy))
 
     @staticmethod
     def proxied(proxy: ChaosProxy) -> str:
