@@ -710,6 +710,16 @@ class FakeLokiTests(SynchronousTestCase):
         self.assertEqual(code, 400)
         self.assertIn(b"out of order", text)
 
+    def test_retried_push_is_not_out_of_order(self) -> None:
+        """A push repeated after its answer was lost is stored once and is no order violation."""
+        loki = FakeLoki(check_labels=True)
+        push = {"streams": [{"stream": labels(), "values": [["4", "x"], ["5", "y"]]}]}
+        self.post(loki, push)
+        self.post(loki, push)
+        self.assertEqual((loki.violations, loki.duplicates, loki.lines()), ([], 2, ["x", "y"]))
+        self.post(loki, {"streams": [{"stream": labels(), "values": [["3", "z"]]}]})
+        self.assertEqual(len(loki.violations), 1)  # a new entry older than the newest still is
+
     def test_checks_record_protocol_violations(self) -> None:
         """Label sets outside protocol 8, entries out of order and unzipped bodies are recorded."""
         loki = FakeLoki(check_labels=True, require_gzip=True)

@@ -137,11 +137,20 @@ def check_runtimes(backend: Any, client: Any, runtime_ids: Iterable[str]) -> lis
     return problems
 
 
-def check_loki(loki: Any, expected: Sequence[str], **labels: str) -> list[str]:
-    """Problems: C{expected} lines (each unique) missing from Loki or stored more than once."""
+def check_loki(
+    loki: Any, expected: Sequence[str], key: Callable[[str], str | None] = lambda line: line,
+    **labels: str,
+) -> list[str]:
+    """
+    Problems: C{expected} lines (each unique) missing from Loki or stored more than once
+    (entries repeated with the same time stamp are stored once, as Loki does). C{key} maps a
+    stored line to the expected line it carries (or C{None}).
+    """
     stored: dict[str, int] = {}
     for line in loki.lines(**labels):
-        stored[line] = stored.get(line, 0) + 1
+        k = key(line)
+        if k is not None:
+            stored[k] = stored.get(k, 0) + 1
     missing = [line for line in expected if line not in stored]
     doubled = [line for line in expected if stored.get(line, 0) > 1]
     problems = []

@@ -93,6 +93,7 @@ async def run_random(
     max_dwell: float = 0.4,
     max_commands: int = 3,
     reconnect_timeout: float = 30.0,
+    directions: tuple[str, ...] = (UP, DOWN),
 ) -> ChaosRun:
     """Run C{steps} random steps (module docstring); the result lists what was issued."""
     rng = random.Random(seed)
@@ -120,7 +121,7 @@ async def run_random(
             proxy.slow(chunk=rng.choice((1, 16, 64, 512)), delay=rng.choice((0.001, 0.01, 0.03)))
         elif kind in ("flip", "garble"):
             proxy.rng = rng
-            proxy.corrupt(rng.choice((UP, DOWN)), kind)
+            proxy.corrupt(rng.choice(directions), kind)
         await sleep(reactor, rng.uniform(0, max_dwell))
         await act(rng)
         run.disruptions += 1
