@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from twisted.internet import reactor
+from twisted.logger import Logger
 
 from tests.agentharness import AgentTestCase
 from tests.chaos.invariants import LINK_ANOMALIES, CommandTally
 from tests.chaos.scenarios import ChaosRun
 from tests.support.chaosproxy import ChaosProxy
+
+_log = Logger()
 
 
 class ChaosTestCase(AgentTestCase):
@@ -43,7 +46,7 @@ class ChaosTestCase(AgentTestCase):
                 + "\n  ".join(problems[:20])
             )
         self.assertEqual(tally.resolved, tally.issued)
-        print("CHAOS", tally.line(), run.describe(proxy))
+        _log.info("chaos: {tally}; {run}", tally=tally.line(), run=run.describe(proxy))
 
     @staticmethod
     def proxied(proxy: ChaosProxy) -> str:

@@ -94,7 +94,7 @@ def check_commands(
             tally.problems.append(
                 f"command {cid} ({record['command_type']}) is {record['status']} without a result"
             )
-        for before, after in zip(results, results[1:]):
+        for before, after in zip(results, results[1:], strict=False):
             t0, t1 = _ts(before["ts"]), _ts(after["ts"])
             if not any(t0 <= c <= t1 for c in closes):
                 tally.problems.append(

@@ -11,7 +11,6 @@ import random
 import signal
 import subprocess
 import sys
-from typing import Any
 
 from twisted.internet import reactor
 
@@ -55,7 +54,9 @@ class KillChaosTests(ChaosTestCase):
         start()
         agent_id = env["LLM_PORT_NODE_AGENT_AGENT_ID"]
         await backend.wait_for(lambda: backend.node_by_agent_id(agent_id) is not None, 30)
-        node_id = backend.node_by_agent_id(agent_id)["id"]
+        node = backend.node_by_agent_id(agent_id)
+        assert node is not None
+        node_id = node["id"]
         env.pop("LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN")
 
         def connected() -> bool:
@@ -86,4 +87,3 @@ class KillChaosTests(ChaosTestCase):
         self.assertEqual([p.returncode for p in procs[:-1]], [-signal.SIGKILL] * (len(procs) - 1))
         self.assertGreater(kills[0], 0)
 
-    _ = Any

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 import uuid
+from typing import Any
 
-from twisted.internet import reactor
+from twisted.internet import reactor as _global_reactor
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.web.server import Site
@@ -26,6 +27,7 @@ from tests.chaos.scenarios import chaos_cuts, chaos_seed, cheap_issuer, converge
 from tests.support.chaosproxy import DOWN
 
 _log = Logger(namespace="chaos.lines")
+reactor: Any = _global_reactor
 
 
 class LokiChaosTests(ChaosTestCase):
@@ -53,7 +55,7 @@ class LokiChaosTests(ChaosTestCase):
 
         emitter = LoopingCall(emit)
         emitter.start(0.05)
-        self.addCleanup(lambda: emitter.running and emitter.stop())
+        self.addCleanup(lambda: emitter.stop() if emitter.running else None)
 
         def connected() -> bool:
             return bool(agent.session.connected) and backend.connection_count(node_id) == 1
