@@ -125,6 +125,9 @@ async def run_random(
         await sleep(reactor, rng.uniform(0, max_dwell))
         await act(rng)
         run.disruptions += 1
+        # The loss reaches both ends a reactor turn or more later: without this wait the next
+        # step could start on the dying connection and its cut would find nothing to cut.
+        await settle(reactor, lambda: not connected(), 5, step=0.01)
         proxy.heal()
     proxy.heal()
     run.seconds = reactor.seconds() - started

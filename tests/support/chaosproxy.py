@@ -104,6 +104,8 @@ class ChaosProxy(LoopbackProxy):
         self.log: list[str] = []
         self.counts: dict[str, int] = {}
         self.bytes = {UP: 0, DOWN: 0}
+        #: Cuts that reset at least one open connection.
+        self.live_cuts = 0
 
     def retarget(self, port: int) -> None:
         """Forward new connections to C{port} (the server came back elsewhere)."""
@@ -161,6 +163,8 @@ class ChaosProxy(LoopbackProxy):
         fronts = list(self.fronts)
         for front in fronts:
             front.abort()
+        if fronts:
+            self.live_cuts += 1
         return len(fronts)
 
     def stall(self) -> None:
