@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import sys
 import tempfile
 from typing import Any
@@ -125,6 +126,7 @@ async def main(reactor: Any, args: argparse.Namespace) -> None:
         await agent.stopService()
         await proxy.stop()
         await backend.stop()
+        shutil.rmtree(state, ignore_errors=True)
 
 
 if __name__ == "__main__":

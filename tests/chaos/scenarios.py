@@ -94,8 +94,12 @@ async def run_random(
     max_commands: int = 3,
     reconnect_timeout: float = 30.0,
     directions: tuple[str, ...] = (UP, DOWN),
+    backend_link: bool = True,
 ) -> ChaosRun:
-    """Run C{steps} random steps (module docstring); the result lists what was issued."""
+    """
+    Run C{steps} random steps (module docstring); the result lists what was issued.
+    C{backend_link}: C{proxy} carries the backend stream (a cut disconnects the agent).
+    """
     rng = random.Random(seed)
     run = ChaosRun(seed=seed, steps=steps)
     started = reactor.seconds()
@@ -123,11 +127,14 @@ async def run_random(
             proxy.rng = rng
             proxy.corrupt(rng.choice(directions), kind)
         await sleep(reactor, rng.uniform(0, max_dwell))
+        before = set(proxy.fronts)
         await act(rng)
         run.disruptions += 1
         # The loss reaches both ends a reactor turn or more later: without this wait the next
         # step could start on the dying connection and its cut would find nothing to cut.
-        await settle(reactor, lambda: not connected(), 5, step=0.01)
+        await settle(reactor, lambda old=before: not (old & proxy.fronts), 5, step=0.01)
+        if backend_link:
+            await settle(reactor, lambda: not connected(), 2, step=0.01)
         proxy.heal()
     proxy.heal()
     run.seconds = reactor.seconds() - started

@@ -62,7 +62,8 @@ class LokiChaosTests(ChaosTestCase):
 
         run = await run_random(reactor, backend, node_id, proxy, steps=max(4, chaos_cuts(25) // 2), seed=seed,
                                issue=cheap_issuer(backend, node_id, ("refresh_inventory", "frobnicate")),
-                               connected=connected, directions=(DOWN,), max_commands=1)
+                               connected=connected, directions=(DOWN,), max_commands=1,
+                               backend_link=False)
         emitter.stop()
         tally = await converge(reactor, backend, node_id, run, connected)
         pattern = re.compile(rf"chaos-line {marker} \d{{6}}")
