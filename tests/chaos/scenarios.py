@@ -132,13 +132,18 @@ async def run_random(
         run.disruptions += 1
         # The loss reaches both ends a reactor turn or more later: without this wait the next
         # step could start on the dying connection and its cut would find nothing to cut.
-        await settle(reactor, lambda old=before: not (old & proxy.fronts), 5, step=0.01)
+        await settle(reactor, _gone(proxy, before), 5, step=0.01)
         if backend_link:
             await settle(reactor, lambda: not connected(), 2, step=0.01)
         proxy.heal()
     proxy.heal()
     run.seconds = reactor.seconds() - started
     return run
+
+
+def _gone(proxy: ChaosProxy, fronts: set[Any]) -> Callable[[], bool]:
+    """True once none of C{fronts} (the proxy's connections at some moment) is open."""
+    return lambda: not (fronts & proxy.fronts)
 
 
 async def converge(
