@@ -71,7 +71,9 @@ def move_aside(path: str, now: float | None = None) -> str:
     return target
 
 
-def append_lines(path: str, lines: Iterable[bytes], write: Callable[[int, memoryview], int] = os.write) -> None:
+def append_lines(
+    path: str, lines: Iterable[bytes], write: Callable[[int, memoryview], int] | None = None
+) -> None:
     """
     Append lines to C{path} (mode 0600) and fsync, all or nothing. Blocking.
 
@@ -80,6 +82,7 @@ def append_lines(path: str, lines: Iterable[bytes], write: Callable[[int, memory
     next record, and the error is raised (the caller counts the lines as not written).
     """
     data = memoryview(b"".join(lines))
+    write = write or os.write  # looked up per call: tests patch os.write
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         start = os.fstat(fd).st_size
