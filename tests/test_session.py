@@ -274,6 +274,22 @@ class SessionServiceTests(SynchronousTestCase):
         self.assertEqual(self.backend.enrolls, [])
         self.assertEqual(len(self.reactor.tcpClients), 1)
 
+    def test_connection_attempts_counted(self) -> None:
+        """Diagnostics count every connection attempt, the refused ones too (not only opens)."""
+        from twisted.internet.error import ConnectionRefusedError
+        from twisted.python.failure import Failure
+
+        svc = self.make(credential=CRED)
+        svc.startService()
+        self.assertEqual(svc.stats.connects, 1)
+        for attempt in range(2, 5):
+            self.reactor.tcpClients[-1][2].clientConnectionFailed(None, Failure(ConnectionRefusedError()))
+            self.reactor.advance(60)
+            self.assertEqual(len(self.reactor.tcpClients), attempt)
+            self.assertEqual(svc.stats.connects, attempt)
+        self.assertEqual(svc.stats.as_dict()["connects"], 4)
+        self.assertEqual(svc.stats.opens, 0)
+
     def refuse(self, svc: SessionService, times: int, every: float) -> None:
         for _ in range(times):
             svc.connection_closed(FakeProto(None), False, 1006, "upgrade failed [403]", 403)  # type: ignore[arg-type]

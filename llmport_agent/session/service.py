@@ -83,11 +83,13 @@ def stream_url(backend_url: str) -> str:
 class _NamedEndpoint:
     """An endpoint that logs as the backend address (ClientService logs its endpoint's repr)."""
 
-    def __init__(self, endpoint: Any, label: str) -> None:
+    def __init__(self, endpoint: Any, label: str, on_attempt: Callable[[], None]) -> None:
         self._endpoint = endpoint
         self._label = label
+        self._on_attempt = on_attempt
 
     def connect(self, protocolFactory: Any) -> Any:
+        self._on_attempt()
         return self._endpoint.connect(protocolFactory)
 
     def __repr__(self) -> str:
@@ -236,6 +238,10 @@ class SessionService(Service):
 
     def credential(self) -> str:
         return self.state.credential or ""
+
+    def _count_attempt(self) -> None:
+        """One connection attempt to the backend stream (TCP, TLS and upgrade), shown in diagnostics."""
+        self.stats.connects += 1
 
     def _default_endpoint(self, host: str, port: int, tls: bool) -> Any:
         endpoint: Any = HostnameEndpoint(
@@ -442,7 +448,8 @@ class SessionService(Service):
         host = parts.hostname or ""
         shown = f"[{host}]" if ":" in host else host
         self._endpoint = _NamedEndpoint(
-            self._endpoint_factory(host, port, tls), f"{'TLS ' if tls else ''}{shown}:{port}"
+            self._endpoint_factory(host, port, tls), f"{'TLS ' if tls else ''}{shown}:{port}",
+            self._count_attempt,
         )
         base_policy = retry_policy(self.backoff, self.failures)
 
