@@ -41,13 +41,17 @@ def percentile(values: list[float], q: float) -> float:
 class DevBackendProcess:
     """`llmport-agent devbackend` in a child process on a free loopback port."""
 
-    def __init__(self, **opts: Any) -> None:
+    def __init__(self, log_path: str | None = None, **opts: Any) -> None:
         self.port = free_port()
         args = [sys.executable, "-m", "llmport_agent.cli", "devbackend", "--port", str(self.port)]
         for k, v in opts.items():
             args += [f"--{k.replace('_', '-')}", str(v)]
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        # Its output goes to a file (or nowhere): a pipe nobody reads fills up and stalls it.
+        out: Any = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, PYTHONPATH=ROOT))
+        if log_path:
+            out.close()
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.time() + 20
         while time.time() < deadline:
