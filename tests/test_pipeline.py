@@ -172,6 +172,21 @@ class ReceiptTests(SynchronousTestCase):
         self.assertEqual(result["correlation_id"], c["id"])
         self.assertEqual(h.journal.get(c["id"]).state, DELIVERED)
 
+    def test_long_session_keeps_no_ids_of_finished_commands(self) -> None:
+        """
+        Commands acked and finished within one session (no reconnect) leave nothing behind
+        in the pipeline's per-session bookkeeping (the soak's slow growth), and a finished
+        command delivered again is still not acked or run again.
+        """
+        h = Harness(self)
+        cmds = [command("noop") for _ in range(200)]
+        for c in cmds:
+            h.deliver(c)
+        self.assertEqual(h.pipeline._acked_here, set())
+        h.deliver(cmds[0])
+        self.assertEqual(h.kinds_for(cmds[0]["id"]).count("command_ack"), 1)
+        self.assertEqual(len(h.calls), 200)
+
     def test_journal_before_ack(self) -> None:
         """The command is in the journal file before the ack frame is sent."""
         h = Harness(self)

@@ -691,6 +691,9 @@ class CommandPipeline(Service):
         rec.result_frame = frame
         rec.finished_at = self._wallclock()
         rec.command = None
+        # A finished command is never acked again (_send_ack): forget it, or a session that
+        # stays up for months holds the id of every command it ever acked.
+        self._acked_here.discard(rec.id)
         self.stats["succeeded" if success else "failed"] += 1
         try:
             await self.journal.update(
