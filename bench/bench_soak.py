@@ -245,6 +245,34 @@ def sample(proc: psutil.Process) -> tuple[float, int, int, float]:
         return proc.memory_info().rss / 1e6, proc.num_fds(), proc.num_threads(), cpu.user + cpu.system
 
 
+def prefill_journal(state_dir: str, count: int) -> int:
+    """
+    Write C{count} delivered records into the agent's command journal before it starts (as a
+    node that has answered commands for a while has): the journal holds delivered records up
+    to its bound (5000 by default), so a fresh agent's memory grows by design until then; with
+    the journal full from the start, each new record makes it drop its oldest, and a slope is
+    the agent's own. Returns the journal's record bound.
+    """
+    import uuid
+
+    from attrs import fields
+
+    from llmport_agent.commands.journal import DELIVERED, CommandJournal, JournalRecord
+
+    now = time.time()
+    with open(os.path.join(state_dir, "commands.jsonl"), "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        for i in range(count):
+            cid = str(uuid.uuid4())
+            frame = {"type": "command_result", "command_id": cid, "correlation_id": cid, "success": True,
+                     "result": {"inventory_sent": True}, "error_code": None, "error_message": None}
+            rec = JournalRecord(id=cid, command_type="refresh_inventory", correlation_id=cid, state=DELIVERED,
+                                received_at=now - 3600 - count + i, finished_at=now - 3600 - count + i + 0.5,
+                                acked=True, result_frame=frame)
+            f.write(json.dumps(rec.as_dict()) + "\n")
+    return int(fields(CommandJournal).max_records.default)
+
+
 def wait_node(backend: DevBackendProcess, agent_id: str, timeout: float = 60.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -282,9 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss-mb-per-hour", type=float, default=1.0)
     p.add_argument("--fds-per-hour", type=float, default=1.0)
     p.add_argument("--threads-per-hour", type=float, default=1.0)
+    p.add_argument("--prefill-journal", type=int, default=5000,
+                   help="delivered records written into the agent's command journal before it starts "
+                        "(5000, its bound: memory a fresh agent grows by design is not in the slope; 0: fresh)")
     p.add_argument("--csv", help="write every sample here (t_s,rss_mb,fds,threads,cpu_s)")
     args = p.parse_args(argv)
 
+    def stop_on_term(signum: int, frame: Any) -> None:  # SIGTERM: clean up as for Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop_on_term)
     tmp = tempfile.mkdtemp(prefix="bench-soak-")
     env = start_docker(args.docker)
     if env is not None:
@@ -296,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     agent_env = {"LOKI_URL": loki.url, "LOG_LEVEL": "INFO"}
     if env is not None:
         agent_env.update(WORKLOAD_NETWORK="host", READINESS_TIMEOUT_SEC="30", STOP_GRACE_SEC="1")
+    bound = prefill_journal(tmp, args.prefill_journal) if args.prefill_journal > 0 else None
     agent = AgentProcess(backend.url, backend.token(), tmp, "soak", **agent_env)
     samples: list[tuple[float, float, int, int, float]] = []
     code = 0
@@ -312,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_soak: {args.minutes:g} min, a command every {args.interval:g} s, a sample every "
               f"{args.sample_sec:g} s; Docker engine: {'yes' if env is not None else 'no'}; "
               f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}", flush=True)
+        print(f"command journal: {args.prefill_journal} delivered records written before the start"
+              + (f" (its bound is {bound})" if bound is not None else " (a fresh agent: the journal "
+                 "grows by design up to its bound, in the slope)"), flush=True)
         t0 = time.monotonic()
         end = t0 + args.minutes * 60
         next_sample = t0
