@@ -270,7 +270,7 @@ def prefill_journal(state_dir: str, count: int) -> int:
                                 received_at=now - 3600 - count + i, finished_at=now - 3600 - count + i + 0.5,
                                 acked=True, result_frame=frame)
             f.write(json.dumps(rec.as_dict()) + "\n")
-    return int(fields(CommandJournal).max_records.default)
+    return int(fields(CommandJournal).max_records.default or 0)
 
 
 def wait_node(backend: DevBackendProcess, agent_id: str, timeout: float = 60.0) -> str:
