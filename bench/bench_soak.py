@@ -26,6 +26,7 @@ of tests/support/docker_env.py.
 
 Usage: python3 bench/bench_soak.py [--minutes 60] [--interval 5] [--sample-sec 10]
        [--warmup-minutes 5] [--docker auto|yes|no] [--csv samples.csv]
+       python3 bench/bench_soak.py --analyse samples.csv   (the slopes of a saved run)
 """
 
 from __future__ import annotations
@@ -308,13 +309,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docker-every", type=int, default=3, help="every Nth command is a workload step")
     p.add_argument("--log-rate", type=int, default=2, help="lines per second of the chatty workload")
     p.add_argument("--rss-mb-per-hour", type=float, default=1.0)
-    p.add_argument("--fds-per-hour", type=float, default=1.0)
-    p.add_argument("--threads-per-hour", type=float, default=1.0)
+    p.add_argument("--fds-per-hour", type=float, default=2.0)
+    p.add_argument("--threads-per-hour", type=float, default=2.0)
     p.add_argument("--prefill-journal", type=int, default=5000,
                    help="delivered records written into the agent's command journal before it starts "
                         "(5000, its bound: memory a fresh agent grows by design is not in the slope; 0: fresh)")
     p.add_argument("--csv", help="write every sample here (t_s,rss_mb,fds,threads,cpu_s)")
+    p.add_argument("--analyse", metavar="CSV", help="print the slopes of a saved --csv file (no run)")
     args = p.parse_args(argv)
+    if args.analyse:
+        saved = read_csv(args.analyse)
+        print_slopes(args, saved, saved[-1][0] if saved else 0.0)
+        return 0
 
     def stop_on_term(signum: int, frame: Any) -> None:  # SIGTERM: clean up as for Ctrl-C
         raise KeyboardInterrupt
@@ -333,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         agent_env.update(WORKLOAD_NETWORK="host", READINESS_TIMEOUT_SEC="30", STOP_GRACE_SEC="1")
     bound = prefill_journal(tmp, args.prefill_journal) if args.prefill_journal > 0 else None
     agent = AgentProcess(backend.url, backend.token(), tmp, "soak", **agent_env)
-    samples: list[tuple[float, float, int, int, float]] = []
+    samples: list[Sample] = []
     code = 0
     try:
         node_id = wait_node(backend, "soak")
@@ -413,8 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def report(args: argparse.Namespace, samples: list[tuple[float, float, int, int, float]], elapsed: float,
-           conductor: Conductor, loki_stats: dict[str, Any], anomalies: list[str]) -> None:
+Sample = tuple[float, float, int, int, float]
+
+
+def print_slopes(args: argparse.Namespace, samples: list[Sample], elapsed: float) -> None:
+    """The samples line, a slope and a verdict per metric, and the CPU after the warm-up."""
     warmup = min(args.warmup_minutes * 60, elapsed / 4)
     fitted = [s for s in samples if s[0] >= warmup]
     print(f"\nsamples: {len(samples)} in {elapsed / 60:.1f} min; {len(fitted)} fitted after a "
@@ -427,15 +436,27 @@ def report(args: argparse.Namespace, samples: list[tuple[float, float, int, int,
             print(f"{name}: no samples after the warm-up")
             continue
         slope, err = fit(pts)
+        late, _ = fit(pts[len(pts) // 2:])
         vals = [v for _, v in pts]
         u = f" {unit}" if unit else ""
         print(f"{name:9s} start {vals[0]:.{digits}f}{u}, end {vals[-1]:.{digits}f}{u}, "
               f"min {min(vals):.{digits}f}, max {max(vals):.{digits}f}; slope {slope:+.3f}{u}/h "
-              f"(± {err:.3f})")
+              f"(± {err:.3f}; second half {late:+.3f}{u}/h)")
         print(f"  verdict: {name} {verdict(slope, threshold)} (threshold |slope| <= {threshold:g}{u}/h)")
     if len(fitted) >= 2:
         cpu = 100 * (fitted[-1][4] - fitted[0][4]) / max(1e-9, fitted[-1][0] - fitted[0][0])
         print(f"CPU after the warm-up: {cpu:.2f} % of one core")
+
+
+def read_csv(path: str) -> list[Sample]:
+    with open(path) as f:
+        rows = [line.strip().split(",") for line in f.readlines()[1:] if line.strip()]
+    return [(float(r[0]), float(r[1]), int(r[2]), int(r[3]), float(r[4])) for r in rows]
+
+
+def report(args: argparse.Namespace, samples: list[Sample], elapsed: float,
+           conductor: Conductor, loki_stats: dict[str, Any], anomalies: list[str]) -> None:
+    print_slopes(args, samples, elapsed)
     issued = conductor.issued
     resolved = [c for c in issued if c["status"] in TERMINAL]
     failed = [c for c in resolved if c["status"] == "failed"]
