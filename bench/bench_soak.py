@@ -148,6 +148,7 @@ class Conductor:
         self._slot = 0
         self.runtimes_deployed = 0
         self.runtimes_removed = 0
+        self._mode_on = False  # maintenance or draining: a deploy now would be refused
 
     def node_command(self, command_type: str, payload: dict[str, Any]) -> dict[str, Any]:
         return dict(self.backend.post(f"/dev/nodes/{self.node_id}/commands",
@@ -189,7 +190,7 @@ class Conductor:
 
     def issue_next(self) -> None:
         self._slot += 1
-        if self.docker and self._slot % self.docker_every == 0:
+        if self.docker and self._slot % self.docker_every == 0 and not self._mode_on:
             step, name = next(self._docker)
             if step == "deploy":
                 cmd = self.create_runtime(name, SERVE)
@@ -200,6 +201,8 @@ class Conductor:
                 self.runtimes_removed += step == "remove"
         else:
             command_type, payload = next(self._cheap)
+            if command_type in ("set_maintenance_mode", "drain_node", "resume_node"):
+                self._mode_on = command_type == "drain_node" or bool(payload.get("enabled"))
             cmd = self.node_command(command_type, payload)
         self.track(cmd)
 
