@@ -187,6 +187,30 @@ class ReceiptTests(SynchronousTestCase):
         self.assertEqual(h.kinds_for(cmds[0]["id"]).count("command_ack"), 1)
         self.assertEqual(len(h.calls), 200)
 
+    def test_unknown_frame_types_remembered_within_a_bound(self) -> None:
+        """
+        Frames of unknown types are ignored with one warning per type; the backend picks the
+        names, so the set that remembers them is bounded (a stream of fresh names does not grow
+        it, nor flood the log), and commands still run afterwards.
+        """
+        from twisted.logger import globalLogPublisher
+
+        from llmport_agent.commands.pipeline import MAX_UNKNOWN_FRAME_TYPES
+
+        logged: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(logged.append)
+        self.addCleanup(globalLogPublisher.removeObserver, logged.append)
+        h = Harness(self)
+        for i in range(5000):
+            h.pipeline.frame_received({"type": f"novel-{i}"})
+        h.pipeline.frame_received({"type": "novel-0"})
+        self.assertEqual(len(h.pipeline._unknown_frame_types), MAX_UNKNOWN_FRAME_TYPES)
+        warned = [e for e in logged if "unknown type" in str(e.get("log_format", ""))]
+        self.assertEqual(len(warned), MAX_UNKNOWN_FRAME_TYPES)
+        c = command("noop")
+        h.deliver(c)
+        self.assertIn("command_result", h.kinds_for(c["id"]))
+
     def test_journal_before_ack(self) -> None:
         """The command is in the journal file before the ack frame is sent."""
         h = Harness(self)

@@ -78,6 +78,9 @@ MAX_ADMITTED = 512
 MAX_INTAKE = 100_000
 
 
+#: Unknown inbound frame types warned about (once each); further new ones are ignored quietly.
+MAX_UNKNOWN_FRAME_TYPES = 64
+
 class NodeModes(Protocol):
     """What the pipeline needs to know about node modes (maintenance, draining)."""
 
@@ -308,7 +311,9 @@ class CommandPipeline(Service):
             items = [frame.get("command")]
         else:
             key = str(kind)[:64]
-            if key not in self._unknown_frame_types:
+            if key not in self._unknown_frame_types and len(self._unknown_frame_types) < MAX_UNKNOWN_FRAME_TYPES:
+                # Warned once per type, and for at most MAX_UNKNOWN_FRAME_TYPES types: the names
+                # come from the backend, so the set that remembers them is bounded.
                 self._unknown_frame_types.add(key)
                 self.log.warn("Ignored a frame of unknown type {type!r} from the backend", type=key)
             return
