@@ -67,6 +67,19 @@ class TimestampTests(SynchronousTestCase):
         self.assertEqual(format_since(T0 + 42), "1700000000.000000042")
         self.assertEqual(parse_timestamp(stamp(T0 + 7))[0], T0 + 7)  # type: ignore[index]
 
+    def test_seconds_cache_stays_small(self) -> None:
+        """
+        The cache of parsed seconds stays at a few dozen entries over hours of lines (one new
+        second per second of a stream): at its old bound of 4096 it grew for more than an hour,
+        the soak's RSS slope. Every line still parses right.
+        """
+        from llmport_agent.logs import docker_logs
+
+        for s in range(2 * 3600):  # two hours of a line a second
+            raw = stamp(T0 + s * 1_000_000_000 + 123) + b" line"
+            self.assertEqual(parse_timestamp(raw), (T0 + s * 1_000_000_000 + 123, 31))
+        self.assertLessEqual(len(docker_logs._SECONDS), 64)
+
 
 class FrameTests(SynchronousTestCase):
     """FrameParser and the joining of messages into lines."""
