@@ -230,10 +230,13 @@ class Probe:
 
 
 class Loki:
-    def __init__(self) -> None:
+    """The Loki stand-in (FakeLoki with counters, C{/control}) in a child process; C{quiet} drops its output."""
+
+    def __init__(self, quiet: bool = False) -> None:
         self.port = free_port()
+        out = subprocess.DEVNULL if quiet else None
         self.proc = subprocess.Popen([sys.executable, __file__, "loki", "--port", str(self.port)], cwd=ROOT,
-                                     env=dict(os.environ, PYTHONPATH=ROOT))
+                                     env=dict(os.environ, PYTHONPATH=ROOT), stdout=out, stderr=out)
         self.url = f"http://127.0.0.1:{self.port}/loki"
         deadline = time.time() + 20
         while time.time() < deadline:
@@ -260,6 +263,8 @@ class Loki:
         urllib.request.urlopen(req, timeout=10).read()
 
     def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(10)

@@ -37,12 +37,10 @@ import math
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench._common import AgentProcess, DevBackendProcess, free_port, percentile  # noqa: E402
+from bench.bench_loki import Loki  # noqa: E402
 
 TERMINAL = ("succeeded", "failed")
 #: Commands that fail by design (a refusal is an answer).
@@ -98,36 +97,9 @@ def verdict(slope: float, threshold: float) -> str:
 # -- the Loki stand-in ------------------------------------------------------------------------------
 
 
-class LokiProcess:
-    """bench_loki's Loki stand-in (FakeLoki with counters) in a child process."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "bench_loki.py"), "loki",
-                                      "--port", str(self.port)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 20
-        while time.time() < deadline:
-            try:
-                self.stats()
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("the Loki stand-in did not start")
-
-    def stats(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.url + "/control", timeout=10) as r:
-            return dict(json.loads(r.read()))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def LokiProcess() -> Loki:
+    """bench_loki's Loki stand-in (FakeLoki with counters) in a child process, its output dropped."""
+    return Loki(quiet=True)
 
 
 # -- the command cycle ------------------------------------------------------------------------------
