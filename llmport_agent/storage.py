@@ -81,26 +81,35 @@ def append_lines(
     cut off again (C{ftruncate} to the size before), so no torn line is left to swallow the
     next record, and the error is raised (the caller counts the lines as not written).
     """
-    data = memoryview(b"".join(lines))
-    write = write or os.write  # looked up per call: tests patch os.write
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        start = os.fstat(fd).st_size
-        try:
-            while data:
-                n = write(fd, data)
-                if n <= 0:
-                    raise OSError(errno.EIO, f"short write appending to {path}")
-                data = data[n:]
-            os.fsync(fd)
-        except BaseException:
-            try:
-                os.ftruncate(fd, start)
-            except OSError:
-                pass
-            raise
+        append_all_or_nothing(fd, b"".join(lines), os.fstat(fd).st_size, path, write)
     finally:
         os.close(fd)
+
+
+def append_all_or_nothing(
+    fd: int, data: bytes, start: int, name: str, write: Callable[[int, memoryview], int] | None = None
+) -> None:
+    """
+    Write all of C{data} to C{fd} (opened C{O_APPEND}, C{start} bytes long) and fsync, or cut
+    the file back to C{start} and raise: short writes are continued, so no torn record is left.
+    """
+    view = memoryview(data)
+    write = write or os.write  # looked up per call: tests patch os.write
+    try:
+        while view:
+            n = write(fd, view)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short write appending to {name}")
+            view = view[n:]
+        os.fsync(fd)
+    except BaseException:
+        try:
+            os.ftruncate(fd, start)
+        except OSError:
+            pass
+        raise
 
 
 def read_json_lines(path: str) -> tuple[list[dict[str, Any]], int]:

@@ -41,6 +41,7 @@ from attrs import frozen
 from twisted.internet.defer import Deferred, DeferredLock
 from twisted.logger import Logger
 
+from llmport_agent.storage import append_all_or_nothing
 from llmport_agent.threads import BlockingRunner
 
 __all__ = ["Spool", "SpoolCorrupt", "SpoolError", "SpoolRecord", "SPOOL_DIR"]
@@ -297,17 +298,7 @@ class _Files:
         created = self._regular_size(name) is None
         fd = self._open_file(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
-            view = memoryview(b"".join(chunks))
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.fsync(fd)
-        except BaseException:
-            try:
-                os.ftruncate(fd, segment_size)
-            except OSError:
-                pass
-            raise
+            append_all_or_nothing(fd, b"".join(chunks), segment_size, name)
         finally:
             os.close(fd)
         if created:
