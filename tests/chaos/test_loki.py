@@ -64,6 +64,8 @@ class LokiChaosTests(ChaosTestCase):
                                issue=cheap_issuer(backend, node_id, ("refresh_inventory", "frobnicate")),
                                connected=connected, directions=(DOWN,), max_commands=1,
                                backend_link=False)
+        # A quick run of the faults emits fewer lines: keep the stream going to a known amount.
+        await settle(reactor, lambda: len(sent) >= 600, 30, step=0.05)
         emitter.stop()
         tally = await converge(reactor, backend, node_id, run, connected)
         pattern = re.compile(rf"chaos-line {marker} \d{{6}}")
