@@ -8,14 +8,21 @@ engines with the containerd image store, C{index.json} (OCI annotations). A back
 stands between it and the node) could name any reference there and so replace any image on the
 host. L{ImageTarFilter} sits between the download and the engine and:
 
- - passes every other member through untouched, as slices of the arriving buffers (no copy);
+ - rebuilds every other member's header: what reaches the engine is a fresh, canonical header
+   (ustar, no prefix, a PAX record only for a name, link or size that does not fit) carrying
+   exactly the name, type, link and size the filter read and checked, followed by the
+   member's data as slices of the arriving buffers (no copy). The archive's own headers,
+   extension headers (PAX, GNU long names, global headers) and fields the filter does not
+   need never reach the engine, so no difference between this reader and Go's can make the
+   engine see a member the filter did not;
  - holds back each metadata member (small, bounded by L{MAX_METADATA_BYTES}, wherever in the
    archive it comes: C{docker save} puts them at the end), checks every reference it names
    against the requested one, and sends a rewritten, canonical copy (what the engine reads is
    exactly what was checked: no parser differences such as Go's case-insensitive JSON keys);
  - refuses what could smuggle a metadata member past it: symlinks other than the layer links
    C{docker save} writes, members below a symlink, metadata members that are not regular
-   files, sparse files, unknown member types, a bad header checksum, a lone end block;
+   files, sparse files, devices, FIFOs, unknown member types, a bad header checksum, a lone
+   end block;
  - interprets PAX (C{path}, C{linkpath}, C{size}) and GNU long-name headers the way Go's
    C{archive/tar} (the engine's reader) does, so a member's real name and size are the ones
    checked.
@@ -58,6 +65,10 @@ METADATA = frozenset({MANIFEST, REPOSITORIES, INDEX})
 _HEADER_ONLY = frozenset(b"123456")
 _REGULAR = frozenset(b"07\x00")
 _KNOWN = _REGULAR | _HEADER_ONLY | frozenset(b"xgLK")
+# Devices and FIFOs: docker save writes none, and the engine would create them while unpacking.
+_SPECIAL = frozenset(b"346")
+#: The largest number an 11-digit octal size field holds; larger sizes go base-256 (as Go reads).
+_OCTAL_MAX = 8**11 - 1
 
 _OCTAL = re.compile(rb"^[0-7]+$")
 _IMAGE_NAME_ANNOTATION = "io.containerd.image.name"
@@ -144,21 +155,64 @@ def _clean(name: str) -> str:
     return clean
 
 
-def _ustar_header(name: str, size: int) -> bytes:
-    """A fresh USTAR header for a regular file of C{size} bytes (the rewritten metadata)."""
+def _encode(text: str) -> bytes:
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _pax_record(key: str, value: bytes) -> bytes:
+    body = b" " + key.encode() + b"=" + value + b"\n"
+    length = len(body) + 1
+    while len(b"%d" % length) + len(body) != length:
+        length = len(b"%d" % length) + len(body)
+    return b"%d" % length + body
+
+
+def _header_block(name: bytes, flag: bytes, size: int, linkname: bytes, mode: int, mtime: int) -> bytes:
     block = bytearray(BLOCK)
-    encoded = name.encode()
-    block[0 : len(encoded)] = encoded
-    block[100:108] = b"0000644\x00"
+    block[0 : len(name)] = name
+    block[100:108] = b"%07o\x00" % mode
     block[108:116] = b"0000000\x00"
     block[116:124] = b"0000000\x00"
-    block[124:136] = b"%011o\x00" % size
-    block[136:148] = b"00000000000\x00"
-    block[156:157] = b"0"
+    if size <= _OCTAL_MAX:
+        block[124:136] = b"%011o\x00" % size
+    else:  # base-256, as Go's writer and reader do for large sizes
+        block[124:136] = (size | (1 << 95)).to_bytes(12, "big")
+    block[136:148] = b"%011o\x00" % mtime
+    block[156:157] = flag
+    block[157 : 157 + len(linkname)] = linkname
     block[257:265] = b"ustar\x0000"
     block[148:156] = b" " * 8
     block[148:156] = b"%06o\x00 " % sum(block)
     return bytes(block)
+
+
+def canonical_header(
+    name: str, flag: int = ord("0"), size: int = 0, linkname: str = "", mode: int = 0o644, mtime: int = 0
+) -> bytes:
+    """
+    A fresh header for one member, as the engine must read it: a ustar block with no prefix,
+    preceded by a PAX header (C{path}, C{linkpath}) only when the name or link does not fit its
+    field. C{name} and C{linkname} hold no NUL (checked by the caller).
+    """
+    raw_name, raw_link = _encode(name), _encode(linkname)
+    records = b""
+    if len(raw_name) > 100:
+        records += _pax_record("path", raw_name)
+        raw_name = raw_name[:100]
+    if len(raw_link) > 100:
+        records += _pax_record("linkpath", raw_link)
+        raw_link = raw_link[:100]
+    mtime = min(max(mtime, 0), _OCTAL_MAX)
+    header = _header_block(raw_name, bytes([flag]), size, raw_link, mode & 0o777, mtime)
+    if not records:
+        return header
+    pax = _header_block(b"PaxHeaders/" + raw_name[:80], b"x", len(records), b"", 0o644, mtime)
+    return pax + records + bytes(_padding(len(records))) + header
+
+
+def _ustar_header(name: str, size: int) -> bytes:
+    """A fresh USTAR header for a regular file of C{size} bytes (the rewritten metadata)."""
+    return canonical_header(name, ord("0"), size)
 
 
 def _padding(size: int) -> int:
@@ -203,8 +257,9 @@ class ImageTarFilter:
         self._collect_size = 0
         self._collect_kind = ""  # "pax", "longname", "longlink", "metadata"
         self._collect_name = ""
-        # Extension headers waiting for the member they describe: raw bytes and meaning.
-        self._pending_raw: list[bytes] = []
+        # Whether extension headers are waiting for the member they describe (their meaning:
+        # _pax, _longname, _longlink; their bytes are never sent).
+        self._pending = False
         self._pax: dict[str, str] = {}
         self._longname: str | None = None
         self._longlink: str | None = None
@@ -234,6 +289,12 @@ class ImageTarFilter:
                 self._remaining -= n
                 if not self._remaining:
                     self._state = "header"
+            elif state == "skip":  # data the engine does not need (a global PAX header's)
+                n = min(self._remaining, size - pos)
+                pos += n
+                self._remaining -= n
+                if not self._remaining:
+                    self._state = "header"
             elif state == "collect":
                 n = min(self._remaining, size - pos)
                 self._collect += view[pos : pos + n]
@@ -257,7 +318,7 @@ class ImageTarFilter:
     def finish(self) -> list[bytes | memoryview]:
         """The download ended: check the archive was complete and allowed."""
         if not self.done:
-            if self._state != "header" or self._header or self._pending_raw:
+            if self._state != "header" or self._header or self._pending:
                 raise TarRejected("the archive from the backend ended in the middle of a member")
             # Go's reader accepts an archive without its end marker; the engine still needs one.
             self._finish_checks()
@@ -270,7 +331,7 @@ class ImageTarFilter:
     def _on_header(self, block: bytes, out: list[bytes | memoryview]) -> None:
         if block == ZERO_BLOCK:
             if self._zero_seen:
-                if self._pending_raw:
+                if self._pending:
                     raise TarRejected("the archive ends with an extension header that describes nothing")
                 self._finish_checks()
                 out.append(ZERO_BLOCK)
@@ -284,6 +345,8 @@ class ImageTarFilter:
         if not _checksum_ok(block):
             raise TarRejected("the archive has a header with a wrong checksum (a corrupt archive)")
         flag = block[156]
+        if flag in _SPECIAL:
+            raise TarRejected("the archive holds a device or FIFO member (docker save writes none)")
         if flag not in _KNOWN:
             kind = chr(flag) if 32 < flag < 127 else f"0x{flag:02x}"
             raise TarRejected(f"the archive holds a member of an unsupported type ({kind!r})")
@@ -300,12 +363,12 @@ class ImageTarFilter:
         longlink, self._longlink = self._longlink, None
         if "path" in pax:
             name = pax["path"]
-        if longname is not None:
+        if longname:  # Go: an empty GNU long name changes nothing
             name = longname
         linkname = _cstr(block[157:257])
         if "linkpath" in pax:
             linkname = pax["linkpath"]
-        if longlink is not None:
+        if longlink:
             linkname = longlink
         if "size" in pax:
             try:
@@ -316,6 +379,9 @@ class ImageTarFilter:
                 raise TarRejected("the archive has a negative PAX size")
         if any(k.startswith("GNU.sparse.") for k in pax):
             raise TarRejected("the archive holds a sparse file (not produced by docker save)")
+        if "\x00" in name or "\x00" in linkname:
+            raise TarRejected("the archive has a member name with a NUL byte in it")
+        self._pending = False
         if flag == 0 and name.endswith("/"):
             flag = ord("5")  # Go: a legacy regular entry whose name ends in "/" is a directory
         data = 0 if flag in _HEADER_ONLY else size
@@ -334,8 +400,7 @@ class ImageTarFilter:
                     f"the archive's {clean} is {data} bytes, more than the {MAX_METADATA_BYTES} "
                     "this node accepts"
                 )
-            # Held back (with its extension headers, which are dropped): checked, then rewritten.
-            self._pending_raw.clear()
+            # Held back (its extension headers are dropped): checked, then rewritten.
             self._begin_collect("metadata", data, clean, out)
             return
         if flag == ord("2"):
@@ -345,15 +410,25 @@ class ImageTarFilter:
             if target == ".." or target.startswith("../"):
                 raise TarRejected(f"the archive holds a hard link pointing outside it ({name[:120]!r})")
             self._check_path(target, linkname)
-        out.extend(self._pending_raw)
-        self._pending_raw.clear()
-        out.append(block)
+        # A fresh header saying exactly what was checked; the archive's own headers stay here.
+        out_flag = ord("0") if flag in _REGULAR else flag
+        out_name = clean + "/" if flag == ord("5") and clean != "." else clean
+        try:
+            mode = _numeric(block[100:108])
+            mtime = _numeric(block[136:148])
+        except TarRejected:
+            mode, mtime = 0o644, 0
+        out.append(canonical_header(out_name, out_flag, data, linkname, mode, mtime))
         self._begin_pass(data)
 
     def _member_name(self, block: bytes) -> str:
+        """
+        The header's own name, as Go's archive/tar reads it: the prefix is joined whenever the
+        magic is C{ustar\\0} (whatever the version field holds); a star archive (trailer
+        C{tar\\0}) has a shorter prefix; a GNU or v7 header has none.
+        """
         name = _cstr(block[0:100])
-        magic = block[257:265]
-        if magic == b"ustar\x0000":
+        if block[257:263] == b"ustar\x00":
             prefix = _cstr(block[345:476] if block[508:512] == b"tar\x00" else block[345:500])
             if prefix:
                 name = prefix + "/" + name
@@ -362,16 +437,15 @@ class ImageTarFilter:
     def _extension(self, block: bytes, flag: int, size: int, out: list[bytes | memoryview]) -> None:
         if flag == ord("g"):
             # Go returns global headers as entries of their own (the engine skips them); what
-            # extension headers came before describe nothing any more.
-            out.extend(self._pending_raw)
-            self._pending_raw.clear()
+            # extension headers came before describe nothing any more. Not sent.
+            self._pending = False
             self._pax, self._longname, self._longlink = {}, None, None
-            out.append(block)
-            self._begin_pass(size)
+            self._remaining = size + _padding(size)
+            self._state = "skip" if self._remaining else "header"
             return
         if size > MAX_EXTENSION_BYTES:
             raise TarRejected(f"the archive has an extension header of {size} bytes (at most {MAX_EXTENSION_BYTES})")
-        self._pending_raw.append(block)
+        self._pending = True
         kind = {ord("x"): "pax", ord("L"): "longname", ord("K"): "longlink"}[flag]
         self._begin_collect(kind, size, "", out)
 
@@ -392,13 +466,11 @@ class ImageTarFilter:
 
     def _collected(self, out: list[bytes | memoryview]) -> None:
         raw = bytes(self._collect[: self._collect_size])
-        padded = bytes(self._collect)
         self._collect = bytearray()
         kind = self._collect_kind
         if kind == "metadata":
             self._metadata(self._collect_name, raw, out)
             return
-        self._pending_raw.append(padded)
         if kind == "pax":
             self._pax = _parse_pax(raw)  # the latest PAX header wins (as in Go)
         elif kind == "longname":

@@ -82,6 +82,23 @@ def raw(info: tarfile.TarInfo, data: bytes = b"", fmt: int = tarfile.USTAR_FORMA
 END = bytes(1024)
 
 
+def prefixed_member(name: str, prefix: str, data: bytes, version: bytes = b"\x00\x00") -> bytes:
+    """
+    One raw ustar member whose C{prefix} field is set and whose version is not C{00}: Go's
+    reader (the engine's) joins the prefix whenever the magic is C{ustar\\0}, whatever the
+    version says, so the engine reads it as C{prefix/name}.
+    """
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    block = bytearray(info.tobuf(tarfile.USTAR_FORMAT))
+    encoded = prefix.encode()
+    block[345 : 345 + len(encoded)] = encoded
+    block[263:265] = version
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\x00 " % sum(block[:512])
+    return bytes(block) + data + bytes(-len(data) % 512)
+
+
 def file_info(name: str, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
     info = tarfile.TarInfo(name)
     info.size = len(data)
@@ -208,6 +225,35 @@ class TransferAttackTests(WorkloadTestBase):
         exc = await self.transfer_fails()
         self.assertIn(f"{self.victim}:prod", exc.error_message)
         self.assert_untouched()
+
+    async def test_manifest_hidden_in_a_ustar_prefix(self) -> None:
+        """
+        A clean archive (only the requested tag), then a trailing member called `.` whose ustar
+        prefix is `manifest.json` and whose version is not `00`: the engine reads it as
+        manifest.json (Go joins the prefix whenever the magic is `ustar\\0`) and its RepoTags
+        win. The transfer fails and the victim tag has not moved.
+        """
+        items = [(m, d) for m, d in members(self.tar) if m.name != "repositories"]
+        good: list[tuple[tarfile.TarInfo, bytes | None]] = []
+        evil = b""
+        for m, d in items:
+            if m.name == "manifest.json":
+                doc = json.loads(d or b"")
+                evil = json.dumps(doc).encode()
+                doc[0]["RepoTags"] = [f"{self.allowed}:1"]
+                good.append(file_info("manifest.json", json.dumps(doc).encode()))
+            else:
+                good.append((m, d))
+        archive = b"".join(raw(m, d or b"") for m, d in good)
+        for version in (b"\x00\x00", b"  "):
+            self.serve_tar(archive + prefixed_member(".", "manifest.json", evil, version) + END)
+            try:
+                await self.rig.manager.images.transfer(
+                    parse_image_ref(f"{self.allowed}:1"), lambda *a, **k: None)
+            except CommandFailed as exc:
+                self.assertEqual(exc.error_code, "transfer_failed")
+            self.assertEqual(image_id(self.env, f"{self.victim}:prod"), self.victim_id)
+            self.env.remove_image(f"{self.allowed}:1")
 
     async def test_docker_py_transport_filters_too(self) -> None:
         """Where the engine is reached through docker-py (TLS, ssh), the same filter applies."""
@@ -512,3 +558,99 @@ class TarFilterTests(SynchronousTestCase):
         out = run_filter(data + trailer)
         self.assertNotIn(b"[]", out[-2048:])
         self.assertEqual(out[-1024:], bytes(1024))
+
+
+def raw_headers(data: bytes) -> list[bytes]:
+    """Every header block of an archive (framing read from the ustar size field only)."""
+    out, pos = [], 0
+    while pos + 512 <= len(data):
+        block = data[pos : pos + 512]
+        if block == bytes(512):
+            break
+        out.append(block)
+        size_field = block[124:136]
+        size = int.from_bytes(size_field, "big") & ~(1 << 95) if size_field[0] & 0x80 else int(
+            size_field.strip(b" \x00") or b"0", 8)
+        pos += 512 + size + (-size % 512)
+    return out
+
+
+class CanonicalRebuildTests(SynchronousTestCase):
+    """What reaches the engine is a rebuilt archive: fresh headers that say what was checked."""
+
+    def test_prefix_joined_whatever_the_version(self) -> None:
+        """Go joins the ustar prefix whenever the magic is `ustar\\0`: `.` + prefix = manifest.json."""
+        evil = json.dumps([{"Config": "x.json", "RepoTags": ["victim/service:prod"], "Layers": []}]).encode()
+        good = docker_save_like(["allowed/app:1"])
+        body = b"".join(raw(m, d or b"") for m, d in members(good))
+        for version in (b"\x00\x00", b"  ", b"00", b"x\x00"):
+            data = body + prefixed_member(".", "manifest.json", evil, version) + END
+            with self.assertRaises(TarRejected, msg=repr(version)) as cm:
+                run_filter(data)
+            self.assertIn("victim/service:prod", str(cm.exception))
+
+    def test_every_header_is_fresh_and_canonical(self) -> None:
+        """
+        Extension headers, prefixes, extra PAX records, GNU long names and global headers of the
+        archive never reach the engine: each member gets one ustar header with no prefix, and a
+        PAX header only for a name or link too long for its field (holding only path/linkpath).
+        """
+        layer_dir = "a" * 64
+        long_dir = "d" * 120
+        items: list[tuple[tarfile.TarInfo, bytes | None]] = []
+        info, data = file_info(f"{long_dir}/notes.txt", b"hello")
+        info.pax_headers = {"SCHILY.xattr.security.capability": "x", "uname": "root", "comment": "c"}
+        items.append((info, data))
+        d = tarfile.TarInfo(long_dir)
+        d.type = tarfile.DIRTYPE
+        items.insert(0, (d, None))
+        pax_part = build(items, tarfile.PAX_FORMAT)
+        gnu_part = build([file_info("g" * 130, b"gnu")], tarfile.GNU_FORMAT)
+        glob = tarfile.TarInfo("global")
+        glob.type = tarfile.XGLTYPE
+        glob_block = glob.tobuf(tarfile.PAX_FORMAT)
+        prefixed = prefixed_member("file.txt", "somewhere", b"p", b"00")
+        clean = docker_save_like(["allowed/app:1"])
+
+        def body(archive: bytes) -> bytes:
+            return b"".join(raw(m, dd or b"", tarfile.PAX_FORMAT) for m, dd in members(archive))
+
+        data = body(pax_part) + body(gnu_part) + glob_block + prefixed + body(clean) + END
+        out = run_filter(data)
+        got = {m.name: dd for m, dd in members(out)}
+        self.assertEqual(got[f"{long_dir}/notes.txt"], b"hello")
+        self.assertEqual(got["g" * 130], b"gnu")
+        self.assertEqual(got["somewhere/file.txt"], b"p")
+        self.assertEqual(got[f"{layer_dir}/VERSION"], b"1.0")
+        pax_values = []
+        for block in raw_headers(out):
+            self.assertEqual(block[257:265], b"ustar\x0000")
+            self.assertEqual(block[345:500], bytes(155), "a prefix reached the engine")
+            self.assertIn(block[156:157], (b"0", b"5", b"x"))
+            if block[156:157] == b"x":
+                pax_values.append(block)
+        self.assertEqual(len(pax_values), 3)  # the three long names, nothing else
+        for m, _ in members(out):
+            self.assertLessEqual(set(m.pax_headers), {"path", "linkpath"})
+            self.assertEqual((m.uid, m.gid, m.uname, m.gname), (0, 0, "", ""))
+
+    def test_devices_and_fifos_refused(self) -> None:
+        for kind in (tarfile.CHRTYPE, tarfile.BLKTYPE, tarfile.FIFOTYPE):
+            dev = tarfile.TarInfo("a" * 64 + "/layer.tar")
+            dev.type = kind
+            dev.devmajor, dev.devminor = 8, 0
+            with self.assertRaises(TarRejected) as cm:
+                run_filter(docker_save_like(["allowed/app:1"], [(dev, None)]))
+            self.assertIn("device or FIFO", str(cm.exception))
+
+    def test_empty_gnu_long_name_keeps_the_header_name(self) -> None:
+        """Go ignores an empty GNU long name: the member keeps its own (checked) name."""
+        evil = json.dumps([{"Config": "x.json", "RepoTags": ["victim/service:prod"], "Layers": []}]).encode()
+        longname = tarfile.TarInfo("././@LongLink")
+        longname.type = tarfile.GNUTYPE_LONGNAME
+        longname.size = 0
+        header = longname.tobuf(tarfile.GNU_FORMAT)
+        member = raw(file_info("manifest.json", evil)[0], evil)
+        with self.assertRaises(TarRejected) as cm:
+            run_filter(header + member + END)
+        self.assertIn("victim/service:prod", str(cm.exception))
