@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import unicodedata
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
@@ -43,9 +44,13 @@ def _unquote(raw: str) -> str:
     if len(value) >= 2 and value[0] == value[-1] == "'":
         return value[1:-1]
     if len(value) >= 2 and value[0] == value[-1] == '"':
+        # systemd: inside double quotes a backslash escapes only " \ ` $; before anything else
+        # it is kept as it is.
         out, escape = [], False
         for ch in value[1:-1]:
             if escape:
+                if ch not in '"\\`$':
+                    out.append("\\")
                 out.append(ch)
                 escape = False
             elif ch == "\\":
@@ -56,10 +61,40 @@ def _unquote(raw: str) -> str:
     return value
 
 
-def _quote(value: str) -> str:
+#: Characters no value written to the env file or the unit may hold: both are line-based
+#: (systemd splits at newline and carriage return; Python's splitlines at more), so any of them
+#: would end the line and let the rest become a directive or another variable.
+_LINE_BREAKERS = frozenset("\u0085\u2028\u2029")
+
+
+def check_value(what: str, value: str) -> None:
+    """
+    Refuse a value holding a control character (C0, DEL, C1) or a Unicode line separator: the
+    one check every value written to the env file or the unit goes through.
+    """
+    for ch in value:
+        if ch in _LINE_BREAKERS or unicodedata.category(ch) == "Cc":
+            raise ConfigError(
+                f"{what} holds a control character ({ch!r}): env files and units are line-based, "
+                "so it is refused; give the value without newlines or other control characters"
+            )
+
+
+def _quote(value: str, what: str = "a value") -> str:
+    """C{value} in systemd's quoting, checked (see L{check_value})."""
+    check_value(what, value)
     if value and all(c.isalnum() or c in "-_.:/@%+,=~" for c in value):
         return value
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _unit_word(value: str, what: str, exec_line: bool = False) -> str:
+    """
+    C{value} as one word of a unit directive: quoted, with systemd's specifiers (C{%}) and, on
+    an C{Exec*=} line, its variable references (C{$}) doubled so they stay literal.
+    """
+    quoted = _quote(value, what).replace("%", "%%")
+    return quoted.replace("$", "$$") if exec_line else quoted
 
 
 @define
@@ -70,7 +105,12 @@ class EnvFile:
 
     @classmethod
     def parse(cls, text: str) -> EnvFile:
-        return cls(text.splitlines())
+        # Split where systemd splits (newline; a carriage return ends a line too), not at every
+        # Unicode line boundary as str.splitlines() would.
+        lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+        if lines and not lines[-1]:
+            lines.pop()
+        return cls(lines)
 
     def _key(self, line: str) -> str | None:
         stripped = line.strip()
@@ -90,7 +130,7 @@ class EnvFile:
         return out
 
     def set(self, key: str, value: str) -> None:
-        new = f"{key}={_quote(value)}"
+        new = f"{key}={_quote(value, key)}"
         for i, line in enumerate(self.lines):
             if self._key(line) == key:
                 self.lines[i] = new
@@ -224,14 +264,14 @@ def render_unit(
     out: list[str] = []
     for line in template.splitlines():
         if line.startswith("ExecStart="):
-            line = f"ExecStart={_quote(executable)} run"
+            line = f"ExecStart={_unit_word(executable, 'the executable path', True)} run"
         elif line.startswith("ExecStartPre=+/bin/mkdir -p "):
-            line = f"ExecStartPre=+/bin/mkdir -p {_quote(model_store)}"
+            line = f"ExecStartPre=+/bin/mkdir -p {_unit_word(model_store, 'MODEL_STORE', True)}"
         elif line.startswith("ReadWritePaths="):
             paths = [model_store]
             if os.path.abspath(state_dir) != DEFAULT_STATE_DIR:
                 paths.append(state_dir)
-            line = "ReadWritePaths=" + " ".join("-" + _quote(p) for p in paths)
+            line = "ReadWritePaths=" + " ".join("-" + _unit_word(p, "STATE_PATH/MODEL_STORE") for p in paths)
         elif line.startswith("NotifyAccess="):
             line = "NotifyAccess=main" if one_process else "NotifyAccess=all"
         out.append(line)
@@ -378,8 +418,11 @@ class Installer:
                 setting_name(key)
             except ConfigError as e:
                 return s.fail(f"{e}", EX_CONFIG)
-        for key, value in sorted(given.items()):
-            env.set(key, value)
+        try:
+            for key, value in sorted(given.items()):
+                env.set(key, value)
+        except ConfigError as e:
+            return s.fail(f"configuration error: {e}; nothing was changed", EX_CONFIG)
         values = env.values()
         if not any(k.startswith(PREFIX) for k in values):
             return s.fail(
@@ -424,16 +467,19 @@ class Installer:
                 return s.fail("there is no docker group on this host: a dedicated user reaches the Docker "
                               "engine through it (install Docker first, or run the agent as root)")
             supplementary = tuple(wanted)
-        text = render_unit(
-            unit_template(),
-            executable=executable,
-            one_process=one_process,
-            model_store=config.model_store,
-            state_dir=config.state_dir,
-            user=user,
-            group=group,
-            supplementary=supplementary,
-        )
+        try:
+            text = render_unit(
+                unit_template(),
+                executable=executable,
+                one_process=one_process,
+                model_store=config.model_store,
+                state_dir=config.state_dir,
+                user=user,
+                group=group,
+                supplementary=supplementary,
+            )
+        except ConfigError as e:
+            return s.fail(f"configuration error: {e}; nothing was changed", EX_CONFIG)
         undo = _Undo()
         try:
             for path, content, mode in ((s.env_path, env.text(), 0o600), (s.unit_path, text, 0o644)):

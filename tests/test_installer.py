@@ -17,6 +17,7 @@ from typing import Any
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
+from llmport_agent.config import ConfigError
 from llmport_agent.installer import EnvFile, Installer, System, render_unit, unit_template
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -457,3 +458,61 @@ class TokenFileWarningTests(SynchronousTestCase):
     def test_private_file_or_no_token_is_quiet(self) -> None:
         self.assertEqual(self.check(0o600), [])
         self.assertEqual(self.check(0o644, token_line=False), [])
+
+
+class LineInjectionTests(SynchronousTestCase):
+    """
+    Env files and units are line-based: a newline in a value must never become a directive or
+    another variable (hostile review, issue 21: STATE_PATH with a newline gave a root
+    ExecStartPre=+ outside the sandbox).
+    """
+
+    INJECTED = "/var/lib/x\nExecStartPre=+/bin/sh -c 'id > /tmp/pwned'\nX=/state.json"
+
+    def test_newline_in_a_path_given_to_start(self) -> None:
+        for name in ("STATE_PATH", "MODEL_STORE"):
+            h = Host(self)
+            rc = Installer(h.system(environ=agent_vars(**{name: self.INJECTED}))).start()
+            self.assertEqual(rc, 2, name)
+            err = h.err.getvalue()
+            self.assertIn("control character", err)
+            self.assertEqual(len(err.strip().splitlines()), 1, err)
+            self.assertFalse(os.path.exists(h.path("/etc/systemd/system/llmport-agent.service")))
+            self.assertFalse(os.path.exists(h.path("/etc/llmport-agent.env")))
+            self.assertEqual(h.calls(), [])
+
+    def test_every_control_character_is_refused(self) -> None:
+        for ch in ("\r", "\x00", "\x0b", "\x1b", "\x7f", "\x85", "\u2028", "\u2029"):
+            env = EnvFile()
+            with self.assertRaises(ConfigError, msg=repr(ch)):
+                env.set("LLM_PORT_NODE_AGENT_LOG_LEVEL", f"info{ch}X=1")
+            self.assertEqual(env.lines, [])
+            with self.assertRaises(ConfigError, msg=repr(ch)):
+                render_unit(unit_template(), executable="/usr/local/bin/llmport-agent", one_process=True,
+                            model_store=f"/srv/m{ch}ExecStartPre=+/bin/true", state_dir="/var/lib/llmport-agent")
+
+    def test_config_set_with_a_newline_changes_nothing(self) -> None:
+        h = Host(self)
+        env_path = h.path("/etc/llmport-agent.env")
+        with open(env_path, "w") as f:
+            f.write("LLM_PORT_NODE_AGENT_LOG_LEVEL=INFO\n")
+        rc = Installer(h.system()).edit_config(["BACKEND_URL=https://a.example\nLLM_PORT_NODE_AGENT_X=1"], [])
+        self.assertEqual(rc, 2)
+        self.assertIn("control character", h.err.getvalue())
+        self.assertEqual(open(env_path).read(), "LLM_PORT_NODE_AGENT_LOG_LEVEL=INFO\n")
+        # And the file stays readable by the next --set and start.
+        self.assertEqual(Installer(h.system()).edit_config(["LOG_LEVEL=debug"], []), 0)
+
+    def test_the_parser_splits_lines_where_systemd_does(self) -> None:
+        """A Unicode line separator inside a value is not a line break for systemd, nor for us."""
+        env = EnvFile.parse('A="x\u2028B=1"\r\nC=2\n')
+        self.assertEqual(env.values(), {"A": "x\u2028B=1", "C": "2"})
+        # systemd keeps a backslash that escapes nothing it knows.
+        self.assertEqual(EnvFile.parse('A="a\\qb\\$c"\n').values(), {"A": "a\\qb$c"})
+
+    def test_specifiers_and_variables_stay_literal_in_the_unit(self) -> None:
+        unit = render_unit(unit_template(), executable="/opt/a$HOME/llmport-agent", one_process=True,
+                           model_store="/srv/%h/models", state_dir="/var/lib/%n")
+        self.assertIn("ExecStart=\"/opt/a$$HOME/llmport-agent\" run\n", unit)
+        self.assertIn("ExecStartPre=+/bin/mkdir -p /srv/%%h/models\n", unit)
+        self.assertIn("ReadWritePaths=-/srv/%%h/models -/var/lib/%%n\n", unit)
