@@ -51,7 +51,8 @@ def payload(**over: Any) -> dict[str, Any]:
         "openai_compat": True,
         "model_sync": None,
         "image_source": None,
-        "gpu_request": "",
+        # Left out (null): the provider's default applies; "" would mean "no GPU" (10.4).
+        "gpu_request": None,
         "ipc_mode": "",
         "shm_size": "",
         "memory_limit": "",
@@ -225,6 +226,34 @@ class SpecDefaultsTests(SynchronousTestCase):
             spec_of(payload(gpu_request="lots"))
         self.assertEqual(cm.exception.error_code, INVALID_COMMAND)
         self.assertIn("gpu_request", cm.exception.error_message)
+
+    def test_no_gpu_values_mean_no_gpu_flags(self) -> None:
+        """
+        protocol 10.4: gpu_request "none", "0" or "" means no GPU flags at all, for vllm and
+        tgi too (whose default, when gpu_request is left out, is all GPUs). The ipc quirk of
+        protocol 9 (the backend adds ipc_mode "host" for any non-empty gpu_request) gives
+        private IPC with a /dev/shm instead, never host IPC without a GPU.
+        """
+        for ptype in ("vllm", "tgi", "llamacpp"):
+            for value in ("none", "0", "", "  ", "NONE"):
+                for where in ("top", "provider_config"):
+                    with self.subTest(ptype=ptype, value=value, where=where):
+                        p = payload(provider_type=ptype, ipc_mode="host", shm_size="1g")
+                        if where == "top":
+                            p["gpu_request"] = value
+                        else:
+                            p["provider_config"] = {"gpu_request": value}
+                        spec = spec_of(p)
+                        self.assertIsNone(spec.gpu)
+                        self.assertNotEqual(spec.ipc_mode, "host")
+                        args = render(spec, host_port=8000, command_id="c", agent_id="node-1")
+                        self.assertNotIn("device_requests", args["host_config"])
+                        self.assertNotIn("devices", args["host_config"])
+        # Top level "" with a real request in provider_config: the real request wins.
+        spec = spec_of(payload(gpu_request="", provider_config={"gpu_request": "2"}))
+        self.assertEqual(spec.gpu.describe(), "2")
+        # Left out: the provider default.
+        self.assertEqual(spec_of(payload(gpu_request=None)).gpu.describe(), "all")
 
     def test_environment(self) -> None:
         """Runtime env, model store env (offline for sync_from_server), nvcr.io GPU env."""

@@ -168,6 +168,14 @@ def _pick(payload: Mapping[str, Any], provider_config: Mapping[str, Any], key: s
     return None if is_blank(value) else value
 
 
+def _explicitly_empty(payload: Mapping[str, Any], provider_config: Mapping[str, Any], key: str) -> bool:
+    """C{key} was sent as an empty string (top level or C{provider_config}), not left out."""
+    return any(
+        isinstance(section.get(key), str) and not section[key].strip()
+        for section in (payload, provider_config)
+    )
+
+
 def parse_gpu_request(value: object) -> GpuRequest | None:
     """
     C{all}, a count (C{2}), or device ids (C{device=0,1}); C{none}/C{0} for no GPU.
@@ -415,6 +423,10 @@ def build_spec(
         raw_host = provider_config.get("host_port")
         requested_host_port = None if is_blank(raw_host) else parse_port(raw_host, "provider_config.host_port")
         raw_gpu = _pick(payload, provider_config, "gpu_request")
+        if raw_gpu is None and _explicitly_empty(payload, provider_config, "gpu_request"):
+            # protocol 10.4: "none", "0" or "" means no GPU flags at all; only an absent
+            # (or null) gpu_request takes the provider's default.
+            raw_gpu = ""
         gpu = parse_gpu_request(defaults.gpu_default if raw_gpu is None else raw_gpu)
         raw_shm = _pick(payload, provider_config, "shm_size")
         shm = parse_bytes(raw_shm, "shm_size", 1024 * 1024) if raw_shm is not None else None
@@ -488,8 +500,10 @@ def build_spec(
     if provider_type == "vllm" and command is None:
         if model_name is None:
             raise _invalid(
-                "no model to serve: set model_sync.hf_repo_id, generic_config.model or "
-                "provider_config.model"
+                "no model to serve: this vLLM runtime names no model, and the image's own "
+                "default command would start some other one; set the runtime's model "
+                "(model_sync.hf_repo_id, generic_config.model or provider_config.model) or "
+                "give provider_config.command"
             )
         vllm_args = build_vllm_args(generic, provider_config, engine_args, extra)
 
