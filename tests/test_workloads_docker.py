@@ -83,11 +83,19 @@ class DeployTests(WorkloadTestBase):
     async def test_never_ready(self) -> None:
         """A workload that never answers fails with readiness_timeout and is left running."""
         self.rig.manager.settings = self.rig.settings = _with(self.rig.settings, readiness_timeout_sec=1.5)
-        payload = httpd_payload(script="echo loading; exec sleep 600")
+        # 300 numbered lines, the last one the "cause": the message ends with the newest
+        # lines (protocol 10.4), at most 200 of them, in at most 2000 characters.
+        payload = httpd_payload(
+            script="i=0; while [ $i -lt 300 ]; do echo loading shard $i of 300; i=$((i+1)); done; "
+            "echo CUDA out of memory; exec sleep 600"
+        )
         ctx, exc = await self.failure("deploy_workload", payload)
         self.assertEqual(exc.error_code, "readiness_timeout")
         self.assertIn("did not become ready within 1.5 s", exc.error_message)
         self.assertIn("left running", exc.error_message)
+        self.assertTrue(exc.error_message.endswith("loading shard 299 of 300\nCUDA out of memory"))
+        self.assertLessEqual(len(exc.error_message), 2000)
+        self.assertNotIn("loading shard 0 of", exc.error_message)
         [container] = self.env.managed_containers(payload["runtime_id"])
         self.assertEqual(container.status, "running")
         self.assertNotIn("ready", ctx.phases())

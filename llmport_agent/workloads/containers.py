@@ -292,6 +292,16 @@ def logs(client: docker.DockerClient, ident: str, tail: int) -> bytes | None:
     return out if isinstance(out, bytes) else bytes(out)
 
 
+def log_tail(client: docker.DockerClient, ident: str, tail: int, max_bytes: int = 256 * 1024) -> str:
+    """The last C{tail} lines (stdout and stderr, no timestamps) as text, at most C{max_bytes}."""
+    try:
+        out = client.api.logs(ident, stdout=True, stderr=True, timestamps=False, tail=tail)
+    except NotFound:
+        return ""
+    raw = out if isinstance(out, bytes) else bytes(out)
+    return raw[-max_bytes:].decode("utf-8", "replace")
+
+
 def exit_info(client: docker.DockerClient, ident: str, tail: int = 20) -> dict[str, Any] | None:
     """
     C{None} while the container runs and has never restarted; otherwise its state and

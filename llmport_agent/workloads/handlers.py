@@ -38,7 +38,13 @@ from .policy import (
     parse_allowlist,
 )
 from .ports import PORT_CONFLICT, choose_host_port, port_is_free
-from .readiness import ContainerExit, make_treq_probe, probe_url, wait_ready
+from .readiness import (
+    LOG_TAIL_LINES,
+    ContainerExit,
+    make_treq_probe,
+    probe_url,
+    wait_ready,
+)
 from .settings import WorkloadSettings
 from .spec import (
     LABEL_CONTAINER_PORT,
@@ -288,7 +294,9 @@ class WorkloadManager:
 
     async def _exit_info(self, cid: str) -> ContainerExit | None:
         # The real last exit (the engine's die event), not State.ExitCode after a restart.
-        info = await self.engine.call(exits.exit_info, cid, what="checking the container")
+        info = await self.engine.call(
+            exits.exit_info, cid, LOG_TAIL_LINES, what="checking the container"
+        )
         if info is None:
             return None
         return ContainerExit(
@@ -330,6 +338,9 @@ class WorkloadManager:
                 timeout=self.settings.readiness_timeout_sec,
                 interval=self.settings.readiness_interval_sec,
                 progress_every=self.settings.readiness_progress_sec,
+                read_logs=lambda: self.engine.call(
+                    ops.log_tail, cid, LOG_TAIL_LINES, what=f"reading the logs of {name}"
+                ),
             )
         except CommandFailed as exc:
             if exc.error_code == "container_exited":

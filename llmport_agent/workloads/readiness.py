@@ -23,6 +23,15 @@ from ..commands.base import CommandFailed
 READINESS_TIMEOUT = "readiness_timeout"
 CONTAINER_EXITED = "container_exited"
 
+#: The backend keeps the first 2000 characters of a failed deploy's C{error_message} as the
+#: runtime's message (protocol 10.4): a readiness failure says everything within them.
+MESSAGE_LIMIT = 2000
+#: At most this many of the container's last log lines end a readiness failure (10.4).
+LOG_TAIL_LINES = 200
+#: The sentence before the log lines keeps at most this much of the budget.
+_HEAD_LIMIT = 700
+_TAIL_HEADER = "\n--- last log lines of the container ---\n"
+
 log = Logger()
 
 
@@ -64,6 +73,50 @@ def make_treq_probe(http: Any, timeout: float = 5.0) -> Callable[[str], Deferred
     return probe
 
 
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: max(0, limit - 1)].rstrip() + "\u2026"
+
+
+def with_log_tail(head: str, logs: str, *, limit: int = MESSAGE_LIMIT, lines: int = LOG_TAIL_LINES) -> str:
+    """
+    C{head} (one readable sentence, kept whole up to about a third of C{limit}), then the
+    newest of the container's last C{lines} log lines that fit in C{limit} characters in all.
+    Lines are dropped whole from the oldest end (a note says how many); a single line too
+    long for what is left is cut at its end. Linear in the size of C{logs}.
+    """
+    head = _clip(head.rstrip(), min(_HEAD_LIMIT, limit))
+    rows = [row.rstrip() for row in logs.replace("\r\n", "\n").split("\n")]
+    while rows and not rows[-1]:
+        rows.pop()
+    while rows and not rows[0]:
+        rows.pop(0)
+    rows = rows[-lines:]
+    if not rows:
+        return head
+    budget = limit - len(head) - len(_TAIL_HEADER)
+    # Room for the note about dropped lines, written only when lines are dropped.
+    note_room = len(f"[{len(rows)} earlier lines not shown]\n")
+    kept: list[str] = []
+    used = 0
+    for row in reversed(rows):
+        cost = len(row) + (1 if kept else 0)
+        if used + cost > budget - (note_room if len(kept) + 1 < len(rows) else 0):
+            break
+        kept.append(row)
+        used += cost
+    if not kept:
+        room = budget - note_room
+        if room < 20:
+            return head
+        kept = [_clip(rows[-1], room)]
+    kept.reverse()
+    dropped = len(rows) - len(kept)
+    body = "\n".join(kept)
+    if dropped:
+        body = f"[{dropped} earlier lines not shown]\n" + body
+    return head + _TAIL_HEADER + body
+
+
 def describe_exit(container_name: str, exit_info: ContainerExit) -> str:
     """One readable sentence (plus log tail) for a container that exited during startup."""
     code = str(exit_info.exit_code) if exit_info.exit_code >= 0 else "unknown"
@@ -77,9 +130,7 @@ def describe_exit(container_name: str, exit_info: ContainerExit) -> str:
     if exit_info.error:
         text += f": {exit_info.error}"
     text += "."
-    if exit_info.logs_tail.strip():
-        text += " Last log lines:\n" + exit_info.logs_tail.rstrip()
-    return text
+    return with_log_tail(text, exit_info.logs_tail)
 
 
 async def wait_ready(
@@ -93,14 +144,17 @@ async def wait_ready(
     timeout: float,
     interval: float = 1.0,
     progress_every: float = 15.0,
+    read_logs: Callable[[], Awaitable[str]] | None = None,
 ) -> float:
     """
     Probe C{url} until it answers 2xx/3xx; return the seconds it took.
 
     @param check_exit: returns a L{ContainerExit} once the container has stopped.
     @param progress: called with the elapsed seconds about every C{progress_every}.
+    @param read_logs: returns the container's last log lines (for the timeout's message).
     @raise CommandFailed: C{container_exited} (exit code and last log lines) or
-        C{readiness_timeout}.
+        C{readiness_timeout} (the last log lines too); either message is at most
+        L{MESSAGE_LIMIT} characters.
     """
     start = reactor.seconds()
     last_progress = start
@@ -127,11 +181,22 @@ async def wait_ready(
         now = reactor.seconds()
         elapsed = now - start
         if elapsed >= timeout:
+            logs = ""
+            if read_logs is not None:
+                try:
+                    logs = await read_logs()
+                except CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the timeout is the failure to report
+                    log.info("Could not read the logs of {name}: {why}", name=container_name, why=exc)
             raise CommandFailed(
                 READINESS_TIMEOUT,
-                f"Container {container_name} did not become ready within {timeout:g} s "
-                f"({url} last gave: {last_problem}). The container was left running for "
-                "inspection; check its logs.",
+                with_log_tail(
+                    f"Container {container_name} did not become ready within {timeout:g} s "
+                    f"({url} last gave: {last_problem}). The container was left running for "
+                    "inspection.",
+                    logs,
+                ),
                 {"elapsed_sec": round(elapsed, 1)},
             )
         if now - last_progress >= progress_every:
