@@ -36,6 +36,7 @@ from llmport_agent.commands.node import PersistentModes, node_handler_specs
 from llmport_agent.commands.pipeline import CommandPipeline
 from llmport_agent.config import AgentConfig, mask_url
 from llmport_agent.events.outbox import EventOutbox
+from llmport_agent.instance import AlreadyRunning, InstanceLock
 from llmport_agent.reporting import HeartbeatReporter, InventoryReporter
 from llmport_agent.session.service import SessionService
 from llmport_agent.state import StateStore, resolve_state_path
@@ -124,6 +125,8 @@ class AgentService(MultiService):
         self.io_pool = PoolService(reactor, "io", 2)
         self.host_pool = PoolService(reactor, "host", 2)
         self.state = StateStore(self.io_pool, state_path)
+        #: One agent per state file (issue 20): taken first at start, held until the stop ends.
+        self.instance_lock = InstanceLock(state_path)
         self.journal = CommandJournal(self.io_pool, os.path.join(state_dir, "commands.jsonl"), time.time)
         self.http, self.http_pool = make_http_client(reactor, config)
         self.backend = BackendHTTP(reactor, self.http, config.backend_url, config.request_timeout_sec)
@@ -389,6 +392,10 @@ class AgentService(MultiService):
         if f.check(StateUnreadable):
             self._fatal(EXIT_NEEDS_OPERATOR, f.getErrorMessage())
             return
+        if f.check(OSError) and not self.instance_lock.held:
+            self._fatal(1, f"cannot create the lock file {self.instance_lock.path} ({f.getErrorMessage()}); "
+                           "check that the state directory is writable by the agent")
+            return
         self.log.failure("The agent could not start", failure=f)
         self._fatal(1, f"The agent could not start: {f.getErrorMessage()}")
 
@@ -398,6 +405,13 @@ class AgentService(MultiService):
         self._check_env_file()
         for svc in self._ordered[:3]:
             svc.setServiceParent(self)
+        try:
+            await self.io_pool.run(self.instance_lock.acquire)
+        except AlreadyRunning as e:
+            # Nothing else starts: this process must not touch the state, the journal or the
+            # engine that the other agent is using.
+            self._fatal(1, str(e))
+            return
         await self.state.load()
         await self.journal.load()
         await self.outbox.load()
@@ -578,6 +592,11 @@ class AgentService(MultiService):
             await self.http_pool.closeCachedConnections()
         except Exception:
             self.log.failure("Closing HTTP connections failed")
+        if self.instance_lock.held:
+            try:
+                await self.io_pool.run(self.instance_lock.release)
+            except Exception:
+                self.log.failure("Releasing {path} failed", path=self.instance_lock.path)
         for svc in reversed(pools):
             if getattr(svc, "running", False):
                 await self._stop_one(svc)
