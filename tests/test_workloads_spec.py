@@ -526,11 +526,12 @@ class ValidationTests(SynchronousTestCase):
                 parse_port(bad, "p")
 
     def test_tail(self) -> None:
-        """tail: integer 1..10000, default 300."""
-        self.assertEqual(parse_tail(None), 300)
+        """tail: an integer clamped to 10..200 (protocol 10.4); more in tests.test_serve_logs."""
+        self.assertEqual(parse_tail(None), 200)
         self.assertEqual(parse_tail("50"), 50)
-        self.assertEqual(parse_tail(10000), 10000)
-        for bad in (0, 10001, "x", True, -5, 1.5):
+        self.assertEqual(parse_tail(10000), 200)
+        self.assertEqual(parse_tail(0), 10)
+        for bad in ("x", True, 1.5):
             with self.assertRaises(CommandFailed) as cm:
                 parse_tail(bad)
             self.assertEqual(cm.exception.error_code, INVALID_COMMAND)

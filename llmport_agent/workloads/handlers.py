@@ -45,6 +45,7 @@ from .readiness import (
     probe_url,
     wait_ready,
 )
+from .servelogs import RAY_CONTAINER, parse_replica, read_serve_logs, serve_app_name
 from .settings import WorkloadSettings
 from .spec import (
     LABEL_CONTAINER_PORT,
@@ -113,25 +114,34 @@ def _ids(payload: Mapping[str, Any]) -> tuple[str, str]:
 LOGS_ANSWER_SEC = 8.0
 
 
+#: C{fetch_container_logs} answers at least and at most this many lines (protocol 10.4).
+TAIL_MIN = 10
+TAIL_MAX = 200
+#: When C{tail} is absent or not an integer (the original agent's default, then clamped).
+TAIL_DEFAULT = 300
+
+
 def parse_tail(value: object) -> int:
-    """C{tail}: an integer 1..10000, default 300."""
+    """
+    C{tail} parsed as an integer and clamped to 10..200 (protocol 10.4); absent means the
+    default (300, so 200).
+
+    @raise CommandFailed: C{invalid_command} when it is not an integer (the caller answers
+        with the default and says so: logs never fail).
+    """
     if value is None or (isinstance(value, str) and not value.strip()):
-        return 300
-    if isinstance(value, bool):
-        raise CommandFailed(INVALID_COMMAND, "tail must be an integer from 1 to 10000")
-    if isinstance(value, int):
+        tail = TAIL_DEFAULT
+    elif isinstance(value, bool):
+        raise CommandFailed(INVALID_COMMAND, f"tail must be an integer, not {value!r}")
+    elif isinstance(value, int):
         tail = value
-    elif isinstance(value, str) and value.strip().isdigit():
-        tail = int(value.strip())
     elif isinstance(value, float) and value.is_integer():
         tail = int(value)
+    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d{1,12}\s*", value):
+        tail = int(value)
     else:
-        raise CommandFailed(
-            INVALID_COMMAND, f"tail must be an integer from 1 to 10000, not {str(value)[:40]!r}"
-        )
-    if not 1 <= tail <= 10000:
-        raise CommandFailed(INVALID_COMMAND, f"tail {tail} is out of range (1 to 10000)")
-    return tail
+        raise CommandFailed(INVALID_COMMAND, f"tail must be an integer, not {str(value)[:40]!r}")
+    return max(TAIL_MIN, min(TAIL_MAX, tail))
 
 
 _TS_RE = re.compile(rb"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z?)\s")
@@ -905,13 +915,17 @@ class WorkloadManager:
         try:
             tail = parse_tail(payload.get("tail"))
         except CommandFailed as e:
-            tail = 300
+            tail = parse_tail(None)
             note = f"[llmport-agent: {e.error_message}; showing the last {tail} lines]\n"
         try:
             runtime_id, name = _ids(payload)
         except CommandFailed as e:
             return {"logs": f"No logs: {e.error_message}", "found": False}
-        d = Deferred.fromCoroutine(self._logs(runtime_id, name, tail))
+        app = serve_app_name(payload.get("runtime_name"))
+        replica = parse_replica(payload.get("replica_id"))
+        if app and not is_blank(payload.get("replica_id")) and replica is None:
+            note += "[llmport-agent: replica_id is not a Serve replica id; showing every replica]\n"
+        d = Deferred.fromCoroutine(self._logs(runtime_id, name, tail, app, replica))
         d.addTimeout(LOGS_ANSWER_SEC, self._reactor)
         try:
             result = await d
@@ -926,7 +940,48 @@ class WorkloadManager:
             result["logs"] = note + result["logs"]
         return result
 
-    async def _logs(self, runtime_id: str, name: str, tail: int) -> dict[str, Any]:
+    async def _logs(
+        self, runtime_id: str, name: str, tail: int, app: str | None = None, replica: str | None = None
+    ) -> dict[str, Any]:
+        serve_note = ""
+        if app is not None:
+            # A Ray Serve app: its replicas' log files in the Ray runtime container first.
+            try:
+                serve = await self.engine.call(
+                    read_serve_logs,
+                    app,
+                    replica,
+                    tail,
+                    self.settings.logs_max_bytes,
+                    what=f"reading the Serve replica logs of {app}",
+                )
+            except EngineError as exc:
+                if exc.unreachable:
+                    raise
+                serve = None
+                serve_note = f"[llmport-agent: {exc.error_message}]\n"
+            if serve is not None:
+                return {
+                    "runtime_id": runtime_id,
+                    "container_name": serve["container_name"],
+                    "app_name": app,
+                    "source": "ray_serve",
+                    "logs": serve["logs"],
+                    "files": serve["files"],
+                    "truncated": serve["truncated"],
+                    "found": True,
+                }
+            serve_note += (
+                f"[llmport-agent: no Ray Serve replica logs of {app}"
+                + (f" (replica {replica})" if replica else "")
+                + f" in {RAY_CONTAINER} on this node; showing container logs]\n"
+            )
+        result = await self._containerLogs(runtime_id, name, tail)
+        if serve_note:
+            result["logs"] = serve_note + result["logs"]
+        return result
+
+    async def _containerLogs(self, runtime_id: str, name: str, tail: int) -> dict[str, Any]:
         target = await self.engine.call(
             ops.find_runtime_light, runtime_id, self.settings.agent_id, what="finding the container"
         )
