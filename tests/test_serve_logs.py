@@ -15,6 +15,7 @@ from typing import Any
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmport_agent.commands.base import INVALID_COMMAND, CommandFailed
 from llmport_agent.workloads.handlers import parse_tail
 from llmport_agent.workloads.servelogs import RAY_CONTAINER, parse_replica, serve_app_name
 
@@ -61,8 +62,9 @@ class TailRuleTests(SynchronousTestCase):
 
     def test_not_an_integer(self) -> None:
         for bad in ("x", True, 1.5, "1e3", [], {}, "9" * 5000):
-            with self.assertRaises(Exception):
+            with self.assertRaises(CommandFailed) as cm:
                 parse_tail(bad)
+            self.assertEqual(cm.exception.error_code, INVALID_COMMAND)
 
     def test_names(self) -> None:
         """Only llmport-<id> names are Serve apps; replica ids of a small alphabet only."""
