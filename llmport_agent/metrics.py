@@ -259,6 +259,14 @@ class AgentCollector:
             state.add_metric([name], 1.0 if name == current else 0.0)
         yield state
         yield _gauge("connected", "1 while the backend stream is open", 1.0 if session.connected else 0.0)
+        dispatch = getattr(session, "dispatch", None)
+        if dispatch is not None:
+            mode = GaugeMetricFamily(PREFIX + "dispatch_mode",
+                                     "How commands reach the node: polled or pushed by the backend (1 = current)",
+                                     labels=["mode"])
+            for name in ("polling", "push"):
+                mode.add_metric([name], 1.0 if dispatch.mode == name else 0.0)
+            yield mode
         yield _counter("session_opens", "Backend stream opens", s.opens)
         yield _counter("session_reconnects", "Backend stream opens after the first", max(0, s.opens - 1))
         yield _counter("session_closes", "Backend stream closes (opened or not)", s.closes)

@@ -54,6 +54,9 @@ def readiness(agent: Any) -> dict[str, Any]:
             else (session.stats.last_error or state.replace("_", " ")),
         }
     }
+    dispatch = getattr(session, "dispatch", None)
+    if dispatch is not None:
+        checks["session"]["dispatch_mode"] = dispatch.mode
     engine = getattr(agent, "engine", None)
     if engine is None:
         checks["engine"] = {"ok": True, "detail": "Docker executor off"}

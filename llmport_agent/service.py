@@ -747,6 +747,7 @@ class AgentService(MultiService):
                 "session_id": self.session.session_id or "",
                 "consecutive_failures": self.session.failures.failures,
                 **self.session.stats.as_dict(),
+                "dispatch": self.session.dispatch.describe(),
             },
             "commands": self.pipeline.describe(),
             "events": {"outbox_depth": self.outbox.depth, "dropped": self.outbox.dropped, "sent": self.outbox.sent},

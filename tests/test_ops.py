@@ -108,6 +108,10 @@ class OpsTests(AgentTestCase):
         self.assertEqual(samples("llmport_agent_gpu_utilization_ratio", gpu="5")[0].value, 0.5)
         self.assertEqual(sum(s.value for s in samples("llmport_agent_workloads")), 20)
         self.assertEqual(samples("llmport_agent_session_state", state="connected")[0].value, 1)
+        modes = {s.labels["mode"]: s.value for s in samples("llmport_agent_dispatch_mode")}
+        self.assertEqual(sorted(modes), ["polling", "push"])
+        self.assertEqual(modes[agent.session.dispatch.mode], 1)
+        self.assertEqual(sum(modes.values()), 1)
         done = samples("llmport_agent_command_duration_seconds", type="set_maintenance_mode", outcome="success")
         self.assertEqual([s.value for s in done if s.name.endswith("_count")], [1])
         out_frames = samples("llmport_agent_frames", direction="out", type="heartbeat")
@@ -165,6 +169,7 @@ class OpsTests(AgentTestCase):
         self.assertIn("GPU 3 (GPU-00000003", nvml["detail"])
         self.assertIn("Xid 79", nvml["detail"])
         self.assertEqual(ready["agent"]["heartbeat_status"], "degraded")
+        self.assertEqual(ready["checks"]["session"]["dispatch_mode"], agent.session.dispatch.mode)
 
     async def test_readyz_follows_backend_and_engine(self) -> None:
         """Red with a JSON body naming what is wrong when the backend or the engine goes, green when back."""

@@ -2,12 +2,14 @@
 The backend session: enrollment when needed, one authenticated WebSocket connection kept up
 through every network fault (ClientService + Autobahn), credential rotation, command polling.
 
-Polling (protocol 3.2: the backend sends commands only in reply to a frame, and each frame costs
-it a query and a commit, plus an offset-row write when the frame carries C{seq}): a poll frame
-carries no C{seq} and leaves when nothing else was sent for the poll interval. The interval is
-C{COMMAND_POLL_INTERVAL_SEC} while the node is active (a connect, or a command received,
-running, or answered within C{COMMAND_POLL_ACTIVE_WINDOW_SEC}) and
+Polling (protocol 3.2: the April 2026 backend sends commands only in reply to a frame, and each
+frame costs it a query and a commit, plus an offset-row write when the frame carries C{seq}): a
+poll frame carries no C{seq} and leaves when nothing else was sent for the poll interval. The
+interval is C{COMMAND_POLL_INTERVAL_SEC} while the node is active (a connect, or a command
+received, running, or answered within C{COMMAND_POLL_ACTIVE_WINDOW_SEC}) and
 C{COMMAND_POLL_IDLE_INTERVAL_SEC} otherwise; the first command back makes it active again.
+Once the backend has shown that it pushes commands (protocol 10.1, L{DispatchDetector}), no
+polls go at all.
 
 Listeners (the command pipeline, heartbeat, inventory, event outbox) subscribe with
 L{SessionService.subscribe} and receive plain dicts; they send with L{SessionService.send}.
@@ -35,6 +37,7 @@ from zope.interface import implementer
 from llmport_agent.backend_http import BackendHTTP, Rejected, Transient
 from llmport_agent.backoff import Backoff, FailureCounter, retry_policy
 from llmport_agent.config import AgentConfig
+from llmport_agent.session.dispatch import PUSH, DispatchDetector
 from llmport_agent.session.protocol import (
     HARD_MAX_FRAME,
     AgentClientFactory,
@@ -211,6 +214,18 @@ class SessionService(Service):
         self._stopping = False
         self._rotating = False
         self._enrolling = False
+        self.dispatch = DispatchDetector(self._reactor.seconds, self._dispatch_changed)
+        remembered = state.get("dispatch")
+        if (
+            isinstance(remembered, dict)
+            and remembered.get("backend") == token_fingerprint(config.backend_url)
+            and remembered.get("mode") == PUSH
+        ):
+            self.dispatch.restore(
+                PUSH, "remembered: the backend at this URL pushed commands before (polling resumes "
+                "at the first sign that it answers frames instead)",
+            )
+        self._dispatch_said = False
 
     # -- wiring ----------------------------------------------------------------------------
 
@@ -510,8 +525,12 @@ class SessionService(Service):
         # A connect counts as activity: the first command after a node (re)connects is
         # picked up as fast as the next ones.
         self._last_activity = self._last_sent_at
+        self.dispatch.connection_opened()
         self._schedule_poll()
         self.log.info("Connected to the backend stream at {url}", url=stream_url(self.config.backend_url))
+        if not self._dispatch_said:
+            self._dispatch_said = True
+            self._say_dispatch_mode()
         if self._unverified_tls and self.stats.opens > 1:
             self.log.warn(
                 "TLS verification is OFF (LLM_PORT_NODE_AGENT_VERIFY_TLS=false): this connection "
@@ -549,6 +568,11 @@ class SessionService(Service):
         key = kind if isinstance(kind, str) and kind in INBOUND_TYPES else "other"
         self.stats.frames_in[key] = self.stats.frames_in.get(key, 0) + 1
         items = frame.get("items") if kind == "commands" else frame.get("commands") if kind == "hello_ack" else None
+        if isinstance(items, list):
+            if kind == "hello_ack":
+                self.dispatch.hello_received(items)
+            else:
+                self.dispatch.commands_received(items)
         if isinstance(items, list) and items:
             self.note_activity()
         if frame.get("type") == "hello_ack":
@@ -587,6 +611,7 @@ class SessionService(Service):
         if proto is self.proto:
             self.proto = None
             self._cancel_poll()
+            self.dispatch.connection_closed()
             for listener in list(self._listeners):
                 try:
                     listener.session_closed()
@@ -697,6 +722,7 @@ class SessionService(Service):
             self.log.failure("Could not send a {type} frame", type=frame.get("type"))
             return False
         self._last_sent_at = self._reactor.seconds()
+        self.dispatch.frame_sent()
         kind = str(frame.get("type"))[:32]
         self.stats.frames_out[kind] = self.stats.frames_out.get(kind, 0) + 1
         if kind in COMMAND_FRAMES:
@@ -752,6 +778,10 @@ class SessionService(Service):
         """
         if self.proto is None or self._stopping:
             return
+        if self.dispatch.push:
+            # The backend sends each command as it is queued: a poll would buy nothing.
+            self._cancel_poll()
+            return
         now = self._reactor.seconds()
         base = self._last_sent_at if since is None else since
         delay = max(0.0, base + self.poll_interval() - now)
@@ -771,6 +801,37 @@ class SessionService(Service):
         # session-offset write (protocol 3.2).
         if self.proto is not None and not self._send({"type": "poll"}, seq=False):
             self._schedule_poll(since=self._reactor.seconds())
+
+    # -- dispatch mode (protocol 10.1) ---------------------------------------------------
+
+    def _say_dispatch_mode(self) -> None:
+        if self.dispatch.push:
+            self.log.info("Command dispatch: push, no polling ({reason})", reason=self.dispatch.reason)
+        else:
+            self.log.info(
+                "Command dispatch: polling, every {fast:g} s while active and {idle:g} s when idle "
+                "({reason}); it stops if the backend shows that it pushes commands",
+                fast=self.config.command_poll_interval_sec,
+                idle=self.config.poll_idle_interval,
+                reason=self.dispatch.reason,
+            )
+
+    def _dispatch_changed(self, mode: str, reason: str) -> None:
+        self._dispatch_said = True
+        if mode == PUSH:
+            self.log.info("Command dispatch: push, polling stopped ({reason})", reason=reason)
+            self._cancel_poll()
+        else:
+            self.log.info("Command dispatch: back to polling ({reason})", reason=reason)
+            self._schedule_poll()
+        self.state.note(
+            dispatch={
+                # A fingerprint: the URL may carry user info.
+                "backend": token_fingerprint(self.config.backend_url),
+                "mode": mode,
+                "since": self._wallclock(),
+            }
+        )
 
     # -- rotation --------------------------------------------------------------------------
 
