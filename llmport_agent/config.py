@@ -298,6 +298,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Workload containers whose logs are followed at the same time (more take turns)."),
     Setting("MODEL_STORE", "model_store", "/srv/llm-port/models", _path,
             "Directory of the HuggingFace model cache shared with workloads."),
+    Setting("RAY_SESSION_DIR", "ray_session_dir", "/var/lib/llm-port/ray", _path,
+            "Host side of the Ray runtime container's /tmp/ray (Serve replica logs are read from "
+            "its session_latest/logs/serve)."),
     Setting("IMAGE_ALLOWLIST", "image_allowlist", (), _csv,
             "Comma-separated image prefixes allowed to run (empty = any)."),
     Setting("ALLOW_HOST_IPC", "allow_host_ipc", True, _bool,
@@ -439,6 +442,7 @@ class AgentConfig:
     gpu_ignored_xids: tuple[int, ...] = ()
     command_poll_idle_interval_sec: float = 8.0
     command_poll_active_window_sec: float = 600.0
+    ray_session_dir: str = "/var/lib/llm-port/ray"
 
     @property
     def poll_idle_interval(self) -> float:

@@ -164,6 +164,8 @@ class AgentService(MultiService):
         self.health: Any = None
         if docker_enabled:
             self._build_workloads(state_dir)
+        from llmport_agent.inventory.sections import inventory_sections
+
         self.collector = InventoryCollector(
             reactor,
             self.host_pool,
@@ -171,6 +173,9 @@ class AgentService(MultiService):
             state_dir=state_dir,
             model_store=config.model_store,
             engine_facts=self._engine_facts,
+            # Protocol 10.5: network (fabrics), vLLM not started by llm-port, the Ray runtime.
+            sections=inventory_sections(self.host_pool, self.engine),
+            paths={"model_store": config.model_store, "ray_session": config.ray_session_dir},
         )
         # GPU health (issue 13): driver events and periodic checks; transitions become
         # gpu.health.* events, a heartbeat on change (notify_changed) and a fresh inventory.

@@ -11,12 +11,13 @@ answers 500 on a null, PostgreSQL refuses C{NaN}).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from attrs import frozen
 from twisted.internet.defer import Deferred
+from twisted.internet.defer import TimeoutError as DeferTimeout
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -99,6 +100,10 @@ class InventoryReport:
     utilization: dict[str, Any]
 
 
+async def _awaited(read: Callable[[], Awaitable[Any]]) -> Any:
+    return await read()
+
+
 def _iso(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
 
@@ -116,6 +121,13 @@ class InventoryCollector:
         figures when set.
     @param engine_facts: a cheap reactor-thread callable returning the container engine's
         facts (C{docker_available}, C{container_runtime}, extras), or C{None}.
+    @param sections: more inventory keys (protocol 10.5: C{network}, C{vllm_containers},
+        C{ray_runtime}), each read by an async callable that runs its blocking work off the
+        reactor and bounds it in time; they run side by side, each cut off after
+        C{section_timeout} seconds. A section that fails or answers C{None} is left out of
+        that report (one log line when it starts failing).
+    @param paths: the host paths of C{static_capabilities.paths} (C{model_store},
+        C{ray_session}).
     """
 
     log = Logger()
@@ -129,6 +141,9 @@ class InventoryCollector:
         state_dir: str,
         model_store: str | None,
         engine_facts: Callable[[], Mapping[str, Any]] | None = None,
+        sections: Mapping[str, Callable[[], Awaitable[Any]]] | None = None,
+        section_timeout: float = 30.0,
+        paths: Mapping[str, str] | None = None,
     ) -> None:
         self._reactor = reactor
         self._runner = runner
@@ -146,6 +161,10 @@ class InventoryCollector:
         self._waiters: list[Deferred[InventoryReport]] = []
         self._engine_failing = False
         self._gpu_failing = False
+        self._sections = dict(sections or {})
+        self._section_timeout = section_timeout
+        self._section_failing: set[str] = set()
+        self._paths = {k: v for k, v in (paths or {}).items() if v}
 
     # -- public API
 
@@ -169,7 +188,7 @@ class InventoryCollector:
         """
         static = await self._static_facts()
         gpu = await self._gpu_snapshot()
-        return scrub_nulls(build_capabilities(static, gpu, self._engine()))
+        return scrub_nulls(self._with_paths(build_capabilities(static, gpu, self._engine())))
 
     def last_capabilities(self) -> dict[str, Any]:
         """
@@ -177,7 +196,7 @@ class InventoryCollector:
         cheap, for every heartbeat. Valid (all keys present) even before any reading.
         """
         host = self._static if self._static is not None else self._quick_facts()
-        return scrub_nulls(build_capabilities(host, self.last_gpu, self._engine()))
+        return scrub_nulls(self._with_paths(build_capabilities(host, self.last_gpu, self._engine())))
 
     @property
     def last_report(self) -> InventoryReport | None:
@@ -222,6 +241,32 @@ class InventoryCollector:
                 w.callback(result)
         if isinstance(result, Failure) and not delivered:
             self.log.failure("Inventory collection failed", failure=result)
+
+    def _with_paths(self, caps: dict[str, Any]) -> dict[str, Any]:
+        if self._paths:
+            caps["paths"] = dict(self._paths)
+        return caps
+
+    async def _section(self, name: str, read: Callable[[], Awaitable[Any]]) -> Any:
+        """One extra section's value, or C{None} when it failed or ran out of time."""
+        try:
+            d: Deferred[Any] = Deferred.fromCoroutine(_awaited(read))
+            d.addTimeout(self._section_timeout, self._reactor)
+            value = await d
+        except Exception as e:
+            if name not in self._section_failing:
+                self._section_failing.add(name)
+                self.log.warn(
+                    "Reading the inventory's {section} failed ({why}); it is left out of the "
+                    "inventory until it works again",
+                    section=name, why=describe_error(e) if not isinstance(e, DeferTimeout)
+                    else f"no answer within {self._section_timeout:g} s",
+                )
+            return None
+        if name in self._section_failing:
+            self._section_failing.discard(name)
+            self.log.info("The inventory's {section} is read again", section=name)
+        return value
 
     def _quick_facts(self) -> dict[str, str]:
         if self._quick is None:
@@ -276,11 +321,15 @@ class InventoryCollector:
     async def _collect(self) -> InventoryReport:
         static = await self._static_facts()
         gpu_d = Deferred.fromCoroutine(self._gpu_snapshot())  # never fails
+        section_ds = {
+            name: Deferred.fromCoroutine(self._section(name, read))  # never fail
+            for name, read in self._sections.items()
+        }
         host: HostFacts = await self._runner.run(
             collect_host_facts, self._state_dir, self._model_store
         )
         gpu = await gpu_d
-        caps = build_capabilities(static, gpu, self._engine())
+        caps = self._with_paths(build_capabilities(static, gpu, self._engine()))
         now = _iso(self._reactor.seconds())
         disk = host.primary_disk
         inventory: dict[str, Any] = {
@@ -301,6 +350,10 @@ class InventoryCollector:
             "collected_at": now,
             "errors": list(host.errors),
         }
+        for name, sd in section_ds.items():
+            value = await sd
+            if value is not None:
+                inventory[name] = value
         utilization: dict[str, Any] = {
             "cpu_percent": host.cpu_percent,
             "memory_used_bytes": host.memory_used_bytes,
