@@ -166,7 +166,8 @@ class CommandPipeline(Service):
         self._intake: deque[tuple[Any, bool]] = deque()
         self._intake_call: Any = None
         self.stats = {"received": 0, "duplicates": 0, "malformed": 0, "succeeded": 0, "failed": 0,
-                      "timed_out": 0, "results_resent": 0, "deferred_by_stop": 0}
+                      "timed_out": 0, "results_resent": 0, "deferred_by_stop": 0, "redispatched": 0,
+                      "replayed": 0}
         if calls is None:
             from llmport_agent.metrics import command_calls
 
@@ -401,17 +402,7 @@ class CommandPipeline(Service):
             return
         known = self.journal.get(cid)
         if known is not None:
-            self.stats["duplicates"] += 1
-            # Still listed by the backend: it has not seen our ack (or result) yet.
-            if fresh and known.state == DELIVERED and known.result_frame is not None:
-                known.state = FINISHED
-                self.journal.note(known.id, state=FINISHED)
-                self.stats["results_resent"] += 1
-                self._send_result(known)
-            elif known.state == FINISHED:
-                self._send_result(known)
-            elif not known.finished and not known.acked:
-                self._send_ack(known)
+            self._listed_again(known, fresh, _redispatched(obj))
             return
         if self._draining:
             # Not journaled, not acked: still pending in the backend, offered again later.
@@ -443,6 +434,44 @@ class CommandPipeline(Service):
             command=journal_copy,
         )
         self._track(Deferred.fromCoroutine(self._accept(rec, parsed)))
+
+    def _listed_again(self, known: JournalRecord, fresh: bool, redispatched: bool) -> None:
+        """
+        A command the journal knows, listed again: de-duplicated by id, never run twice.
+
+         - finished: answered from the journal with its stored result, marked C{"replayed":
+           true}, when the backend cannot have seen it (listed in C{hello_ack}, or re-dispatched,
+           protocol 10.2); on the same connection a listing that only lags behind our result
+           gets nothing new (the result is being confirmed, or was). Never an ack: an ack after
+           a result would move the command back in the backend.
+         - received or running: joined (the one execution goes on to the one result); acked again
+           when the backend has not seen our ack or asks again (C{redispatch: true}), and told
+           the phase it is in.
+        """
+        self.stats["duplicates"] += 1
+        if redispatched:
+            self.stats["redispatched"] += 1
+        if known.finished:
+            if known.result_frame is None:
+                return
+            if known.state == DELIVERED and (fresh or redispatched):
+                known.state = FINISHED
+                self.journal.note(known.id, state=FINISHED)
+                self.stats["results_resent"] += 1
+                self._send_result(known, replayed=True)
+            elif known.state == FINISHED:
+                self._send_result(known, replayed=True)
+            return
+        if redispatched or not known.acked:
+            self._send_ack(known)
+        if redispatched:
+            self.log.info(
+                "Command {id} ({type}) was re-dispatched by the backend while it is {state} here; "
+                "joined it (one execution, one result)",
+                id=known.id,
+                type=known.command_type,
+                state="running" if known.state == RUNNING else "queued",
+            )
 
     async def _record(self, rec: JournalRecord) -> bool:
         """Journal a new command before anything else. False (and no ack) if that failed."""
@@ -483,7 +512,8 @@ class CommandPipeline(Service):
             return SIGNATURE_INVALID, "The command's signature does not match; it was not run."
         if spec is None:
             return INVALID_COMMAND, f"unsupported command type: {command.command_type}"
-        if self.max_age > 0 and command.issued_at:
+        if self.max_age > 0 and command.issued_at and not _redispatched(command.raw):
+            # A re-dispatched command (protocol 10.2) is old by definition: never expired.
             issued = parse_iso8601(command.issued_at)
             if issued is not None and self._wallclock() - issued > self.max_age:
                 return COMMAND_EXPIRED, (
@@ -730,10 +760,18 @@ class CommandPipeline(Service):
         )
         self._send_result(rec)
 
-    def _send_result(self, rec: JournalRecord) -> None:
+    def _send_result(self, rec: JournalRecord, replayed: bool = False) -> None:
+        """
+        Send the stored result (again). C{replayed}: an answer from the journal to a command
+        listed again, marked C{"replayed": true} in C{result} (protocol 10.2).
+        """
         if rec.state != FINISHED or rec.result_frame is None or rec.id in self._delivering:
             return
         frame = dict(rec.result_frame)
+        if replayed:
+            stored = frame.get("result")
+            frame["result"] = dict(stored if isinstance(stored, dict) else {}, replayed=True)
+            self.stats["replayed"] += 1
         if not self.session.send(frame):
             return
         confirm = self.session.confirm()
@@ -765,6 +803,12 @@ class CommandPipeline(Service):
             "stats": dict(self.stats),
             "lanes_busy": sorted(k for k in self._locks),
         }
+
+
+def _redispatched(obj: Any) -> bool:
+    """The backend re-sent an in-flight command (C{"redispatch": true}, protocol 10.2)."""
+    getter = getattr(obj, "get", None)
+    return callable(getter) and getter("redispatch") is True
 
 
 async def _call(spec: HandlerSpec, ctx: _Context) -> dict[str, Any]:
