@@ -83,8 +83,12 @@ class BackendHTTP:
 
     log = Logger()
 
-    def __init__(self, reactor: Any, http: HTTPClient, base_url: str, timeout: float) -> None:
+    def __init__(
+        self, reactor: Any, http: HTTPClient, base_url: str, timeout: float, *, client_cert: str | None = None
+    ) -> None:
         self._reactor = reactor
+        #: C{TLS_CLIENT_CERT}, named when the backend refuses it.
+        self.client_cert = client_cert
         self._http = http
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
@@ -109,7 +113,7 @@ class BackendHTTP:
         except (TimeoutError, CancelledError):
             raise Transient(f"POST {path}: no answer within {timeout:g} s") from None
         except Exception as e:  # network errors of every kind
-            raise Transient(f"POST {path}: {describe_network_error(e)}") from None
+            raise Transient(f"POST {path}: {describe_network_error(e, self.client_cert)}") from None
         return response.code, content
 
     async def enroll(
@@ -161,12 +165,12 @@ class BackendHTTP:
         return str(data.get("node_id", "")), new
 
 
-def describe_network_error(e: BaseException) -> str:
+def describe_network_error(e: BaseException, client_cert: str | None = None) -> str:
     """
     What failed, in one line: a TLS failure with what to set (L{tls.describe_connection_error}),
     else the innermost error (treq wraps them in lists of Failures, whose repr helps nobody).
     """
-    tls_text = describe_connection_error(e)
+    tls_text = describe_connection_error(e, client_cert)
     if tls_text:
         return tls_text
     inner = innermost_error(e) or e

@@ -193,6 +193,41 @@ def _ca_file(var: str, raw: str) -> str | None:
     return value
 
 
+def _pem_file(var: str, raw: str, what: str) -> str | None:
+    value = raw.strip()
+    if not value:
+        return None
+    value = os.path.abspath(os.path.expanduser(value))
+    if not os.path.isfile(value):
+        raise ConfigError(f"{var}={raw!r}: no such file; expected the path of a PEM {what}")
+    return value
+
+
+def _check_client_tls(values: dict[str, Any]) -> None:
+    """
+    CA_BUNDLE is an alias of TLS_CA_BUNDLE; the client certificate and key load and match.
+    Leaves the effective CA file in C{values["ca_bundle"]}.
+    """
+    new, old = values["tls_ca_bundle"], values["ca_bundle"]
+    if new and old and os.path.realpath(new) != os.path.realpath(old):
+        raise ConfigError(
+            f"{PREFIX}TLS_CA_BUNDLE={new!r} and {PREFIX}CA_BUNDLE={old!r} are both set, to different "
+            "files; expected one of them (CA_BUNDLE is the older name of TLS_CA_BUNDLE)"
+        )
+    values["ca_bundle"] = new or old
+    cert, key = values["tls_client_cert"], values["tls_client_key"]
+    if key and not cert:
+        raise ConfigError(f"{PREFIX}TLS_CLIENT_KEY is set but {PREFIX}TLS_CLIENT_CERT is not; expected both "
+                          "(or a certificate file that also holds its key)")
+    if cert:
+        from llmport_agent.tls import ClientCertError, load_client_certificate
+
+        try:
+            load_client_certificate(cert, key)
+        except ClientCertError as e:
+            raise ConfigError(str(e)) from None
+
+
 def _secret_file(var: str, raw: str) -> str | None:
     value = raw.strip()
     if not value:
@@ -252,8 +287,16 @@ SETTINGS: tuple[Setting, ...] = (
             "Timeout of HTTP requests to the backend (enroll, rotate)."),
     Setting("VERIFY_TLS", "verify_tls", True, _bool,
             "Verify the backend's TLS certificate and host name."),
+    Setting("TLS_CA_BUNDLE", "tls_ca_bundle", None, _ca_file,
+            "PEM file of CA certificates trusted for the backend (HTTPS and the stream) and Loki, "
+            "instead of the system store (the original agent's name; CA_BUNDLE is an alias)."),
     Setting("CA_BUNDLE", "ca_bundle", None, _ca_file,
-            "PEM file of CA certificates trusted for the backend (instead of the system store)."),
+            "Alias of TLS_CA_BUNDLE (both set to different files is an error)."),
+    Setting("TLS_CLIENT_CERT", "tls_client_cert", None, lambda var, raw: _pem_file(var, raw, "certificate"),
+            "PEM client certificate presented to the backend (mTLS: enrollment, rotation, the stream, "
+            "model and image downloads); may also hold the key."),
+    Setting("TLS_CLIENT_KEY", "tls_client_key", None, lambda var, raw: _pem_file(var, raw, "private key"),
+            "PEM private key of TLS_CLIENT_CERT (unencrypted; keep it 0600)."),
     Setting("LOG_LEVEL", "log_level", "INFO", _log_level,
             "DEBUG, INFO, WARNING or ERROR."),
     Setting("COMMAND_POLL_INTERVAL_SEC", "command_poll_interval_sec", 2.0, _number(0.5),
@@ -401,6 +444,7 @@ class AgentConfig:
     reconnect_max_sec: float
     request_timeout_sec: float
     verify_tls: bool
+    #: The effective CA file (TLS_CA_BUNDLE, or its alias CA_BUNDLE).
     ca_bundle: str | None
     log_level: str
     command_poll_interval_sec: float
@@ -443,6 +487,9 @@ class AgentConfig:
     command_poll_idle_interval_sec: float = 8.0
     command_poll_active_window_sec: float = 600.0
     ray_session_dir: str = "/var/lib/llm-port/ray"
+    tls_ca_bundle: str | None = None
+    tls_client_cert: str | None = None
+    tls_client_key: str | None = None
 
     @property
     def poll_idle_interval(self) -> float:
@@ -565,6 +612,7 @@ def load_config(
             "0-3600 (and 30 s under the unit's TimeoutStopSec)"
         )
     _check_loki(values)
+    _check_client_tls(values)
     if values["ops_port"] > 65535:
         raise ConfigError(f"{PREFIX}OPS_PORT={values['ops_port']} is not a port; expected 0-65535")
     notes: list[str] = []

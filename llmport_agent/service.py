@@ -85,7 +85,7 @@ def make_http_client(reactor: Any, config: AgentConfig) -> Any:
     pool.cachedConnectionTimeout = 60
     agent = backend_agent(
         reactor,
-        https_policy(config.verify_tls, config.ca_bundle),
+        https_policy(config.verify_tls, config.ca_bundle, config.tls_client_cert, config.tls_client_key),
         pool,
         connect_timeout=config.request_timeout_sec,
     )
@@ -129,7 +129,9 @@ class AgentService(MultiService):
         self.instance_lock = InstanceLock(state_path)
         self.journal = CommandJournal(self.io_pool, os.path.join(state_dir, "commands.jsonl"), time.time)
         self.http, self.http_pool = make_http_client(reactor, config)
-        self.backend = BackendHTTP(reactor, self.http, config.backend_url, config.request_timeout_sec)
+        self.backend = BackendHTTP(
+            reactor, self.http, config.backend_url, config.request_timeout_sec, client_cert=config.tls_client_cert
+        )
         self.modes = PersistentModes(self.state, on_change=self._modes_changed)
 
         from llmport_agent.inventory.collector import InventoryCollector

@@ -181,6 +181,11 @@ class DevBackend:
         self.runtime_defs: dict[str, Runtime] = {}
         #: Enrollment requests received (answered or, with C{faults.hang_enroll}, not).
         self.enroll_requests = 0
+        from .onboarding import Onboarding
+
+        #: Join requests and whoami (protocol 10.7); C{onboarding.enabled = False} makes this a
+        #: backend of the April generation, without those routes.
+        self.onboarding = Onboarding(self)
 
     # -- serving ----------------------------------------------------------------------------
 
@@ -206,6 +211,9 @@ class DevBackend:
         images = JsonResource()
         _put(node_files, b"images", images)
         _put(images, b"save", ImageSaveResource(self))
+        from .onboarding import install as install_onboarding
+
+        install_onboarding(self.onboarding, nodes, node_files)
         if self._modelfiles is not None and self.models is not None:
             models = self._modelfiles.model_files_resource(self.models, self.authorize_node)
             _put(node_files, b"models", models)
@@ -228,12 +236,21 @@ class DevBackend:
         return True
 
     def listen(
-        self, port: int = 0, interface: str = "127.0.0.1", tls: TLSFiles | None = None
+        self,
+        port: int = 0,
+        interface: str = "127.0.0.1",
+        tls: TLSFiles | None = None,
+        client_ca: str | None = None,
     ) -> Deferred[int]:
-        """Start serving; fires with the bound port number."""
-        return Deferred.fromCoroutine(self._listen(port, interface, tls))
+        """
+        Start serving; fires with the bound port number.
 
-    async def _listen(self, port: int, interface: str, tls: TLSFiles | None) -> int:
+        @param client_ca: with C{tls}, a PEM file of CAs: every connection must then present a
+            client certificate issued by one of them (mTLS), as a backend behind such a proxy.
+        """
+        return Deferred.fromCoroutine(self._listen(port, interface, tls, client_ca))
+
+    async def _listen(self, port: int, interface: str, tls: TLSFiles | None, client_ca: str | None = None) -> int:
         if self._port is not None:
             raise RuntimeError("DevBackend is already listening")
         if self._pool is not None and not self._pool.running:
@@ -251,7 +268,17 @@ class DevBackend:
                     return c.read() + b"\n" + k.read()
 
             pem = await self.runner.run(_read)
-            options = PrivateCertificate.loadPEM(pem).options()
+            authorities = []
+            if client_ca is not None:
+                from twisted.internet.ssl import Certificate
+
+                def _read_ca() -> bytes:
+                    with open(client_ca, "rb") as f:
+                        return f.read()
+
+                authorities.append(Certificate.loadPEM(await self.runner.run(_read_ca)))
+            # With authorities: a client certificate issued by one of them is required.
+            options = PrivateCertificate.loadPEM(pem).options(*authorities)
             # TLS inside the tracker, so that the HTTP channel's transport is the TLS
             # protocol itself (Autobahn reads TLS details from it).
             factory = TLSMemoryBIOFactory(options, False, cast(Any, site))

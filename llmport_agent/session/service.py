@@ -206,6 +206,7 @@ class SessionService(Service):
         self._token_line_said = False
         self._factory: AgentClientFactory | None = None
         self._endpoint: Any = None
+        self._tls_creator: Any = None
         # When repeated refusals mean "revoked" (instance attributes so tests can shorten them).
         self.revoked_after_refusals = REVOKED_AFTER_REFUSALS
         self.revoked_after_seconds = REVOKED_AFTER_SECONDS
@@ -263,9 +264,13 @@ class SessionService(Service):
             self._reactor, host, port, timeout=self.config.request_timeout_sec
         )
         if tls:
-            endpoint = wrapClientTLS(
-                client_tls_options(host, self.config.verify_tls, self.config.ca_bundle), endpoint
-            )
+            if self._tls_creator is None:
+                # Read once (CA bundle, client certificate): not a file read at every reconnect.
+                c = self.config
+                self._tls_creator = client_tls_options(
+                    host, c.verify_tls, c.ca_bundle, c.tls_client_cert, c.tls_client_key
+                )
+            endpoint = wrapClientTLS(self._tls_creator, endpoint)
         return endpoint
 
     @property
@@ -636,7 +641,9 @@ class SessionService(Service):
 
     def _refused(self, http_status: int | None, reason: str | None, lost: Any = None) -> None:
         if http_status not in (401, 403):
-            described = describe_connection_error(lost) if lost is not None else None
+            described = (
+                describe_connection_error(lost, self.config.tls_client_cert) if lost is not None else None
+            )
             self.log.warn(
                 "Could not open the backend stream: {reason}",
                 reason=described or reason or "connection failed",
