@@ -1102,6 +1102,9 @@ class FilesAndAdminTests(LoopbackMixin, TestCase):
         self.assertEqual((await self.get(f"/dev/nodes/{node_id}/commands"))[1][0]["id"], cmd["id"])
         self.assertEqual(await self.get(f"/dev/nodes/{node_id}/inventory"), (200, None))
         self.assertEqual(await self.get(f"/dev/nodes/{node_id}/events"), (200, []))
+        self.assertEqual(await self.get(f"/dev/nodes/{node_id}/models"), (200, []))
+        self.backend.state.model_availability[node_id] = {"m": {"model_id": "m", "status": "ready"}}
+        self.assertEqual(await self.get(f"/dev/nodes/{node_id}/models"), (200, [{"model_id": "m", "status": "ready"}]))
         self.assertEqual((await self.get("/dev/nodes/nope"))[0], 404)
         self.assertEqual((await self.get("/dev/runtimes/nope"))[0], 404)
         code, err = await self.post(f"/dev/nodes/{node_id}/commands", {"payload": {}})

@@ -251,3 +251,36 @@ class ModelSyncFlowTests(AgentTestCase):
         again = backend.issue_command(node_id, "sync_model", {"model_sync": manifest})
         await backend.wait_for(lambda: backend.command(again["id"])["status"] in TERMINAL, 30)
         self.assertEqual(backend.command(again["id"])["result"]["fetched"]["count"], 0)
+
+    async def test_sync_model_marks_ready(self) -> None:
+        """
+        protocol 10.4: the backend reads sync_model's progress (progress_pct, message: SYNCING)
+        and result (root_path, revision, manifest_sha256, total_size: READY on the node).
+        """
+        backend = await self.start_backend()
+        agent = self.start_agent(backend)
+        node_id = await self.wait_connected(backend, agent)
+        files = {"config.json": b'{"a": 1}', "weights/model.bin": os.urandom(2 * 1024 * 1024)}
+        manifest = backend.models.add_model("m2", "org/ready", files, commit="c" * 40)
+        cmd = backend.issue_command(node_id, "sync_model", {"model_sync": manifest})
+        await backend.wait_for(lambda: backend.command(cmd["id"])["status"] in TERMINAL, 30)
+        rec = backend.command(cmd["id"])
+        self.assertEqual(rec["status"], "succeeded", rec.get("error_message"))
+        progress = [e["payload"] for e in backend.timeline(cmd["id"]) if e["event_type"] == "progress"]
+        self.assertTrue(progress)
+        for frame in progress:
+            self.assertIsNotNone(frame.get("progress_pct"))
+            self.assertTrue(frame.get("message"))
+        [row] = backend.model_availability(node_id)
+        root = os.path.join(agent.config.model_store, manifest["model_dir_name"], "snapshots", "c" * 40)
+        self.assertEqual(row["status"], "ready")
+        self.assertEqual(row["model_id"], "m2")
+        self.assertEqual(row["root_path"], root)
+        self.assertTrue(os.path.isdir(root))
+        self.assertEqual(row["revision"], "c" * 40)
+        self.assertEqual(row["manifest_sha256"], manifest["manifest_sha256"])
+        self.assertEqual(row["size_bytes"], manifest["total_size"])
+        self.assertEqual(row["progress"], 100.0)
+        for key in ("synced", "model_id", "hf_repo_id", "model_dir_name", "cache_root", "files_synced"):
+            self.assertIn(key, rec["result"])
+        self.assertEqual(backend.anomalies(node_id), [])

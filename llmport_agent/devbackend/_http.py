@@ -465,6 +465,7 @@ class DevApiResource(JsonResource):
             "frames": b.frames,
             "anomalies": b.anomalies,
             "costs": b.costs,
+            "models": b.model_availability,
         }
         if not path:
             return json_response(request, 404, {"detail": "Not Found"})

@@ -85,6 +85,10 @@ class FrameRejected(Exception):
     """The real backend's stream handler would fail on this frame and drop the connection."""
 
 
+def _obj(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
 def hash_secret(secret: str) -> str:
     """SHA-256 hex digest of a secret; the only form in which secrets are kept."""
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
@@ -362,6 +366,9 @@ class BackendState:
         self.frames: dict[str, list[dict[str, Any]]] = {}
         self.anomalies: dict[str, list[str]] = {}
         self.sessions: dict[str, dict[str, Any]] = {}
+        #: Per node, per model id: the model's availability on the node, as the current
+        #: backend keeps it from C{sync_model} progress and results (protocol 10.4).
+        self.model_availability: dict[str, dict[str, dict[str, Any]]] = {}
         self._order = 0
 
     # -- time -------------------------------------------------------------------------------
@@ -839,6 +846,8 @@ class BackendState:
                 "ts": stamp,
             }
         )
+        if record.command_type == "sync_model":
+            self._model_sync_progress(node, record, frame)
 
     def _on_result(self, node: NodeRecord, frame: Mapping[str, Any]) -> None:
         record = self._command_of(node, "command_result", frame)
@@ -870,6 +879,84 @@ class BackendState:
             }
         )
         self._runtime_on_result(node, record, success, result, error_message)
+        if record.command_type == "sync_model":
+            self._model_sync_result(node, record, success, result, error_code, error_message)
+
+    # -- model availability (the current backend reads sync_model, protocol 10.4) ------------
+
+    def _sync_model_id(self, record: CommandRecord, result: Any) -> str | None:
+        payload = _obj(record.payload)
+        model_sync = _obj(payload.get("model_sync"))
+        found = _obj(result)
+        for value in (payload.get("model_id"), model_sync.get("model_id"), found.get("model_id"),
+                      payload.get("hf_repo_id"), model_sync.get("hf_repo_id"), found.get("hf_repo_id")):
+            if isinstance(value, str) and value:
+                return value
+        return None
+
+    def _availability(self, node: NodeRecord, model_id: str) -> dict[str, Any]:
+        rows = self.model_availability.setdefault(node.id, {})
+        return rows.setdefault(model_id, {"model_id": model_id, "node_id": node.id, "status": "unknown"})
+
+    def _model_sync_progress(self, node: NodeRecord, record: CommandRecord, frame: Mapping[str, Any]) -> None:
+        model_id = self._sync_model_id(record, None)
+        if model_id is None:
+            return
+        raw = frame.get("progress_pct") if frame.get("progress_pct") is not None else frame.get("progress")
+        try:
+            progress = float(raw) if raw is not None else 0.0
+        except (TypeError, ValueError):
+            self.note(node.id, f"sync_model progress of {record.id} is not a number: {raw!r}")
+            progress = 0.0
+        if raw is None:
+            self.note(node.id, f"sync_model progress of {record.id} without progress_pct or progress")
+        row = self._availability(node, model_id)
+        row.update(status="syncing", progress=progress)
+        message = frame.get("message")
+        if message:
+            row["status_message"] = str(message)[:2000]
+
+    def _model_sync_result(
+        self,
+        node: NodeRecord,
+        record: CommandRecord,
+        success: bool,
+        result: Any,
+        error_code: str | None,
+        error_message: str | None,
+    ) -> None:
+        model_id = self._sync_model_id(record, result)
+        if model_id is None:
+            self.note(node.id, f"sync_model {record.id}: no model id in the payload or the result")
+            return
+        row = self._availability(node, model_id)
+        if not success:
+            row.update(
+                status="failed",
+                status_message=str(error_message or error_code or "Model sync failed on node")[:2000],
+            )
+            return
+        found = _obj(result)
+        payload = _obj(record.payload)
+        model_sync = _obj(payload.get("model_sync"))
+        for key in ("root_path", "revision", "manifest_sha256", "total_size"):
+            if not found.get(key):
+                self.note(node.id, f"sync_model {record.id} succeeded without result.{key}")
+        digest = found.get("manifest_sha256") or payload.get("manifest_sha256") or model_sync.get("manifest_sha256")
+        try:
+            size = int(found.get("total_size") or 0)
+        except (TypeError, ValueError):
+            size = 0
+        row.update(
+            status="ready",
+            root_path=str(found["root_path"]) if found.get("root_path") else None,
+            revision=str(found["revision"]) if found.get("revision") else None,
+            manifest_sha256=str(digest) if digest else None,
+            size_bytes=size,
+            progress=100.0,
+            status_message=None,
+            ready_at=self.now_iso(),
+        )
 
     def _runtime_on_result(
         self,

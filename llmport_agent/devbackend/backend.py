@@ -617,6 +617,15 @@ class DevBackend:
             nodes[nid] = cost.to_dict()
         return {"at": self.clock.seconds(), "total": total.to_dict(), "nodes": nodes}
 
+    def model_availability(self, node_id: str) -> list[dict[str, Any]]:
+        """
+        The models' availability on the node, as the current backend keeps it from
+        C{sync_model} progress (C{syncing}) and results (C{ready} with C{root_path},
+        C{revision}, C{manifest_sha256}, C{size_bytes}; or C{failed}).
+        """
+        rows = self.state.model_availability.get(node_id, {})
+        return [copy.deepcopy(row) for _, row in sorted(rows.items())]
+
     def anomalies(self, node_id: str) -> list[str]:
         """Notes about suspicious frames and dropped connections of the node."""
         return list(self.state.anomalies.get(node_id, []))

@@ -110,6 +110,29 @@ class _Model:
     refs: dict[str, str]
 
 
+def manifest_sha256(manifest: dict[str, Any]) -> str:
+    """
+    The backend's digest of a manifest (current generation): SHA-256 of the JSON, keys
+    sorted and no spaces, of its blobs C{{hash, size}} by hash, refs C{{commit, name}} by
+    name and snapshots C{{commit, links: [{blob_hash, path}] by path}} by commit.
+    """
+    blobs = sorted((str(b["hash"]), int(b["size"])) for b in manifest["blobs"])
+    refs = sorted((str(r["name"]), str(r["commit"])) for r in manifest["refs"])
+    snaps = sorted(
+        (str(snap["commit"]), sorted((str(x["path"]), str(x["blob_hash"])) for x in snap["links"]))
+        for snap in manifest["snapshots"]
+    )
+    doc = {
+        "blobs": [{"hash": h, "size": n} for h, n in blobs],
+        "refs": [{"commit": c, "name": n} for n, c in refs],
+        "snapshots": [
+            {"commit": c, "links": [{"blob_hash": h, "path": p} for p, h in links]}
+            for c, links in snaps
+        ],
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def model_dir_name(hf_repo_id: str) -> str:
     """C{org/name} -> C{models--org--name} (the hub cache folder name)."""
     return "models--" + hf_repo_id.replace("/", "--")
@@ -213,7 +236,7 @@ class ModelRepository:
         if model is None:
             return None
         blobs = [{"hash": h, "size": s.size} for h, s in sorted(model.blobs.items())]
-        return {
+        manifest = {
             "model_id": model.model_id,
             "hf_repo_id": model.hf_repo_id,
             "source": "sync_from_server",
@@ -229,6 +252,8 @@ class ModelRepository:
             ],
             "total_size": sum(s.size for s in model.blobs.values()),
         }
+        manifest["manifest_sha256"] = manifest_sha256(manifest)
+        return manifest
 
     def blob(self, model_id: str, blob_hash: str) -> _BlobSource | None:
         model = self._models.get(model_id)

@@ -159,6 +159,12 @@ def close_model_dir(model: ModelDir) -> None:
     model.close()
 
 
+def snapshot_present(model: ModelDir, commit: str) -> bool:
+    """Whether C{snapshots/<commit>} is a directory (a symlink there is not one)."""
+    st = safefs.lstat_at(model.snapshots, commit)
+    return st is not None and stat.S_ISDIR(st.st_mode)
+
+
 def free_bytes(model: ModelDir) -> int:
     """Free bytes for an unprivileged writer on the file system of the model directory."""
     st = os.statvfs(model.fd)

@@ -16,3 +16,5 @@ DOWNLOAD_FAILED = "download_failed"
 CHECKSUM_MISMATCH = "checksum_mismatch"
 #: The model store could not be written (permissions, I/O error).
 STORAGE_ERROR = "storage_error"
+#: The manifest's chosen revision has no C{snapshots/<commit>} directory in the store.
+SNAPSHOT_MISSING = "snapshot_missing"

@@ -28,7 +28,9 @@ def sync_model_handler_spec(
     """
     The L{HandlerSpec} of C{sync_model}: idempotent (a re-run resumes and reuses what is
     there), not blocked by maintenance or draining (staging a model changes no workload).
-    The result is L{ModelSyncer.sync}'s summary.
+    The result is L{ModelSyncer.sync}'s summary plus the fields the backend reads to mark the
+    model READY on this node (protocol 10.4: C{root_path}, C{revision}, C{manifest_sha256},
+    C{total_size}, ...).
     """
 
     async def handle(ctx: CommandContext) -> dict[str, Any]:
@@ -41,7 +43,10 @@ def sync_model_handler_spec(
                 INVALID_COMMAND,
                 "payload.model_sync must be an object (a model manifest, or at least model_id).",
             )
-        return await syncer.sync(model_sync, ctx.progress)
+        revision = model_sync.get("revision") or payload.get("revision")
+        if revision is not None and not isinstance(revision, str):
+            raise CommandFailed(INVALID_COMMAND, "revision must be a string (a ref name or a commit).")
+        return await syncer.sync(model_sync, ctx.progress, report=True, revision=revision or None)
 
     return HandlerSpec(
         handler=handle,

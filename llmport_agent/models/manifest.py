@@ -11,6 +11,8 @@ names the offending field (e.g. C{model_sync.snapshots[0].links[3].path}).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -333,3 +335,56 @@ def parse_manifest(obj: object, field: str = "model_sync") -> Manifest:
         refs=tuple(refs),
         snapshots=tuple(snapshots),
     )
+
+
+def manifest_digest(manifest: Manifest) -> str:
+    """
+    The C{manifest_sha256} llm-port stores for a model on a node: SHA-256 (hex) of the
+    canonical JSON of the manifest's blobs (C{hash}, C{size}; sorted by hash), refs
+    (C{commit}, C{name}; sorted by name) and snapshots (C{commit} and its links
+    C{blob_hash}, C{path} sorted by path; sorted by commit), keys sorted, no spaces. The same
+    manifest gives the backend's own digest of it. Linear in the manifest (plus the sorts):
+    run it off the reactor for big ones.
+    """
+    blobs = sorted(((b.hash, b.size) for b in manifest.blobs), key=lambda x: x[0])
+    refs = sorted(((r.name, r.commit) for r in manifest.refs), key=lambda x: x[0])
+    snapshots = sorted(
+        (
+            (s.commit, sorted(((link.path, link.blob_hash) for link in s.links), key=lambda x: x[0]))
+            for s in manifest.snapshots
+        ),
+        key=lambda x: x[0],
+    )
+    canonical = {
+        "blobs": [{"hash": h, "size": n} for h, n in blobs],
+        "refs": [{"commit": c, "name": n} for n, c in refs],
+        "snapshots": [
+            {"commit": c, "links": [{"blob_hash": b, "path": p} for p, b in links]}
+            for c, links in snapshots
+        ],
+    }
+    encoded = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return hashlib.sha256(encoded).hexdigest()
+
+
+def choose_revision(manifest: Manifest, requested: str | None) -> str | None:
+    """
+    The snapshot commit a C{sync_model} reports (protocol 10.4): the requested revision when
+    it names a ref or a snapshot commit, else the ref C{main}, C{master}, the first ref, the
+    first snapshot; C{None} when the manifest has neither refs nor snapshots.
+    """
+    refs = {r.name: r.commit for r in manifest.refs}
+    commits = {s.commit for s in manifest.snapshots}
+    if requested:
+        if requested in refs:
+            return refs[requested]
+        if requested in commits:
+            return requested
+    for name in ("main", "master"):
+        if name in refs:
+            return refs[name]
+    if manifest.refs:
+        return manifest.refs[0].commit
+    if manifest.snapshots:
+        return manifest.snapshots[0].commit
+    return None

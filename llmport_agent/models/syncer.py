@@ -63,6 +63,7 @@ from llmport_agent.models.errors import (
     CREDENTIAL_REJECTED,
     DOWNLOAD_FAILED,
     INSUFFICIENT_DISK,
+    SNAPSHOT_MISSING,
     STORAGE_ERROR,
 )
 from llmport_agent.models.manifest import (
@@ -70,6 +71,8 @@ from llmport_agent.models.manifest import (
     SOURCE_SYNC_FROM_SERVER,
     BlobSpec,
     Manifest,
+    choose_revision,
+    manifest_digest,
     parse_manifest,
 )
 from llmport_agent.models.transfer import BlobTransfer
@@ -355,7 +358,12 @@ class ModelSyncer:
     # -- public --------------------------------------------------------------------------
 
     async def sync(
-        self, model_sync: Mapping[str, Any], progress: ProgressCallback
+        self,
+        model_sync: Mapping[str, Any],
+        progress: ProgressCallback,
+        *,
+        report: bool = False,
+        revision: str | None = None,
     ) -> dict[str, Any]:
         """
         Make the model of C{model_sync} present and verified in the store.
@@ -365,6 +373,10 @@ class ModelSyncer:
         @param progress: called as C{progress("sync_model", message, bytes_done=...,
             bytes_total=..., progress_pct=..., files_done=..., files_total=...)}, at most
             about once per second.
+        @param report: add what the backend reads from a C{sync_model} result (protocol
+            10.4, see L{_report}): the model's snapshot directory on this node, the revision,
+            C{manifest_sha256}, C{total_size}; a missing snapshot directory then fails.
+        @param revision: the requested revision (a ref name or a snapshot commit).
         @return: what was fetched, reused and verified (see L{_result}).
         @raise CommandFailed: C{invalid_command}, C{insufficient_disk},
             C{credential_rejected}, C{download_failed}, C{checksum_mismatch},
@@ -396,7 +408,69 @@ class ModelSyncer:
                     "when model_sync carries no blobs.",
                 )
             manifest = await self._fetch_manifest(model_id)
-        return await self._join(manifest, progress)
+        result = await self._join(manifest, progress)
+        if not report:
+            return result
+        return await self._report(manifest, result, revision)
+
+    async def _report(
+        self, manifest: Manifest, result: dict[str, Any], revision: str | None
+    ) -> dict[str, Any]:
+        """
+        The fields the current backend reads to mark the model READY on this node: C{synced},
+        C{model_id}, C{hf_repo_id}, C{model_dir_name}, C{root_path} (the snapshot directory
+        on this node), C{cache_root}, C{revision} (the commit used), C{manifest_sha256},
+        C{total_size}, C{files_synced}.
+
+        @raise CommandFailed: C{snapshot_missing} when there is no revision or no
+            C{snapshots/<commit>} directory for it: a READY model must name a directory that
+            exists.
+        """
+        label = manifest.hf_repo_id or manifest.model_id or manifest.model_dir_name
+        commit = choose_revision(manifest, revision)
+        if commit is None:
+            raise CommandFailed(
+                SNAPSHOT_MISSING,
+                f"The manifest of {label} names no revision (no refs and no snapshots), so "
+                "there is no model directory to report; sync the model again from a complete "
+                "copy on the backend.",
+            )
+        jobs = FileJobs(self._runner)
+        try:
+            model = await jobs.run(_fs.open_model_dir, self._store_dir, manifest.model_dir_name)
+        except OSError as e:
+            raise self._storage_failed(e, manifest) from None
+        try:
+            present = await jobs.run(_fs.snapshot_present, model, commit)
+            digest = await jobs.run(manifest_digest, manifest)
+        finally:
+            await jobs.quiesce()
+            model.close()
+        root_path = os.path.join(self._store_dir, manifest.model_dir_name, "snapshots", commit)
+        if not present:
+            raise CommandFailed(
+                SNAPSHOT_MISSING,
+                f"Model {label} was synced, but revision {commit} has no snapshot directory "
+                f"({root_path}): the manifest lists no snapshot for that commit. Refusing to "
+                "report a model directory that does not exist; fix the model's cache on the "
+                "backend and sync again.",
+                {"revision": commit, "root_path": root_path},
+            )
+        links = sum(len(snap.links) for snap in manifest.snapshots)
+        return {
+            **result,
+            "synced": True,
+            "model_id": manifest.model_id,
+            "hf_repo_id": manifest.hf_repo_id,
+            "model_dir_name": manifest.model_dir_name,
+            "root_path": root_path,
+            "cache_root": self._store_dir,
+            "revision": commit,
+            "requested_revision": revision or None,
+            "manifest_sha256": digest,
+            "total_size": manifest.total_size,
+            "files_synced": links or len(manifest.blobs),
+        }
 
     # -- sharing ---------------------------------------------------------------------------
 

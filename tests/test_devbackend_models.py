@@ -1,0 +1,79 @@
+"""
+The stand-in backend's model availability (protocol 10.4): C{sync_model} progress marks the
+model SYNCING on the node (C{progress_pct} or C{progress}, C{message}); a successful result
+marks it READY from C{root_path}, C{revision}, C{manifest_sha256}, C{total_size}; a failure
+marks it FAILED with the message. Exposed as L{DevBackend.model_availability} and
+C{GET /dev/nodes/<id>/models}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmport_agent.devbackend._state import BackendState
+
+
+class ModelAvailabilityTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.clock.advance(1_700_000_000)
+        self.state = BackendState(self.clock)
+        token = self.state.mint_token()["token"]
+        self.node = self.state.enroll(token, "node-a", "10.0.0.5", {}, "1.0", "127.0.0.1")["node_id"]
+
+    def sync(self, model_id: str = "m1") -> str:
+        cmd = self.state.issue_command(self.node, "sync_model", {"model_sync": {"model_id": model_id}})
+        self.state.take_dispatch(self.node)
+        return str(cmd["id"])
+
+    def frame(self, **frame: Any) -> None:
+        self.state.apply_frame(self.node, frame)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return list(self.state.model_availability.get(self.node, {}).values())
+
+    def test_progress_then_ready(self) -> None:
+        cid = self.sync()
+        self.frame(type="command_progress", command_id=cid, phase="sync_model", message="Downloading", progress_pct=42.5)
+        [row] = self.rows()
+        self.assertEqual((row["status"], row["progress"], row["status_message"]), ("syncing", 42.5, "Downloading"))
+        self.frame(type="command_progress", command_id=cid, message="old style", progress=50)
+        self.assertEqual(self.rows()[0]["progress"], 50.0)
+        self.frame(
+            type="command_result", command_id=cid, success=True,
+            result={"root_path": "/srv/m/models--a--b/snapshots/" + "c" * 40, "revision": "c" * 40,
+                    "manifest_sha256": "d" * 64, "total_size": 1234, "model_id": "m1"},
+        )
+        [row] = self.rows()
+        self.assertEqual(row["status"], "ready")
+        self.assertEqual(row["root_path"], "/srv/m/models--a--b/snapshots/" + "c" * 40)
+        self.assertEqual((row["revision"], row["manifest_sha256"], row["size_bytes"]), ("c" * 40, "d" * 64, 1234))
+        self.assertEqual(row["progress"], 100.0)
+        self.assertIsNone(row["status_message"])
+        self.assertEqual(self.state.anomalies.get(self.node, []), [])
+
+    def test_ready_without_fields_is_noted(self) -> None:
+        """An old-style result (nothing the current backend reads) is READY without a path, and noted."""
+        cid = self.sync()
+        self.frame(type="command_result", command_id=cid, success=True, result={"fetched": {}})
+        [row] = self.rows()
+        self.assertEqual((row["status"], row["root_path"], row["revision"]), ("ready", None, None))
+        notes = self.state.anomalies[self.node]
+        self.assertTrue(any("without result.root_path" in n for n in notes))
+        self.assertTrue(any("without result.manifest_sha256" in n for n in notes))
+
+    def test_failure(self) -> None:
+        cid = self.sync()
+        self.frame(type="command_result", command_id=cid, success=False, error_code="snapshot_missing",
+                   error_message="no snapshot directory")
+        [row] = self.rows()
+        self.assertEqual((row["status"], row["status_message"]), ("failed", "no snapshot directory"))
+
+    def test_progress_without_percentage_is_noted(self) -> None:
+        cid = self.sync()
+        self.frame(type="command_progress", command_id=cid, message="working")
+        self.assertEqual(self.rows()[0]["progress"], 0.0)
+        self.assertTrue(any("without progress_pct" in n for n in self.state.anomalies[self.node]))
