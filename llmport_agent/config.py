@@ -307,6 +307,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("COMMAND_POLL_ACTIVE_WINDOW_SEC", "command_poll_active_window_sec", 600.0, _number(0),
             "Seconds after a connect or a command (received, running or answered) during which "
             "polls go every COMMAND_POLL_INTERVAL_SEC (0 = only while a command runs)."),
+    Setting("COMMAND_KEEPALIVE_SEC", "command_keepalive_sec", 30.0, _number(1),
+            "Seconds a command may go without a command_progress frame while it is queued or runs: "
+            "then its last phase is sent again (the current backend times out a command silent "
+            "for 300 s; 1-60)."),
     Setting("MAX_CONCURRENT_COMMANDS", "max_concurrent_commands", 8, _number(1, integer=True),
             "Commands executed at the same time."),
     Setting("COMMAND_MAX_AGE_SEC", "command_max_age_sec", 0.0, _number(0),
@@ -486,6 +490,7 @@ class AgentConfig:
     gpu_ignored_xids: tuple[int, ...] = ()
     command_poll_idle_interval_sec: float = 8.0
     command_poll_active_window_sec: float = 600.0
+    command_keepalive_sec: float = 30.0
     ray_session_dir: str = "/var/lib/llm-port/ray"
     tls_ca_bundle: str | None = None
     tls_client_cert: str | None = None
@@ -599,6 +604,11 @@ def load_config(
         raise ConfigError(
             f"{PREFIX}COMMAND_POLL_IDLE_INTERVAL_SEC={values['command_poll_idle_interval_sec']:g} is "
             "too long: the backend closes a connection silent for 120 s; expected 0.5-100"
+        )
+    if values["command_keepalive_sec"] > 60:
+        raise ConfigError(
+            f"{PREFIX}COMMAND_KEEPALIVE_SEC={values['command_keepalive_sec']:g} is too long: a "
+            "running command must report progress at least every 60 s; expected 1-60"
         )
     if values["command_poll_active_window_sec"] > 7 * 86400:
         raise ConfigError(

@@ -241,6 +241,7 @@ class AgentService(MultiService):
             max_concurrent=config.max_concurrent_commands,
             max_age=config.command_max_age_sec,
             deadlines=dict(config.command_deadlines),
+            keepalive=config.command_keepalive_sec,
         )
         # Listener order matters on connect: heartbeat first (the node stays offline until
         # it), then results in doubt and acks, then inventory, events and workload states.

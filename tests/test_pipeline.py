@@ -453,7 +453,9 @@ class DeliveryTests(SynchronousTestCase):
         self.assertEqual(h.session.frames, [])
         h.session.connected = True
         h.pipeline.session_opened()
-        self.assertEqual(h.kinds_for(c["id"]), ["command_ack"])
+        # The ack first, then where the running command is (its keepalive, issue 18).
+        self.assertEqual(h.kinds_for(c["id"]), ["command_ack", "command_progress"])
+        self.assertEqual(h.frames_for(c["id"])[1]["phase"], "start")
 
     def test_large_result_dropped_after_delivery(self) -> None:
         """Large results (logs) are not kept in the journal once delivered."""

@@ -12,7 +12,9 @@ Rules (the README repeats them for operators):
     the next connect, before anything else about that command.
  4. At start, commands without a result are resolved: re-run when their type is idempotent,
     otherwise failed with C{agent_restarted}.
- 5. Lanes: C{runtime} commands for the same runtime id run one at a time in arrival order;
+ 5. Never silent for long: from its ack to its result a command sends C{command_progress} at
+    least every C{keepalive} seconds (its last phase again when nothing else was reported).
+ 6. Lanes: C{runtime} commands for the same runtime id run one at a time in arrival order;
     C{node} commands run one at a time in arrival order; C{read} commands never wait behind them.
     At most C{max_concurrent} runtime/node commands run at once.
 """
@@ -55,6 +57,7 @@ from llmport_agent.commands.journal import (
     CommandJournal,
     JournalRecord,
 )
+from llmport_agent.commands.keepalive import ProgressKeepalive
 from llmport_agent.commands.parse import (
     MAX_COMMAND_BYTES,
     MAX_COMMAND_DEPTH,
@@ -133,6 +136,7 @@ class CommandPipeline(Service):
         deadlines: Mapping[str, float] | None = None,
         wallclock: Callable[[], float] = time.time,
         calls: Any = None,
+        keepalive: float = 30.0,
     ) -> None:
         self.setName("commands")
         self.reactor = reactor
@@ -159,6 +163,9 @@ class CommandPipeline(Service):
         # A stop in progress (SIGTERM): running commands finish, nothing new starts.
         self._draining = False
         self._deferred_ids: set[str] = set()
+        self.keepalive = keepalive
+        #: Commands from their ack to their result, each with its progress keepalive.
+        self._keepalives: dict[str, ProgressKeepalive] = {}
         self._finishing = 0
         self._unknown_frame_types: set[str] = set()
         # Commands of arrived frames not yet received: a frame of 10 000 commands is taken in
@@ -227,6 +234,9 @@ class CommandPipeline(Service):
         self._intake_call = None
         # Not journaled, so not acked: the backend lists them again after the restart.
         self._intake.clear()
+        for ka in list(self._keepalives.values()):
+            ka.stop()
+        self._keepalives.clear()
         for d in list(self._running.values()):
             d.cancel()
         pending = list(self._tasks)
@@ -297,6 +307,10 @@ class CommandPipeline(Service):
         for rec in self.journal.unfinished():
             if not rec.acked and rec.id not in self._receiving:
                 self._send_ack(rec)
+        # Then where each command in the works is: the current backend failed them when the
+        # stream dropped (node_stream_lost); this says they go on (their result settles it).
+        for ka in list(self._keepalives.values()):
+            ka.send_now()
 
     def session_closed(self) -> None:
         self._delivering.clear()
@@ -465,6 +479,9 @@ class CommandPipeline(Service):
         if redispatched or not known.acked:
             self._send_ack(known)
         if redispatched:
+            ka = self._keepalives.get(known.id)
+            if ka is not None:
+                ka.send_now()
             self.log.info(
                 "Command {id} ({type}) was re-dispatched by the backend while it is {state} here; "
                 "joined it (one execution, one result)",
@@ -541,6 +558,7 @@ class CommandPipeline(Service):
         return "runtime:" + (command.runtime_id or command.id)
 
     async def _run(self, rec: JournalRecord, command: Command, resumed: bool = False) -> None:
+        ka = self._start_keepalive(rec)
         try:
             await self._run_unguarded(rec, command, resumed)
         except Exception as e:
@@ -552,6 +570,22 @@ class CommandPipeline(Service):
                 f"The agent hit an internal error handling {command.command_type}: "
                 f"{type(e).__name__}. See the agent's log on the node.",
             )
+        finally:
+            ka.stop()
+            if self._keepalives.get(rec.id) is ka:
+                del self._keepalives[rec.id]
+
+    def _start_keepalive(self, rec: JournalRecord) -> ProgressKeepalive:
+        def send(phase: str, message: str, extra: dict[str, Any]) -> bool:
+            return self._send_progress_frame(rec, phase, message, extra)
+
+        previous = self._keepalives.pop(rec.id, None)
+        if previous is not None:
+            previous.stop()
+        ka = ProgressKeepalive(self.reactor, self.keepalive, send, "queued",
+                               "waiting for its turn behind other commands")
+        self._keepalives[rec.id] = ka
+        return ka
 
     async def _run_unguarded(self, rec: JournalRecord, command: Command, resumed: bool) -> None:
         spec = self.registry.get(command.command_type)
@@ -594,6 +628,9 @@ class CommandPipeline(Service):
             self.log.error("Could not record that command {id} started ({error}); running it anyway",
                            id=rec.id, error=f"{type(e).__name__}: {e}")
         ctx = _Context(self, command, rec)
+        ka = self._keepalives.get(rec.id)
+        if ka is not None:
+            ka.set_phase("running", f"{command.command_type} is running")
         if resumed:
             ctx.progress("resumed", "Re-running after an agent restart interrupted this command")
         deadline = self.deadlines.get(command.command_type, spec.deadline)
@@ -675,6 +712,16 @@ class CommandPipeline(Service):
     def send_progress(self, rec: JournalRecord, phase: str, message: str, extra: Mapping[str, Any]) -> None:
         if rec.finished:
             return
+        sent = self._send_progress_frame(rec, phase, message, extra)
+        ka = self._keepalives.get(rec.id)
+        if ka is not None:
+            ka.reported(str(phase), str(message), extra, sent)
+
+    def _send_progress_frame(
+        self, rec: JournalRecord, phase: str, message: str, extra: Mapping[str, Any]
+    ) -> bool:
+        if rec.finished:
+            return False
         frame: dict[str, Any] = {
             "type": "command_progress",
             "command_id": rec.id,
@@ -685,7 +732,7 @@ class CommandPipeline(Service):
         for key, value in extra.items():
             if key not in frame and key not in ("type", "seq"):
                 frame[key] = value
-        self.session.send(frame)
+        return bool(self.session.send(frame))
 
     async def _finish(
         self,
@@ -722,6 +769,9 @@ class CommandPipeline(Service):
             "error_code": error_code,
             "error_message": error_message,
         }
+        ka = self._keepalives.pop(rec.id, None)
+        if ka is not None:
+            ka.stop()
         rec.state = FINISHED
         rec.result_frame = frame
         rec.finished_at = self._wallclock()
