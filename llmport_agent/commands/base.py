@@ -35,6 +35,8 @@ SIGNATURE_INVALID = "signature_invalid"
 COMMAND_EXPIRED = "command_expired"
 TIMED_OUT = "timed_out"
 AGENT_RESTARTED = "agent_restarted"
+#: A handler's result could not be serialised to JSON; answered instead of losing it (10.4).
+RESULT_NOT_SERIALIZABLE = "result_not_serializable"
 
 
 class CommandFailed(Exception):

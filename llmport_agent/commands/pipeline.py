@@ -43,6 +43,7 @@ from llmport_agent.commands.base import (
     INTERNAL_ERROR,
     INVALID_COMMAND,
     POLICY_VIOLATION,
+    RESULT_NOT_SERIALIZABLE,
     SIGNATURE_INVALID,
     TIMED_OUT,
     Command,
@@ -57,6 +58,7 @@ from llmport_agent.commands.journal import (
     CommandJournal,
     JournalRecord,
 )
+from llmport_agent.commands.jsonsafe import json_problem
 from llmport_agent.commands.keepalive import ProgressKeepalive
 from llmport_agent.commands.parse import (
     MAX_COMMAND_BYTES,
@@ -760,6 +762,22 @@ class CommandPipeline(Service):
         error_message: str | None,
         started: float | None,
     ) -> None:
+        problem = json_problem(result)
+        if problem is None and not isinstance(error_message, str | None):
+            problem = f"its error_message is a {type(error_message).__name__}"
+        if problem is not None:
+            # Answered with a code instead of lost: a frame that cannot be sent would leave
+            # the command stuck in the backend (protocol 10.4).
+            self.log.error(
+                "The result of command {id} ({type}) cannot be serialised to JSON: {problem}",
+                id=rec.id, type=rec.command_type, problem=problem,
+            )
+            success, result, error_code = False, {}, RESULT_NOT_SERIALIZABLE
+            error_message = (
+                f"The agent could not serialise the result of {rec.command_type} to JSON "
+                f"({problem}); the work may have been done on the node. This is a bug in the "
+                "agent: its log on the node has the details."
+            )
         frame = {
             "type": "command_result",
             "command_id": rec.id,
