@@ -702,8 +702,8 @@ class StreamTests(LoopbackMixin, TestCase):
         self.assertEqual(self.backend.node(node_id)["status"], "healthy")  # type: ignore[index]
 
     async def test_commands_only_in_reply(self) -> None:
-        """A command issued while connected arrives only after the agent's next frame."""
-        await self.start()
+        """2026-04: a command issued while connected arrives only after the agent's next frame."""
+        await self.start(generation="2026-04")
         reply = await self.enroll()
         client = await self.open_stream(reply["credential"])
         cmd = self.backend.issue_command(reply["node_id"], "collect_diagnostics", {})
@@ -725,8 +725,8 @@ class StreamTests(LoopbackMixin, TestCase):
         self.assertEqual(self.backend.command(cmd["id"])["status"], "acked")
 
     async def test_seq_drop(self) -> None:
-        """Frames whose seq does not increase (0 included) are dropped without dispatch."""
-        await self.start()
+        """2026-04: frames whose seq does not increase (0 included) are dropped without dispatch."""
+        await self.start(generation="2026-04")
         reply = await self.enroll()
         node_id = reply["node_id"]
         client = await self.open_stream(reply["credential"])

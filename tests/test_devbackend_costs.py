@@ -25,7 +25,7 @@ class FrameCostTests(SynchronousTestCase):
         self.assertEqual(
             total.to_dict(),
             {"frames": 13, "offset_writes": 6, "dispatch_queries": 11, "connects": 2,
-             "cpu_ms": round(6 * 4.4 + 5 * 2.9, 3)},
+             "wakeup_drains": 0, "cpu_ms": round(6 * 4.4 + 5 * 2.9, 3)},
         )
 
 
@@ -35,8 +35,8 @@ class CostCounterTests(LoopbackMixin, TestCase):
     timeout = 20
 
     async def test_counts_per_frame_kind(self) -> None:
-        """With seq: write + query; without: query only; seq not increasing: neither; per node and total."""
-        await self.start()
+        """With seq: write + query; without: query only; seq not increasing: neither (2026-04); per node and total."""
+        await self.start(generation="2026-04")
         one = await self.enroll("node-1")
         two = await self.enroll("node-2")
         a = await self.open_stream(one["credential"])

@@ -210,6 +210,16 @@ class TokensResource(JsonResource):
         super().__init__()
         self._backend = backend
 
+    def _cancel(self, request: Request, command_id: str) -> bytes:
+        """C{POST /dev/commands/<id>/cancel}: 409 when terminal or on the April generation."""
+        if command_id not in self._backend.state.commands:
+            return json_response(request, 404, {"detail": "Command not found"})
+        try:
+            command = self._backend.cancel_command(command_id)
+        except ValueError as e:
+            return json_response(request, 409, {"detail": str(e)})
+        return json_response(request, 200, command)
+
     def render_POST(self, request: Request) -> bytes:
         if not _admin_allowed(self._backend, request):
             return json_response(request, 401, {"detail": "Not authenticated"})
@@ -456,6 +466,10 @@ class DevApiResource(JsonResource):
             ("commands", 1): lambda p: b.commands(),
             ("commands", 2): lambda p: b.command(p[1]) if p[1] in b.state.commands else None,
             ("costs", 1): lambda p: b.costs(),
+            ("backend", 1): lambda p: {
+                "generation": b.generation,
+                "reaper_scale": b.reaper_scale,
+            },
         }
         sub_node: dict[str, Callable[[str], Any]] = {
             "inventory": b.latest_inventory,
@@ -527,12 +541,24 @@ class DevApiResource(JsonResource):
             return json_response(request, 422, {"detail": str(e)})
         return json_response(request, 200, command)
 
+    def _cancel(self, request: Request, command_id: str) -> bytes:
+        """C{POST /dev/commands/<id>/cancel}: 409 when terminal or on the April generation."""
+        if command_id not in self._backend.state.commands:
+            return json_response(request, 404, {"detail": "Command not found"})
+        try:
+            command = self._backend.cancel_command(command_id)
+        except ValueError as e:
+            return json_response(request, 409, {"detail": str(e)})
+        return json_response(request, 200, command)
+
     def render_POST(self, request: Request) -> bytes:
         if not _admin_allowed(self._backend, request):
             return json_response(request, 401, {"detail": "Not authenticated"})
         path = [p for p in _decode_path(request) if p]
         if path and path[0] == "runtimes" and len(path) in (1, 3):
             return self._runtimes_post(request, path)
+        if len(path) == 3 and path[0] == "commands" and path[2] == "cancel":
+            return self._cancel(request, path[1])
         if len(path) != 3 or path[0] != "nodes" or path[2] not in ("commands", "profile"):
             return json_response(request, 404, {"detail": "Not Found"})
         node_id = path[1]

@@ -6,6 +6,12 @@ C{protocol.md} (sections 1-7) including its quirks: no guard on the command stat
 field length limits that turn into a dropped connection, a node that stays C{offline} until
 its first heartbeat, runtimes that go to C{error} when their node goes offline.
 
+Two generations of the backend (protocol 10): C{"2026-04"} (sections 1-9) and C{"current"},
+which adds re-dispatch of overdue in-flight commands at C{hello_ack}, the failure of every
+in-flight command when the node's last stream closes, the silence and offline reapers, the
+stale-session sweep, the C{canceled}/C{timed_out} statuses and retired idempotency keys.
+Push dispatch (10.1) lives in the stream (L{_stream}); this module only calls C{wake}.
+
 Secrets: enrollment tokens and credential secrets are kept only as SHA-256 hashes.
 """
 
@@ -17,7 +23,7 @@ import hmac
 import ipaddress
 import secrets
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -35,8 +41,31 @@ class Clock(Protocol):
 #: Marks a key of C{issue_command(raw_override=...)} to remove from the wire object.
 OMIT: Any = object()
 
+#: The backend generations the stand-in speaks (protocol sections 1-9, and section 10).
+GENERATION_APRIL = "2026-04"
+GENERATION_CURRENT = "current"
+GENERATIONS = (GENERATION_APRIL, GENERATION_CURRENT)
+
 # Command statuses that still get dispatched.
 _PENDING = ("queued", "dispatched")
+# Commands the agent holds (protocol 10.2, 10.3): re-dispatched when overdue, failed when the
+# stream is lost, reaped when silent.
+_IN_FLIGHT = ("dispatched", "acked", "running")
+#: Terminal statuses (protocol 10.3); an idempotency key blocks only while not terminal.
+TERMINAL = ("succeeded", "failed", "canceled", "timed_out")
+# The backend's default command budget (timeout_sec null or 0).
+DEFAULT_TIMEOUT_SEC = 900
+# Reaper constants of the current generation (protocol 10.3), in seconds before scaling.
+REAPER_MIN_SILENCE_SEC = 300.0
+REAPER_OFFLINE_GRACE_SEC = 600.0
+SESSION_STALE_SEC = 300.0
+#: How often the current generation's reapers sweep, before scaling.
+REAPER_INTERVAL_SEC = 60.0
+
+STREAM_LOST_MESSAGE = (
+    "The node's connection closed while this command was in flight, so the backend marked it "
+    "failed; a result sent later replaces this."
+)
 # Runtime statuses that a node going offline turns into "error".
 _LIVE_RUNTIME = ("running", "starting", "creating")
 # Command types whose success sets the runtime running with the result's endpoint.
@@ -174,12 +203,16 @@ class FrameCost:
     @ivar offset_writes: frames whose C{seq} passed the check (one offset-row write each).
     @ivar dispatch_queries: accepted frames (one pending-commands query and commit each).
     @ivar connects: streams opened.
+    @ivar wakeup_drains: dispatch passes run because a command was queued (current
+        generation's push); caused by the operator, not by the node's frames, so not in
+        C{cpu_ms}.
     """
 
     frames: int = 0
     offset_writes: int = 0
     dispatch_queries: int = 0
     connects: int = 0
+    wakeup_drains: int = 0
 
     @property
     def cpu_ms(self) -> float:
@@ -192,6 +225,7 @@ class FrameCost:
         self.offset_writes += other.offset_writes
         self.dispatch_queries += other.dispatch_queries
         self.connects += other.connects
+        self.wakeup_drains += other.wakeup_drains
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -199,6 +233,7 @@ class FrameCost:
             "offset_writes": self.offset_writes,
             "dispatch_queries": self.dispatch_queries,
             "connects": self.connects,
+            "wakeup_drains": self.wakeup_drains,
             "cpu_ms": round(self.cpu_ms, 3),
         }
 
@@ -275,6 +310,20 @@ class CommandRecord:
     raw_override: dict[str, Any] | None = None
     history: list[str] = field(factory=list)
     timeline: list[dict[str, Any]] = field(factory=list)
+    # Clock readings (seconds) behind the timestamps, for the current generation's overdue
+    # and silence rules; and whether the agent itself sent a result (anomaly notes).
+    issued_ts: float = 0.0
+    dispatched_ts: float | None = None
+    acked_ts: float | None = None
+    started_ts: float | None = None
+    agent_seen_ts: float | None = None
+    agent_result: bool = False
+
+    def timeout(self) -> int:
+        """The command's budget in seconds (null or 0 means the backend default)."""
+        if isinstance(self.timeout_sec, int) and self.timeout_sec > 0:
+            return self.timeout_sec
+        return DEFAULT_TIMEOUT_SEC
 
     def to_dict(self) -> dict[str, Any]:
         """The command object as the backend's API shows it (every field present)."""
@@ -349,8 +398,30 @@ class BackendState:
 
     log = Logger()
 
-    def __init__(self, clock: Clock, token_ttl: float = 1800.0, keep_frames: bool = True) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        token_ttl: float = 1800.0,
+        keep_frames: bool = True,
+        *,
+        generation: str = GENERATION_CURRENT,
+        reaper_scale: float = 1.0,
+    ) -> None:
+        if generation not in GENERATIONS:
+            raise ValueError(
+                f"unknown backend generation {generation!r} (expected one of "
+                f"{', '.join(GENERATIONS)})"
+            )
+        if not reaper_scale > 0:
+            raise ValueError(f"reaper_scale must be greater than 0, not {reaper_scale!r}")
         self._clock = clock
+        #: C{"2026-04"} or C{"current"} (see the module docstring).
+        self.generation = generation
+        #: Multiplies the reapers' own constants (300 s silence floor, 600 s offline grace,
+        #: 300 s stale session, the sweep interval); never a command's C{timeout_sec}.
+        self.reaper_scale = reaper_scale
+        #: Called with a node id when a command is queued for it (current generation: push).
+        self.wake: Callable[[str], None] | None = None
         self.token_ttl = token_ttl
         #: Keep a copy of every inbound frame (L{frames}); off for fleet benchmarks.
         self.keep_frames = keep_frames
@@ -378,6 +449,11 @@ class BackendState:
 
     def now_iso(self) -> str:
         return datetime.fromtimestamp(self.now(), tz=UTC).isoformat()
+
+    @property
+    def current(self) -> bool:
+        """True for the current generation (protocol 10), false for April 2026."""
+        return self.generation == GENERATION_CURRENT
 
     def note(self, node_id: str, text: str) -> None:
         """Record an anomaly for C{node_id} (see the class docstring)."""
@@ -560,17 +636,19 @@ class BackendState:
         """
         Queue a command as the backend's admin and runtime APIs do. A command with the
         same C{idempotency_key} that is still queued, dispatched, acked or running is
-        returned instead of a new one (which is how a lost command blocks later ones).
+        returned instead of a new one (which is how a lost command blocks later ones). The
+        current generation renames the key of a terminal one to C{<key>::retired::<id>}
+        and wakes the node's stream (push).
         """
         self._node(node_id)
         if idempotency_key is not None:
             for existing in self.commands.values():
-                if (
-                    existing.node_id == node_id
-                    and existing.idempotency_key == idempotency_key
-                    and existing.status in ("queued", "dispatched", "acked", "running")
-                ):
+                if existing.node_id != node_id or existing.idempotency_key != idempotency_key:
+                    continue
+                if existing.status in ("queued", "dispatched", "acked", "running"):
                     return existing.to_dict()
+                if self.current and existing.status in TERMINAL:
+                    existing.idempotency_key = f"{idempotency_key}::retired::{existing.id}"
         stamp = self.now_iso()
         self._order += 1
         record = CommandRecord(
@@ -590,12 +668,15 @@ class BackendState:
             order=self._order,
             raw_override=dict(raw_override) if raw_override else None,
             history=["queued"],
+            issued_ts=self.now(),
         )
         record.timeline.append(
             {"event_type": "issued", "message": None, "payload": {}, "ts": stamp}
         )
         self.commands[record.id] = record
         self._runtime_on_issue(record)
+        if self.current and self.wake is not None:
+            self.wake(node_id)
         return record.to_dict()
 
     def _runtime_on_issue(self, record: CommandRecord) -> None:
@@ -637,8 +718,175 @@ class BackendState:
                 )
             if record.dispatched_at is None:
                 record.dispatched_at = stamp
+                record.dispatched_ts = self.now()
             out.append(record.wire())
         return out
+
+    def hello_commands(self, node_id: str) -> list[dict[str, Any]]:
+        """
+        The commands of a C{hello_ack}: those of L{take_dispatch}; the current generation
+        adds every overdue in-flight command (oldest first, at most 50) with
+        C{"redispatch": true} and a C{re-dispatched} timeline row. An overdue command still
+        C{dispatched} therefore appears twice, as in the real backend.
+        """
+        items = self.take_dispatch(node_id)
+        if not self.current:
+            return items
+        now = self.now()
+        stamp = self.now_iso()
+        for record in self._in_flight(node_id)[:_MAX_DISPATCH]:
+            if not self.is_overdue(record, now):
+                continue
+            record.timeline.append(
+                {
+                    "event_type": "re-dispatched",
+                    "message": "Command re-dispatched (still in flight past its timeout).",
+                    "payload": {},
+                    "ts": stamp,
+                }
+            )
+            wire = record.wire()
+            wire["redispatch"] = True
+            items.append(wire)
+        return items
+
+    def _in_flight(self, node_id: str | None) -> list[CommandRecord]:
+        """In-flight commands (of one node, or all), oldest first."""
+        return sorted(
+            (
+                c
+                for c in self.commands.values()
+                if (node_id is None or c.node_id == node_id) and c.status in _IN_FLIGHT
+            ),
+            key=lambda c: c.order,
+        )
+
+    @staticmethod
+    def _anchor(record: CommandRecord) -> float:
+        """When the agent last took the command on (start, ack), else dispatch or issue."""
+        for ts in (record.started_ts, record.acked_ts, record.dispatched_ts):
+            if ts is not None:
+                return ts
+        return record.issued_ts
+
+    def is_overdue(self, record: CommandRecord, now: float | None = None) -> bool:
+        """
+        Protocol 10.2: a running command past twice its budget since it started (or was
+        acked); any other in-flight command past its budget since its ack, dispatch or issue.
+        """
+        if record.status not in _IN_FLIGHT:
+            return False
+        now = self.now() if now is None else now
+        if record.status == "running":
+            anchor = record.started_ts if record.started_ts is not None else record.acked_ts
+            budget = 2 * record.timeout()
+        else:
+            anchor = next(
+                (t for t in (record.acked_ts, record.dispatched_ts) if t is not None),
+                record.issued_ts,
+            )
+            budget = record.timeout()
+        if anchor is None:
+            return False
+        return now - anchor > budget
+
+    def silence_budget(self, record: CommandRecord) -> float:
+        """How long a command may say nothing: max(300 s x scale, its timeout_sec)."""
+        return max(REAPER_MIN_SILENCE_SEC * self.reaper_scale, float(record.timeout()))
+
+    def cancel_command(self, command_id: str) -> dict[str, Any]:
+        """
+        Cancel a command that is not terminal (the current generation's admin action; the
+        node is not told). C{KeyError} for an unknown id; C{ValueError} for a terminal
+        command or on the April generation, which has no such status.
+        """
+        record = self.commands[command_id]
+        if not self.current:
+            raise ValueError("the 2026-04 backend cannot cancel commands")
+        if record.status in TERMINAL:
+            raise ValueError(f"command {command_id} is already {record.status}")
+        self._finish_by_backend(record, "canceled", None, "Canceled by an administrator.")
+        return record.to_dict()
+
+    def _finish_by_backend(
+        self, record: CommandRecord, status: str, error_code: str | None, message: str
+    ) -> None:
+        """A terminal status the backend sets itself (stream lost, reaped, canceled)."""
+        stamp = self.now_iso()
+        self._set_command_status(record, status)
+        record.error_code = error_code
+        record.error_message = message
+        record.completed_at = stamp
+        record.timeline.append(
+            {"event_type": status, "message": message, "payload": {}, "ts": stamp}
+        )
+        if status != "canceled":
+            node = self.nodes.get(record.node_id)
+            if node is not None:
+                self._runtime_on_result(node, record, False, None, message)
+
+    # -- the current generation's reapers ---------------------------------------------------
+
+    def sweep(self) -> None:
+        """
+        One pass of the current generation's reapers (protocol 10.3), as the real backend
+        runs them periodically: overdue in-flight commands that stayed silent for
+        L{silence_budget} on a connected node, or past the offline grace, become
+        C{timed_out}; sessions without an accepted C{seq} frame for 300 s (x scale) are
+        closed, and a node left without one loses its stream (offline, in-flight commands
+        failed). Nothing on the April generation.
+        """
+        if not self.current:
+            return
+        self._reap_commands()
+        self._close_stale_sessions()
+
+    def _reap_commands(self) -> None:
+        now = self.now()
+        grace = REAPER_OFFLINE_GRACE_SEC * self.reaper_scale
+        for record in self._in_flight(None):
+            node = self.nodes.get(record.node_id)
+            if node is None or not self.is_overdue(record, now):
+                continue
+            anchor = self._anchor(record)
+            offline = node.status == "offline"
+            if offline:
+                if now - anchor < grace:
+                    continue
+                message = (
+                    f"Timed out: the node has been offline past this command's "
+                    f"{record.timeout()} s budget and the grace period."
+                )
+            else:
+                last = anchor
+                if record.agent_seen_ts is not None and record.agent_seen_ts > last:
+                    last = record.agent_seen_ts
+                budget = self.silence_budget(record)
+                if now - last < budget:
+                    continue
+                message = (
+                    f"Timed out: no ack, progress or result for {budget:g} s past this "
+                    f"command's {record.timeout()} s budget while the node is connected."
+                )
+                self.note(
+                    node.id,
+                    f"{record.command_type} {record.id} timed out by the silence reaper "
+                    f"(nothing from the agent for {now - last:.0f} s on a connected node)",
+                )
+            self._finish_by_backend(record, "timed_out", "command_timed_out", message)
+
+    def _close_stale_sessions(self) -> None:
+        cutoff = self.now() - SESSION_STALE_SEC * self.reaper_scale
+        affected = set()
+        for session in self.sessions.values():
+            if session["closed_at"] is None and session["last_heartbeat"] < cutoff:
+                session["closed_at"] = self.now_iso()
+                affected.add(session["node_id"])
+        for node_id in sorted(affected):
+            if not self._has_open_session(node_id):
+                node = self.nodes.get(node_id)
+                if node is not None:
+                    self._lost_last_stream(node)
 
     def _set_command_status(self, record: CommandRecord, status: str) -> None:
         if record.status != status:
@@ -702,28 +950,53 @@ class BackendState:
             "node_id": node_id,
             "opened_at": self.now_iso(),
             "closed_at": None,
+            # The real session row's last_heartbeat_at: set at connect and by every frame
+            # whose seq passes the check (not by frames without seq).
+            "last_heartbeat": self.now(),
         }
         return session_id
+
+    def session_offset_accepted(self, session_id: str | None) -> None:
+        """A frame's C{seq} passed the check: the session row's heartbeat time moves."""
+        session = self.sessions.get(session_id) if session_id is not None else None
+        if session is not None:
+            session["last_heartbeat"] = self.now()
+
+    def _has_open_session(self, node_id: str) -> bool:
+        return any(
+            s["node_id"] == node_id and s["closed_at"] is None for s in self.sessions.values()
+        )
 
     def session_closed(self, session_id: str, last: bool) -> None:
         """
         Close a session; when it was the node's C{last} one, mark the node offline and its
-        running/starting/creating runtimes C{error} "Node offline".
+        running/starting/creating runtimes C{error} "Node offline". The current generation
+        counts open session rows (a stale session closed by L{sweep} no longer counts) and
+        also fails every in-flight command (C{node_stream_lost}).
         """
         session = self.sessions.get(session_id)
         if session is None:
             return
         session["closed_at"] = self.now_iso()
+        if self.current:
+            last = not self._has_open_session(session["node_id"])
         if not last:
             return
         node = self.nodes.get(session["node_id"])
         if node is None:
             return
+        self._lost_last_stream(node)
+
+    def _lost_last_stream(self, node: NodeRecord) -> None:
         self._set_node_status(node, "offline")
         node.updated_at = self.now_iso()
         for runtime in self.runtimes.values():
             if runtime.node_id == node.id and runtime.status in _LIVE_RUNTIME:
                 self._set_runtime(runtime, "error", error_message="Node offline")
+        if not self.current:
+            return
+        for record in self._in_flight(node.id):
+            self._finish_by_backend(record, "failed", "node_stream_lost", STREAM_LOST_MESSAGE)
 
     def record_frame(self, node_id: str, frame: Mapping[str, Any], accepted: bool) -> None:
         if not self.keep_frames:
@@ -810,11 +1083,20 @@ class BackendState:
         record = self._command_of(node, "command_ack", frame)
         if record is None:
             return
-        if record.status in ("succeeded", "failed"):
+        if record.agent_result:
             self.note(node.id, f"command_ack after the result of {record.id} (status regresses)")
         stamp = self.now_iso()
         self._set_command_status(record, "acked")
-        record.acked_at = stamp
+        record.agent_seen_ts = self.now()
+        if self.current:
+            # The current backend stamps acked_at once and clears the error fields.
+            if record.acked_at is None:
+                record.acked_at = stamp
+                record.acked_ts = record.agent_seen_ts
+            record.error_code = record.error_message = None
+        else:
+            record.acked_at = stamp
+            record.acked_ts = record.agent_seen_ts
         message = frame.get("message")
         record.timeline.append(
             {
@@ -829,14 +1111,18 @@ class BackendState:
         record = self._command_of(node, "command_progress", frame)
         if record is None:
             return
-        if record.status in ("succeeded", "failed"):
+        if record.agent_result:
             self.note(
                 node.id, f"command_progress after the result of {record.id} (status regresses)"
             )
         stamp = self.now_iso()
         self._set_command_status(record, "running")
+        record.agent_seen_ts = self.now()
+        if self.current:
+            record.error_code = record.error_message = None
         if record.started_at is None:
             record.started_at = stamp
+            record.started_ts = record.agent_seen_ts
         message = frame.get("message")
         record.timeline.append(
             {
@@ -861,10 +1147,37 @@ class BackendState:
         if not isinstance(raw_success, bool):
             self.note(node.id, f"command_result.success of {record.id} is not a boolean")
         success = bool(raw_success)
-        if record.status in ("succeeded", "failed"):
-            self.note(node.id, f"second command_result for {record.id}")
-        stamp = self.now_iso()
         result = frame.get("result")
+        stamp = self.now_iso()
+        if (
+            self.current
+            and isinstance(result, dict)
+            and result.get("replayed")
+            and record.status in ("succeeded", "failed")
+        ):
+            # At-least-once delivery: the current backend keeps the first result and applies
+            # no side effect twice.
+            if not record.agent_result:
+                self.note(
+                    node.id,
+                    f"replayed command_result for {record.id} ignored: the backend had set it "
+                    f"{record.status} ({record.error_code}) itself and keeps that",
+                )
+            record.agent_seen_ts = self.now()
+            record.timeline.append(
+                {
+                    "event_type": "duplicate",
+                    "message": "Delivered twice; the agent replayed its result. The first "
+                    "result stands.",
+                    "payload": copy.deepcopy(dict(frame)),
+                    "ts": stamp,
+                }
+            )
+            return
+        if record.agent_result:
+            self.note(node.id, f"second command_result for {record.id}")
+        record.agent_result = True
+        record.agent_seen_ts = self.now()
         record.result = copy.deepcopy(result)
         record.error_code = error_code
         record.error_message = error_message

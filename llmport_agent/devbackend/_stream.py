@@ -3,9 +3,17 @@ The stand-in backend's WebSocket stream (protocol 3): C{.../api/admin/system/nod
 
 One L{StreamProtocol} per connection. It authenticates before the upgrade (HTTP 403 on any
 credential problem), sends C{hello_ack} on open, answers every accepted frame with the
-node's pending C{commands} (never on its own), drops frames whose C{seq} does not increase,
-drops the connection on a frame its handler cannot take, and closes with 4408 after
+node's pending C{commands}, drops frames whose C{seq} does not increase, drops the
+connection on a frame its handler cannot take, and closes with 4408 after
 C{faults.idle_timeout} seconds without a text frame.
+
+The April 2026 generation sends C{commands} only in reply to an agent frame. The current one
+also pushes (protocol 10.1): queuing a command wakes every open stream of its node, which
+then runs a dispatch pass of its own (L{StreamProtocol.wake}), as the real backend's stream
+loop waits on "a frame or a wake-up"; a frame dropped for its C{seq} still runs a dispatch
+pass. A wake-up for a node with no open stream stays pending and is served right after the
+next stream's C{hello_ack} (the real per-node event stays set), so commands queued while
+offline arrive in C{hello_ack} and once more in a C{commands} frame.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
         self._idle: Any = None
         self._close_guard: Any = None
         self._registered = False
+        self._woken: Any = None
 
     @property
     def backend(self) -> DevBackend:
@@ -79,7 +88,7 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
         self.session_id = self.backend.state.session_opened(self.node_id)
         self.backend.register_stream(self)
         self._registered = True
-        commands = [] if self.backend.faults.hold_commands else self.backend.state.take_dispatch(
+        commands = [] if self.backend.faults.hold_commands else self.backend.state.hello_commands(
             self.node_id
         )
         self._send_json(
@@ -92,6 +101,34 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
             }
         )
         self._arm_idle()
+        if self.backend.take_pending_wake(self.node_id):
+            self.wake()
+
+    # -- push (current generation) ------------------------------------------------------------
+
+    def wake(self) -> None:
+        """
+        A command was queued for this node: run a dispatch pass soon (on the reactor, as
+        the real wake-up fires after the issuing transaction commits). Wake-ups that arrive
+        before the pass runs are served by it.
+        """
+        if self._woken is None and self._is_open():
+            self._woken = self.backend.reactor.callLater(0, self._on_woken)
+
+    def _on_woken(self) -> None:
+        self._woken = None
+        if self.node_id is None or not self._is_open():
+            return
+        self.backend.state.cost(self.node_id).wakeup_drains += 1
+        self._dispatch(self.node_id)
+
+    def _dispatch(self, node_id: str) -> None:
+        """Send the node's queued/dispatched commands, if any (one pending-commands query)."""
+        if not self._is_open() or self.backend.faults.hold_commands:
+            return
+        items = self.backend.state.take_dispatch(node_id)
+        if items:
+            self._send_json({"type": "commands", "items": items})
 
     # -- frames -----------------------------------------------------------------------------
 
@@ -155,6 +192,10 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
                 raise FrameRejected("seq is not an integer") from None
             if seq_value <= self.last_seq:
                 state.record_frame(node_id, frame, accepted=False)
+                if state.current:
+                    # The current backend drains the queue after a replayed frame too.
+                    cost.dispatch_queries += 1
+                    self._dispatch(node_id)
                 return
             self.last_seq = seq_value
         inbound_filter = self.backend.inbound_filter
@@ -165,17 +206,14 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
         # with seq), then, after processing, one pending-commands query and a commit.
         if seq is not None:
             cost.offset_writes += 1
+            state.session_offset_accepted(self.session_id)
         state.record_frame(node_id, frame, accepted=True)
         state.apply_frame(node_id, frame)
         cost.dispatch_queries += 1
         hook = self.backend.frame_hook
         if hook is not None:
             hook(node_id, frame)
-        if not self._is_open() or self.backend.faults.hold_commands:
-            return
-        items = state.take_dispatch(node_id)
-        if items:
-            self._send_json({"type": "commands", "items": items})
+        self._dispatch(node_id)
 
     # -- idle timeout -----------------------------------------------------------------------
 
@@ -210,6 +248,9 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
 
     def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:
         self._cancel_idle()
+        woken, self._woken = self._woken, None
+        if woken is not None and woken.active():
+            woken.cancel()
         guard, self._close_guard = self._close_guard, None
         if guard is not None and guard.active():
             guard.cancel()

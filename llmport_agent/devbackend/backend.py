@@ -20,7 +20,7 @@ from typing import Any, cast
 from attrs import define, frozen
 from autobahn.twisted.resource import WebSocketResource
 from twisted.internet.defer import Deferred, DeferredList
-from twisted.internet.task import deferLater
+from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.python.failure import Failure
@@ -35,7 +35,12 @@ from llmport_agent.devbackend._http import (
     RotateResource,
     TokensResource,
 )
-from llmport_agent.devbackend._state import AuthError, BackendState
+from llmport_agent.devbackend._state import (
+    GENERATION_CURRENT,
+    REAPER_INTERVAL_SEC,
+    AuthError,
+    BackendState,
+)
 from llmport_agent.devbackend._stream import StreamFactory, StreamProtocol
 from llmport_agent.devbackend.runtimes import ACTIONS, Provider, Runtime, build_payload
 from llmport_agent.devbackend.tls import TLSFiles
@@ -135,6 +140,11 @@ class DevBackend:
         turns it off (the cost counters, L{costs}, count either way).
     @ivar models: the model repository served under C{api/node-files/models/} when
         C{llmport_agent.devbackend.modelfiles} exists, else C{None}.
+    @ivar generation: C{"current"} (default; protocol 10: push, re-dispatch, stream-lost
+        failures, reapers) or C{"2026-04"} (sections 1-9 only).
+    @ivar reaper_scale: multiplies the current generation's reaper constants (the 300 s
+        silence floor, the 600 s offline grace, the 300 s stale session and the 60 s sweep
+        interval), so tests can run them in seconds; never a command's C{timeout_sec}.
     """
 
     log = Logger()
@@ -151,12 +161,24 @@ class DevBackend:
         runner: BlockingRunner | None = None,
         models: Any = None,
         keep_frames: bool = True,
+        generation: str = GENERATION_CURRENT,
+        reaper_scale: float = 1.0,
     ) -> None:
         self.reactor = reactor
-        # An IReactorTime (seconds, callLater): idle timers and timestamps.
+        # An IReactorTime (seconds, callLater): idle timers, reaper sweeps and timestamps.
         self.clock: Any = clock if clock is not None else reactor
         self.faults = Faults(idle_timeout=idle_timeout)
-        self.state = BackendState(self.clock, token_ttl, keep_frames=keep_frames)
+        self.state = BackendState(
+            self.clock,
+            token_ttl,
+            keep_frames=keep_frames,
+            generation=generation,
+            reaper_scale=reaper_scale,
+        )
+        self.state.wake = self._wake
+        # Nodes woken while no stream of theirs was open (the real per-node event stays set).
+        self._pending_wakes: set[str] = set()
+        self._sweeper: LoopingCall | None = None
         self.base_path = _normalize_base(base_path)
         self.admin_token = admin_token
         self.images: dict[str, ImageEntry] = {}
@@ -250,6 +272,38 @@ class DevBackend:
         """
         return Deferred.fromCoroutine(self._listen(port, interface, tls, client_ca))
 
+    @property
+    def generation(self) -> str:
+        return self.state.generation
+
+    @property
+    def reaper_scale(self) -> float:
+        return self.state.reaper_scale
+
+    def _start_sweeper(self) -> None:
+        if not self.state.current or self._sweeper is not None:
+            return
+        sweeper = LoopingCall(self._sweep_logged)
+        sweeper.clock = self.clock
+        self._sweeper = sweeper
+        sweeper.start(REAPER_INTERVAL_SEC * self.state.reaper_scale, now=False)
+
+    def _sweep_logged(self) -> None:
+        try:
+            self.state.sweep()
+        except Exception:
+            # A bug in a sweep must not stop the next ones.
+            self.log.failure("devbackend: reaper sweep failed")
+
+    def _stop_sweeper(self) -> None:
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None and sweeper.running:
+            sweeper.stop()
+
+    def sweep(self) -> None:
+        """Run the current generation's reapers once now (they also run every 60 s x scale)."""
+        self.state.sweep()
+
     async def _listen(self, port: int, interface: str, tls: TLSFiles | None, client_ca: str | None = None) -> int:
         if self._port is not None:
             raise RuntimeError("DevBackend is already listening")
@@ -288,6 +342,7 @@ class DevBackend:
         tracker = _ConnectionTracker(factory)
         listening = self.reactor.listenTCP(port, tracker, interface=interface)
         self._port = listening
+        self._start_sweeper()
         self._tracker = tracker
         self._interface = interface
         bound = int(listening.getHost().port)
@@ -332,6 +387,7 @@ class DevBackend:
         return Deferred.fromCoroutine(self._stop())
 
     async def _stop(self) -> None:
+        self._stop_sweeper()
         port, self._port = self._port, None
         if port is not None:
             await port.stopListening()
@@ -371,6 +427,22 @@ class DevBackend:
         live = self._streams.get(proto.node_id, set())
         live.discard(proto)
         self.state.session_closed(proto.session_id, last=not live)
+
+    def _wake(self, node_id: str) -> None:
+        """A command was queued for C{node_id} (current generation): wake its streams."""
+        streams = self._streams.get(node_id)
+        if not streams:
+            self._pending_wakes.add(node_id)
+            return
+        for proto in list(streams):
+            proto.wake()
+
+    def take_pending_wake(self, node_id: str) -> bool:
+        """True (once) when C{node_id} was woken while none of its streams was open."""
+        if node_id in self._pending_wakes:
+            self._pending_wakes.discard(node_id)
+            return True
+        return False
 
     def connection_count(self, node_id: str) -> int:
         """How many streams of C{node_id} are open now."""
@@ -429,8 +501,10 @@ class DevBackend:
         raw_override: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """
-        Queue a command (sent on the node's next frame). C{raw_override} keys replace fields
-        of the wire object (use L{OMIT} to remove one), e.g. to add a C{signature}.
+        Queue a command: the current generation pushes it to the node's open streams at
+        once, the April one sends it in reply to the node's next frame. C{raw_override}
+        keys replace fields of the wire object (use L{OMIT} to remove one), e.g. to add a
+        C{signature}.
         """
         return self.state.issue_command(
             node_id,
@@ -441,6 +515,14 @@ class DevBackend:
             timeout_sec=timeout_sec,
             raw_override=raw_override,
         )
+
+    def cancel_command(self, command_id: str) -> dict[str, Any]:
+        """
+        Cancel a command that is not terminal (current generation): it becomes
+        C{canceled} and is never dispatched again; the node is not told. C{KeyError} for an
+        unknown id, C{ValueError} for a terminal command or on the April generation.
+        """
+        return self.state.cancel_command(command_id)
 
     def set_profile(self, node_id: str, profile: dict[str, Any] | None) -> None:
         """Assign the flat profile object sent in C{hello_ack}."""

@@ -21,6 +21,7 @@ from twisted.logger import (
     textFileLogObserver,
 )
 
+from llmport_agent.devbackend._state import GENERATION_CURRENT, GENERATIONS
 from llmport_agent.devbackend.backend import DevBackend
 from llmport_agent.devbackend.tls import TLSFiles, make_test_tls, tls_files_in
 
@@ -89,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-frames", action=argparse.BooleanOptionalAction, default=True,
                         help="keep a copy of every inbound frame for GET /dev/nodes/<id>/frames "
                         "(--no-keep-frames for a large fleet; the cost counters count either way)")
+    parser.add_argument("--generation", choices=list(GENERATIONS), default=GENERATION_CURRENT,
+                        help="which llm-port backend to behave as: 'current' (default: pushes "
+                        "commands, re-dispatches overdue ones, fails in-flight commands when "
+                        "the stream is lost, reaps silent ones) or '2026-04' (commands only in "
+                        "reply to a frame, no reapers)")
+    parser.add_argument("--reaper-scale", type=_positive, default=1.0,
+                        help="multiply the current generation's reaper times (300 s silence "
+                        "floor, 600 s offline grace, 300 s stale session, 60 s sweep) by this "
+                        "factor, e.g. 0.01 for tests (default 1)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warn", "error", "critical"])
     return parser
@@ -139,6 +149,8 @@ def main(argv: list[str]) -> int:
         base_path=args.base_path,
         admin_token=args.admin_token,
         keep_frames=args.keep_frames,
+        generation=args.generation,
+        reaper_scale=args.reaper_scale,
     )
     for name, tag, path in args.image:
         backend.add_image(name, tag, path, image_size=None)
@@ -153,7 +165,8 @@ def main(argv: list[str]) -> int:
     async def start() -> None:
         await backend.listen(args.port, args.interface, tls=tls)
         token = backend.mint_token("llmport-agent devbackend")
-        print(f"llm-port stand-in backend listening on {backend.url}")
+        print(f"llm-port stand-in backend ({backend.generation} generation) listening on "
+              f"{backend.url}")
         print(f"  stream: {backend.stream_url}")
         if tls is not None:
             print(f"  CA certificate: {tls.ca_pem}")
