@@ -52,8 +52,10 @@ class DrainTests(AgentTestCase):
         d.addBoth(done)
         return d, finished
 
-    async def agent_with_slow_command(self, **extra: str) -> tuple[Any, Any, str, _Slow]:
-        backend = await self.start_backend()
+    async def agent_with_slow_command(
+        self, generation: str = "current", **extra: str
+    ) -> tuple[Any, Any, str, _Slow]:
+        backend = await self.start_backend(generation=generation)
         agent = self.start_agent(backend, HEARTBEAT_INTERVAL_SEC="1", **extra)
         slow = _Slow()
         agent.pipeline.registry["collect_diagnostics"] = HandlerSpec(slow, lane="node", idempotent=True, deadline=600)
@@ -62,7 +64,14 @@ class DrainTests(AgentTestCase):
 
     async def test_running_command_finishes_and_is_delivered(self) -> None:
         """A stop during a command: it finishes, its result reaches the backend, heartbeats say draining."""
-        backend, agent, node_id, slow = await self.agent_with_slow_command()
+        await self._running_command_finishes("2026-04", "dispatched")
+
+    async def test_running_command_finishes_and_is_delivered_current(self) -> None:
+        """The same against the current backend, which fails the unacked command when the stream closes."""
+        await self._running_command_finishes("current", "failed")
+
+    async def _running_command_finishes(self, generation: str, left: str) -> None:
+        backend, agent, node_id, slow = await self.agent_with_slow_command(generation)
         cmd = backend.issue_command(node_id, "collect_diagnostics", {})
         await backend.wait_for(lambda: slow.started == 1, 10)
         stopped, finished = self.stop(agent)
@@ -75,7 +84,10 @@ class DrainTests(AgentTestCase):
         reactor.callLater(0.2, slow.release.callback, None)
         await stopped
         self.assertEqual(backend.command(cmd["id"])["status"], "succeeded")
-        self.assertEqual(backend.command(later["id"])["status"], "dispatched")
+        # April: it waits for the next start; current: the backend failed it with the stream.
+        self.assertEqual(backend.command(later["id"])["status"], left)
+        if left == "failed":
+            self.assertEqual(backend.command(later["id"])["error_code"], "node_stream_lost")
         self.assertEqual(agent.drain_report["left"], 0)
         self.assertEqual(agent.pipeline.stats["deferred_by_stop"], 1)
         self.assertIsNone(agent.journal.get(later["id"]))

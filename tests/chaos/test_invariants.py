@@ -92,6 +92,35 @@ class CheckerTests(SynchronousTestCase):
         self.assertTrue(any("regressed" in p for p in problems), problems)
         self.assertTrue(any("anomaly: command_ack after the result" in p for p in problems), problems)
 
+    def test_stream_lost_then_result_is_clean(self) -> None:
+        """Current generation: the backend's node_stream_lost failure, then the agent's result, is no regression."""
+        session = self.state.session_opened(self.node)
+        cid = self.command()
+        self.frame("command_ack", cid)
+        self.frame("command_progress", cid)
+        self.clock.advance(0.01)
+        self.state.session_closed(session, last=True)
+        self.assertEqual(self.backend.command(cid)["error_code"], "node_stream_lost")
+        self.frame("command_progress", cid)
+        self.frame("command_result", cid, success=True)
+        tally = check_commands(self.backend, self.node, [cid])
+        self.assertEqual((tally.problems, tally.resolved, tally.lost_with_stream), ([], 1, 0))
+
+    def test_never_answered_and_lost_with_the_stream_is_resolved(self) -> None:
+        session = self.state.session_opened(self.node)
+        cid = self.command()
+        self.clock.advance(0.01)
+        self.state.session_closed(session, last=True)
+        tally = check_commands(self.backend, self.node, [cid])
+        self.assertEqual((tally.problems, tally.resolved, tally.lost_with_stream), ([], 1, 1))
+        # Acked and lost, with no result from the agent: still a problem.
+        session = self.state.session_opened(self.node)
+        acked = self.command()
+        self.frame("command_ack", acked)
+        self.clock.advance(0.01)
+        self.state.session_closed(session, last=True)
+        self.assertIn("without a result", check_commands(self.backend, self.node, [acked]).problems[0])
+
     def test_acked_without_result_fails(self) -> None:
         cid = self.command()
         self.frame("command_ack", cid)
