@@ -212,6 +212,17 @@ class StreamLostTests(SynchronousTestCase):
         self.assertEqual(record.history, ["queued", "dispatched", "acked", "running", "failed", "running", "succeeded"])
         self.assertEqual(state.anomalies, {})
 
+    def test_model_sync_lost_with_the_stream_reads_failed(self) -> None:
+        """Current: a sync_model in flight when the stream closes leaves the model failed on the node, not syncing."""
+        state, _clock, node_id = _state()
+        session = state.session_opened(node_id)
+        cmd = state.issue_command(node_id, "sync_model", {"model_sync": {"model_id": "m-1"}})
+        state.take_dispatch(node_id)
+        _frame(state, node_id, "command_progress", cmd["id"], progress_pct=10, message="copying")
+        self.assertEqual(state.model_availability[node_id]["m-1"]["status"], "syncing")
+        state.session_closed(session, last=True)
+        self.assertEqual(state.model_availability[node_id]["m-1"]["status"], "failed")
+
     def test_april_leaves_in_flight_alone(self) -> None:
         """2026-04: the command stays running; only the runtime goes to error (Node offline)."""
         state, _clock, node_id = _state(GENERATION_APRIL)

@@ -820,10 +820,13 @@ class BackendState:
         record.timeline.append(
             {"event_type": status, "message": message, "payload": {}, "ts": stamp}
         )
-        if status != "canceled":
-            node = self.nodes.get(record.node_id)
-            if node is not None:
-                self._runtime_on_result(node, record, False, None, message)
+        node = self.nodes.get(record.node_id)
+        if status == "canceled" or node is None:
+            return
+        self._runtime_on_result(node, record, False, None, message)
+        if record.command_type == "sync_model" and self._sync_model_id(record, None):
+            # A model copy that died with the stream (or was reaped) reads failed, not syncing.
+            self._model_sync_result(node, record, False, None, error_code, message)
 
     # -- the current generation's reapers ---------------------------------------------------
 
