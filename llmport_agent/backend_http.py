@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import quote
 
 from attrs import frozen
 from treq.client import HTTPClient
@@ -21,6 +22,8 @@ from llmport_agent.tls import describe_connection_error, innermost_error
 ENROLL_PATH = "/api/admin/system/nodes/enroll"
 ROTATE_PATH = "/api/admin/system/nodes/credentials/rotate"
 TOKEN_PATH = "/api/admin/system/nodes/enrollment-tokens"
+JOIN_PATH = "/api/admin/system/nodes/join-requests"
+WHOAMI_PATH = "/api/node-files/whoami"
 
 
 class BackendError(Exception):
@@ -38,6 +41,24 @@ class Rejected(BackendError):
         super().__init__(f"HTTP {status}: {detail}")
         self.status = status
         self.detail = detail
+
+
+class RouteMissing(BackendError):
+    """A 404 for the route itself (FastAPI's C{{"detail": "Not Found"}}): an older backend."""
+
+
+def is_route_missing(code: int, body: bytes) -> bool:
+    """
+    FastAPI answers an unknown path with C{404 {"detail": "Not Found"}}; a route that exists and
+    does not find its object says something else (C{"Join request not found."}).
+    """
+    if code != 404:
+        return False
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("detail") == "Not Found"
 
 
 @frozen
@@ -97,23 +118,24 @@ class BackendHTTP:
         return self.base_url + path
 
     async def _post(
-        self, path: str, body: dict[str, Any] | None, headers: dict[str, str], timeout: float
+        self, path: str, body: dict[str, Any] | None, headers: dict[str, str], timeout: float,
+        method: str = "POST",
     ) -> tuple[int, bytes]:
         kwargs: dict[str, Any] = {"headers": headers}
         if body is not None:
             kwargs["data"] = json.dumps(body).encode()
             kwargs["headers"] = {**headers, "Content-Type": "application/json"}
         try:
-            d = self._http.post(self.url(path), **kwargs)
+            d = self._http.request(method, self.url(path), **kwargs)
             d.addTimeout(timeout, self._reactor)
             response = await d
             body_d = response.content()
             body_d.addTimeout(timeout, self._reactor)
             content = await body_d
         except (TimeoutError, CancelledError):
-            raise Transient(f"POST {path}: no answer within {timeout:g} s") from None
+            raise Transient(f"{method} {path}: no answer within {timeout:g} s") from None
         except Exception as e:  # network errors of every kind
-            raise Transient(f"POST {path}: {describe_network_error(e, self.client_cert)}") from None
+            raise Transient(f"{method} {path}: {describe_network_error(e, self.client_cert)}") from None
         return response.code, content
 
     async def enroll(
@@ -163,6 +185,77 @@ class BackendHTTP:
         except (ValueError, KeyError, TypeError):
             raise Transient(f"POST {ROTATE_PATH}: malformed reply") from None
         return str(data.get("node_id", "")), new
+
+
+    async def request_join(
+        self, agent_id: str, host: str, capabilities: dict[str, Any], version: str
+    ) -> dict[str, Any]:
+        """
+        Ask to join without a token (protocol 10.7): C{{id, code, poll_secret|null, expires_at,
+        already_pending}}. Raises L{RouteMissing} (an April backend), L{Rejected} (429 too many
+        pending, other 4xx) or L{Transient}.
+        """
+        body = {"agent_id": agent_id, "host": host, "capabilities": capabilities, "version": version[:64]}
+        code, content = await self._post(JOIN_PATH, body, {}, self.timeout)
+        if is_route_missing(code, content):
+            raise RouteMissing(f"POST {JOIN_PATH}: HTTP 404 (no such route)")
+        if 400 <= code < 500:
+            raise Rejected(code, _detail(content))
+        if code != 200:
+            raise Transient(f"POST {JOIN_PATH}: HTTP {code}: {_detail(content)}")
+        data = _object(content, JOIN_PATH)
+        if not isinstance(data.get("id"), str) or not isinstance(data.get("code"), str):
+            raise Transient(f"POST {JOIN_PATH}: malformed reply (no id or code)")
+        secret = data.get("poll_secret")
+        if secret is not None and not isinstance(secret, str):
+            raise Transient(f"POST {JOIN_PATH}: malformed reply (poll_secret)")
+        return data
+
+    async def collect_join(self, request_id: str, poll_secret: str) -> dict[str, Any]:
+        """
+        Has an administrator decided? C{{status: pending|rejected|expired|claimed|approved, ...}}
+        (approved carries the enroll reply). Raises L{Rejected} (404 unknown id, 401 wrong
+        secret) or L{Transient}.
+        """
+        path = f"{JOIN_PATH}/{quote(request_id, safe='')}/collect"
+        code, content = await self._post(path, {"poll_secret": poll_secret}, {}, self.timeout)
+        if code in (401, 404, 422):
+            raise Rejected(code, _detail(content, (poll_secret,)))
+        if code != 200:
+            raise Transient(f"POST {JOIN_PATH}/<id>/collect: HTTP {code}: {_detail(content, (poll_secret,))}")
+        data = _object(content, f"{JOIN_PATH}/<id>/collect")
+        if not isinstance(data.get("status"), str):
+            raise Transient(f"POST {JOIN_PATH}/<id>/collect: malformed reply (no status)")
+        return data
+
+    async def whoami(self, credential: str, timeout: float | None = None) -> dict[str, Any]:
+        """
+        C{GET /api/node-files/whoami} with the node's credential: C{{node_id, agent_id, host}}.
+        Raises L{RouteMissing} (an April backend has no such route), L{Rejected} (401/403, or a
+        404 of the route itself: not a member, the node deleted or the credential revoked) or
+        L{Transient}.
+        """
+        headers = {"Authorization": f"Bearer {credential}"}
+        code, content = await self._post(
+            WHOAMI_PATH, None, headers, self.timeout if timeout is None else timeout, method="GET"
+        )
+        if is_route_missing(code, content):
+            raise RouteMissing(f"GET {WHOAMI_PATH}: HTTP 404 (no such route)")
+        if code in (401, 403, 404):
+            raise Rejected(code, _detail(content, (credential,)))
+        if code != 200:
+            raise Transient(f"GET {WHOAMI_PATH}: HTTP {code}: {_detail(content, (credential,))}")
+        return _object(content, WHOAMI_PATH)
+
+
+def _object(content: bytes, path: str) -> dict[str, Any]:
+    try:
+        data = json.loads(content)
+    except ValueError:
+        raise Transient(f"{path}: malformed reply (not JSON)") from None
+    if not isinstance(data, dict):
+        raise Transient(f"{path}: malformed reply (not an object)")
+    return data
 
 
 def describe_network_error(e: BaseException, client_cert: str | None = None) -> str:

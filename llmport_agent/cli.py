@@ -6,6 +6,7 @@ The C{llmport-agent} console script.
   llmport-agent devbackend        run the local stand-in backend
   llmport-agent config            show the resolved configuration (secrets masked)
   llmport-agent start|stop|status install and start / stop / inspect the systemd unit
+  llmport-agent join [URL] [--user] join the current llm-port with a code an administrator approves
   llmport-agent config --set NAME=VALUE / --unset NAME   edit /etc/llmport-agent.env
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -61,6 +63,99 @@ def run_agent(config: AgentConfig, json_logs: bool = False) -> int:
     return status["code"]
 
 
+def join_command(url: str | None, user_mode: bool) -> int:
+    """
+    C{join}: the join dialog (L{llmport_agent.join}) on the reactor, then the same as C{start}
+    (C{BACKEND_URL} from C{URL} written to the env file, an old enrollment token line dropped).
+    """
+    from llmport_agent.installer import Installer, System
+    from llmport_agent.join import normalise_url
+
+    system = System.from_environment()
+    installer = Installer(system)
+    if user_mode:
+        # Kept for the installer's user mode (issue 20 #2); refused before anything is asked.
+        return system.fail("`join --user` (a systemd --user service) is not available in this build yet: run "
+                           "`sudo llmport-agent join URL`", EX_USAGE)
+    environ = dict(system.environ)
+    try:
+        file_values = installer.read_env().values()
+    except OSError as e:
+        return system.fail(f"cannot read {system.env_path} ({e.strerror}): run join as root (sudo)")
+    prefix = "LLM_PORT_NODE_AGENT_"
+    merged = {**file_values, **{k: v for k, v in environ.items() if k.startswith(prefix)}}
+    backend = normalise_url(url) if url else merged.get(prefix + "BACKEND_URL", "")
+    if not backend:
+        return system.fail("where is llm-port? usage: llmport-agent join http://<backend-host>:8000", EX_USAGE)
+    merged[prefix + "BACKEND_URL"] = backend
+    merged.pop(prefix + "ENROLLMENT_TOKEN", None)
+    try:
+        config = load_config(environ=merged)
+    except ConfigError as e:
+        return system.fail(f"configuration error: {e}", EX_USAGE)
+    state_path = system.path(config.state_path) if system.root else config.state_path
+    code = _run_join(config, state_path, system)
+    if code != 0:
+        return code
+    # What the service needs: the URL joined, no stale token (the credential is in the state).
+    start_env = {k: v for k, v in environ.items() if k != prefix + "ENROLLMENT_TOKEN"}
+    start_env[prefix + "BACKEND_URL"] = config.backend_url
+    from attrs import evolve
+
+    return Installer(evolve(system, environ=start_env)).start(drop=(prefix + "ENROLLMENT_TOKEN",))
+
+
+def _run_join(config: AgentConfig, state_path: str, system: Any) -> int:
+    from twisted.internet import reactor
+    from twisted.internet.defer import Deferred
+
+    from llmport_agent.inventory.collector import InventoryCollector
+    from llmport_agent.inventory.select import make_gpu_source
+    from llmport_agent.join import Joiner
+    from llmport_agent.logsetup import begin_logging, want_json
+    from llmport_agent.service import make_http_client
+    from llmport_agent.threads import PoolService
+
+    begin_logging(config.log_level, json=want_json(config.log_format, system.err))
+    status = {"code": 1}
+    pool = PoolService(reactor, "host", 1)
+    http, http_pool = make_http_client(reactor, config)
+    from llmport_agent.backend_http import BackendHTTP
+
+    backend = BackendHTTP(reactor, http, config.backend_url, config.request_timeout_sec,
+                          client_cert=config.tls_client_cert)
+    collector = InventoryCollector(
+        reactor, pool, make_gpu_source(config.gpu_source, call_timeout=config.gpu_call_timeout_sec,
+                                       ignored_xids=config.gpu_ignored_xids),
+        state_dir=os.path.dirname(os.path.abspath(state_path)), model_store=config.model_store,
+    )
+    joiner = Joiner(reactor, config, backend, state_path,
+                    lambda: Deferred.fromCoroutine(collector.capabilities()), system.out, system.err)
+
+    async def main() -> None:
+        pool.startService()
+        try:
+            status["code"] = await joiner.run()
+        finally:
+            await http_pool.closeCachedConnections()
+            try:
+                await collector.close()
+            except Exception:  # noqa: BLE001 - closing NVML is best effort here
+                pass
+            await pool.stopService()
+
+    def crashed(f: Any) -> None:
+        system.fail(f"join failed: {f.getErrorMessage()}")
+
+    def begin() -> None:
+        d = Deferred.fromCoroutine(main()).addErrback(crashed)
+        d.addBoth(lambda _: reactor.callLater(0, reactor.stop))  # type: ignore[attr-defined]
+
+    reactor.callWhenRunning(begin)  # type: ignore[attr-defined]
+    reactor.run()  # type: ignore[attr-defined]
+    return status["code"]
+
+
 def _show_config(config: AgentConfig, as_json: bool) -> int:
     masked = config.masked()
     if as_json:
@@ -74,7 +169,7 @@ def _show_config(config: AgentConfig, as_json: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"run", "demo", "devbackend", "config", "start", "stop", "status"}
+    commands = {"run", "demo", "devbackend", "config", "start", "stop", "status", "join"}
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["run", *argv]
     if argv and argv[0] == "devbackend":
@@ -104,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     p_start = sub.add_parser("start", help="install (or update) and start the systemd unit (root)")
     p_start.add_argument("--user", default=None, metavar="NAME",
                          help="run as this dedicated user (in the docker group) instead of root")
+    p_join = sub.add_parser("join", help="ask to join llm-port (an administrator approves the code shown), "
+                            "then start as `start` does; an enrolled node is upgraded in place")
+    p_join.add_argument("url", nargs="?", default=None, metavar="URL",
+                        help="the llm-port backend, e.g. http://10.0.0.5:8000 (default: BACKEND_URL)")
+    p_join.add_argument("--user", action="store_true", dest="user_mode",
+                        help="run as a systemd --user service (no root)")
     sub.add_parser("stop", help="stop and disable the systemd unit (root)")
     p_status = sub.add_parser("status", help="show enrollment and service status")
     _add_setting_options(p_status)
@@ -115,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         return EX_USAGE
     from llmport_agent.installer import Installer
 
+    if args.command == "join":
+        return join_command(args.url, args.user_mode)
     if args.command == "start":
         return Installer().start(user=args.user)
     if args.command == "stop":

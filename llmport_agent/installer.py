@@ -389,7 +389,10 @@ class Installer:
 
     # start --------------------------------------------------------------------------------
 
-    def start(self, user: str | None = None) -> int:  # noqa: C901 - one linear procedure
+    def start(self, user: str | None = None, drop: tuple[str, ...] = ()) -> int:  # noqa: C901 - one linear procedure
+        """
+        @param drop: variables to remove from the env file (C{join}: a stale enrollment token).
+        """
         s = self.sys
         if s.geteuid() != 0:
             return s.fail("`start` installs a systemd unit and needs root: sudo llmport-agent start")
@@ -418,6 +421,8 @@ class Installer:
                 setting_name(key)
             except ConfigError as e:
                 return s.fail(f"{e}", EX_CONFIG)
+        for key in drop:
+            env.unset(key)
         try:
             for key, value in sorted(given.items()):
                 env.set(key, value)

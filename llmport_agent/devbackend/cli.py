@@ -113,8 +113,62 @@ def _tls(directory: str | None) -> TLSFiles | None:
     return files
 
 
+def admin_main(argv: list[str]) -> int:
+    """
+    C{devbackend join-requests | approve CODE | reject CODE [--message M]}: decide join requests
+    of a running stand-in backend through its admin HTTP API (what an administrator does in the
+    llm-port UI).
+    """
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    parser = argparse.ArgumentParser(prog=f"llmport-agent devbackend {argv[0]}")
+    if argv[0] != "join-requests":
+        parser.add_argument("code", help="the code the node shows (or the request id)")
+    if argv[0] == "reject":
+        parser.add_argument("--message", default=None, help="why (shown on the node)")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the stand-in backend")
+    parser.add_argument("--admin-token", default=os.environ.get("LLMPORT_DEVBACKEND_ADMIN_TOKEN"))
+    try:
+        args = parser.parse_args(argv[1:])
+    except SystemExit as e:
+        return int(e.code or 0) if isinstance(e.code, int) else EX_USAGE
+    base = args.url.rstrip("/") + "/api/admin/system/nodes/join-requests"
+    if argv[0] == "join-requests":
+        request = urllib.request.Request(base)
+    else:
+        body = {"message": args.message} if getattr(args, "message", None) else {}
+        request = urllib.request.Request(f"{base}/{urllib.parse.quote(args.code, safe='')}/{argv[0]}",
+                                         data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+    if args.admin_token:
+        request.add_header("Authorization", f"Bearer {args.admin_token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310 - operator's URL
+            answer = json.loads(response.read(1 << 20))
+    except urllib.error.HTTPError as e:
+        detail = e.read(1 << 16).decode("utf-8", "replace")
+        print(f"devbackend: {argv[0]} failed (HTTP {e.code}: {detail[:300]})", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"devbackend: cannot reach {args.url} ({e})", file=sys.stderr)
+        return 1
+    if argv[0] == "join-requests":
+        for row in answer:
+            print(f"{row['code']}  agent id {row['agent_id']}  from {row['source_ip']}  expires {row['expires_at']}")
+        if not answer:
+            print("no join request is waiting")
+    else:
+        print(f"{answer['code']} ({answer['agent_id']}): {answer['status']}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Run the stand-in backend in the foreground; returns the exit status."""
+    if argv and argv[0] in ("join-requests", "approve", "reject"):
+        return admin_main(argv)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -154,6 +208,12 @@ def main(argv: list[str]) -> int:
     )
     for name, tag, path in args.image:
         backend.add_image(name, tag, path, image_size=None)
+
+    def join_requested(row: Any) -> None:
+        print(f"join request {row.code} from agent id {row.agent_id} ({row.source_ip}); approve: "
+              f"llmport-agent devbackend approve {row.code} --url {backend.url}", flush=True)
+
+    backend.onboarding.on_request = join_requested
     if args.model:
         if backend.models is None:
             print("devbackend: model files are not available in this build", file=sys.stderr)
