@@ -115,6 +115,23 @@ class RedispatchTests(SynchronousTestCase):
         h.drain()
         kinds = h.kinds_for(c["id"])
         self.assertEqual(kinds, ["command_ack", "command_progress", "command_result", "command_result"])
+        # Plain, not replayed: it may be the first the backend sees, and a replayed result
+        # would not correct a node_stream_lost failure.
+        self.assertEqual(h.frames_for(c["id"])[-1]["result"], {"ok": True})
+
+    def test_unconfirmed_result_listed_again_is_sent_plain(self) -> None:
+        """A result whose delivery was lost, listed again while connected: sent again, not marked replayed."""
+        h = Harness(self)
+        h.session.auto_confirm = False
+        c = command("noop")
+        h.deliver(c)
+        h.session.disconnect()  # the confirmation is lost; the record stays finished, unconfirmed
+        h.session.connected = True
+        h.deliver(again(c))
+        frames = h.frames_for(c["id"])
+        self.assertEqual([f["type"] for f in frames][-2:], ["command_result", "command_result"])
+        self.assertEqual(frames[-1]["result"], {"ok": True})
+        self.assertEqual(h.pipeline.stats["replayed"], 0)
 
     def test_plain_duplicate_in_hello_is_replayed(self) -> None:
         """The same without the flag: a finished command listed at hello_ack is answered from the journal."""

@@ -455,11 +455,12 @@ class CommandPipeline(Service):
         """
         A command the journal knows, listed again: de-duplicated by id, never run twice.
 
-         - finished: answered from the journal with its stored result, marked C{"replayed":
-           true}, when the backend cannot have seen it (listed in C{hello_ack}, or re-dispatched,
-           protocol 10.2); on the same connection a listing that only lags behind our result
-           gets nothing new (the result is being confirmed, or was). Never an ack: an ack after
-           a result would move the command back in the backend.
+         - finished and confirmed delivered: answered from the journal with its stored result,
+           marked C{"replayed": true}, when the backend lists it as not done (in C{hello_ack},
+           or re-dispatched, protocol 10.2); on the same connection a listing that only lags
+           behind our result gets nothing new. Finished but unconfirmed: the result is sent
+           (again) plain, unless it is on its way. Never an ack: an ack after a result would
+           move the command back in the backend.
          - received or running: joined (the one execution goes on to the one result); acked again
            when the backend has not seen our ack or asks again (C{redispatch: true}), and told
            the phase it is in.
@@ -476,7 +477,10 @@ class CommandPipeline(Service):
                 self.stats["results_resent"] += 1
                 self._send_result(known, replayed=True)
             elif known.state == FINISHED:
-                self._send_result(known, replayed=True)
+                # Not confirmed yet: maybe the first the backend sees, so sent plain (a result
+                # marked replayed does not correct a failure the backend set itself, such as
+                # node_stream_lost).
+                self._send_result(known)
             return
         if redispatched or not known.acked:
             self._send_ack(known)
