@@ -1,5 +1,6 @@
 """
-HTTP calls to the backend outside the stream: enrollment and credential rotation (protocol 1-2).
+HTTP calls to the backend outside the stream: enrollment and credential rotation (protocol 1-2),
+the Ray cluster token (protocol 10.6).
 
 Errors are classified so callers can act: L{Rejected} is final for what was presented (a token
 or a credential); L{Transient} is worth retrying with backoff. No exception text ever contains the
@@ -12,6 +13,7 @@ import json
 from typing import Any
 from urllib.parse import quote
 
+import treq
 from attrs import frozen
 from treq.client import HTTPClient
 from twisted.internet.defer import CancelledError, TimeoutError
@@ -22,6 +24,9 @@ from llmport_agent.tls import describe_connection_error, innermost_error
 ENROLL_PATH = "/api/admin/system/nodes/enroll"
 ROTATE_PATH = "/api/admin/system/nodes/credentials/rotate"
 TOKEN_PATH = "/api/admin/system/nodes/enrollment-tokens"
+SECRETS_PATH = "/api/admin/system/nodes/secrets/"
+#: The most bytes read of a cluster token answer.
+SECRET_BODY_LIMIT = 64 * 1024
 JOIN_PATH = "/api/admin/system/nodes/join-requests"
 WHOAMI_PATH = "/api/node-files/whoami"
 
@@ -187,6 +192,52 @@ class BackendHTTP:
         return str(data.get("node_id", "")), new
 
 
+    async def cluster_secret(self, credential_ref: str, credential: str, timeout: float) -> str:
+        """
+        C{GET .../nodes/secrets/{credential_ref}} with the node credential: the cluster token.
+        Raises L{Rejected} (401/403: the credential; 404: not a member) or L{Transient}. The
+        token never appears in an exception.
+        """
+        path = SECRETS_PATH + quote(credential_ref, safe="")
+        headers: dict[bytes | str, bytes | str] = {"Authorization": f"Bearer {credential}"}
+        chunks: list[bytes] = []
+        size = 0
+
+        def collect(data: bytes) -> None:
+            nonlocal size
+            size += len(data)
+            if size > SECRET_BODY_LIMIT:
+                raise ValueError("answer too large")
+            chunks.append(data)
+
+        try:
+            d = self._http.get(self.url(path), headers=headers, unbuffered=True)
+            d.addTimeout(timeout, self._reactor)
+            response = await d
+            body_d = treq.collect(response, collect)
+            body_d.addTimeout(timeout, self._reactor)
+            await body_d
+        except (TimeoutError, CancelledError):
+            raise Transient(f"GET {SECRETS_PATH}...: no answer within {timeout:g} s") from None
+        except ValueError:
+            raise Transient(f"GET {SECRETS_PATH}...: the answer is larger than {SECRET_BODY_LIMIT} bytes") from None
+        except Exception as e:  # network errors of every kind
+            raise Transient(f"GET {SECRETS_PATH}...: {describe_network_error(e)}") from None
+        content = b"".join(chunks)
+        if response.code in (401, 403, 404):
+            raise Rejected(response.code, _detail(content, (credential,)))
+        if response.code != 200:
+            raise Transient(f"GET {SECRETS_PATH}...: HTTP {response.code}")
+        try:
+            token = json.loads(content)["token"]
+        except (ValueError, KeyError, TypeError):
+            raise Transient(f"GET {SECRETS_PATH}...: malformed reply") from None
+        if not isinstance(token, str) or not token.strip() or len(token) > 8192:
+            raise Transient(f"GET {SECRETS_PATH}...: the reply carries no usable token")
+        return token.strip()
+
+
+def describe_network_error(e: BaseException) -> str:
     async def request_join(
         self, agent_id: str, host: str, capabilities: dict[str, Any], version: str
     ) -> dict[str, Any]:

@@ -370,6 +370,12 @@ SETTINGS: tuple[Setting, ...] = (
             "MiB per ranged request; blobs smaller than two segments use one stream."),
     Setting("MODEL_SYNC_BUFFER_MB", "model_sync_buffer_mb", 256, _int_range(8, 65536),
             "MiB all model downloads together may hold in memory (received, not yet written and hashed)."),
+    Setting("RAY_TOKEN_DIR", "ray_token_dir", "/var/run/llm-port/ray", _path,
+            "Directory of the Ray cluster token file (cluster.token, 0600), mounted read-only into the Ray runtime container."),
+    Setting("IMAGE_DOWNLOAD_DIR", "image_download_dir", "", lambda var, raw: _path(var, raw) if raw.strip() else "",
+            "Where runtime image tars land before they are loaded (empty = <state dir>/images)."),
+    Setting("RAY_ALLOWED_MOUNTS", "ray_allowed_mounts", (), _csv,
+            "Host directories a Ray runtime bundle may mount besides the model store and the Ray session directory (comma-separated)."),
     Setting("MODEL_STORE_READ_ONLY", "model_store_read_only", False, _bool,
             "Mount the model store read-only into every workload (by default only download_from_hf workloads get it read-write)."),
     Setting("OPS_PORT", "ops_port", 9464, _number(0, integer=True),
@@ -495,6 +501,9 @@ class AgentConfig:
     tls_ca_bundle: str | None = None
     tls_client_cert: str | None = None
     tls_client_key: str | None = None
+    ray_token_dir: str = "/var/run/llm-port/ray"
+    image_download_dir: str = ""
+    ray_allowed_mounts: tuple[str, ...] = ()
 
     @property
     def poll_idle_interval(self) -> float:

@@ -164,8 +164,10 @@ class AgentService(MultiService):
         self.engine: Any = None
         self.workloads: Any = None
         self.health: Any = None
+        self.ray: Any = None
         if docker_enabled:
             self._build_workloads(state_dir)
+            self._build_ray()
         from llmport_agent.inventory.sections import inventory_sections
 
         self.collector = InventoryCollector(
@@ -230,6 +232,10 @@ class AgentService(MultiService):
         registry["sync_model"] = sync_model_handler_spec(self.models)
         if self.workloads is not None:
             registry.update(self._workload_specs())
+        if self.ray is not None:
+            from llmport_agent.ray.handlers import ray_handler_specs
+
+            registry.update(ray_handler_specs(self.ray))
         self.pipeline = CommandPipeline(
             reactor,
             self.session,
@@ -325,6 +331,8 @@ class AgentService(MultiService):
             self.state.get("pending_credential"),
             self.state.get("previous_credential"),
         ]
+        if self.ray is not None:
+            values += self.ray.tokens.secrets()
         return [v for v in values if isinstance(v, str) and v]
 
     # -- workloads (optional: the Docker executor) ------------------------------------------
@@ -369,6 +377,34 @@ class AgentService(MultiService):
             profile=lambda: self.modes.profile,
             health=self.health,
             gpus=lambda: self.collector.last_gpu if self.collector.last_report is not None else None,
+        )
+
+    def _build_ray(self) -> None:
+        """Multi-node inference on Ray (protocol 10.6): the runtime container's commands."""
+        from llmport_agent.ray.handlers import RayManager, RaySettings
+        from llmport_agent.ray.token import ClusterTokens
+
+        c = self.config
+        roots = [c.model_store, *c.ray_allowed_mounts]
+        session_dir = c.ray_session_dir
+        if session_dir:
+            roots.append(session_dir)
+        tokens = ClusterTokens(
+            self.reactor, self.backend, lambda: self.session.credential(), self.io_pool,
+            c.ray_token_dir, timeout=c.request_timeout_sec,
+        )
+        self.ray = RayManager(
+            self.reactor,
+            self.engine,
+            self.workloads.images,
+            tokens,
+            RaySettings(
+                agent_id=c.agent_id,
+                allowlist=self.workloads.allowlist,
+                allowed_roots=tuple(os.path.abspath(r) for r in roots),
+                token_dir=c.ray_token_dir,
+            ),
+            self.io_pool,
         )
 
     def _emit_event(self, event_type: str, payload: dict[str, Any], severity: str = "info") -> None:

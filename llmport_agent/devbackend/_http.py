@@ -323,6 +323,33 @@ class RotateResource(JsonResource):
         return json_response(request, 200, reply)
 
 
+class ClusterSecretResource(JsonResource):
+    """
+    C{GET .../nodes/secrets/{credential_ref}} (protocol 10.6): the Ray cluster token of an
+    environment, for a node that is one of its members. 401 bad credential, 404 not a member
+    (or no such secret).
+    """
+
+    isLeaf = True
+
+    def __init__(self, backend: DevBackend) -> None:
+        super().__init__()
+        self._backend = backend
+
+    def render_GET(self, request: Request) -> bytes:
+        try:
+            node, _cred = self._backend.state.authenticate(_header(request, b"authorization"))
+        except AuthError as e:
+            return json_response(request, 401, {"detail": e.detail})
+        path = request.postpath or []
+        ref = path[0].decode("utf-8", "replace") if len(path) == 1 else ""
+        secret = self._backend.cluster_secrets.get(ref)
+        if secret is None or node.id not in secret.members:
+            return json_response(request, 404, {"detail": "Secret not found."})
+        secret.fetches += 1
+        return json_response(request, 200, {"token": secret.token})
+
+
 @implementer(IPushProducer)
 class _Pacer:
     """Flow control for a streamed response: pauses while the peer is slow."""

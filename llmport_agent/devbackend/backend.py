@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import secrets
 import uuid
 from collections.abc import Callable
 from types import ModuleType
@@ -28,6 +29,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 from llmport_agent.devbackend._http import (
+    ClusterSecretResource,
     DevApiResource,
     EnrollResource,
     ImageSaveResource,
@@ -84,6 +86,15 @@ class ImageEntry:
     tag: str
     tar_path: str
     image_size: int | None
+
+
+@define
+class ClusterSecret:
+    """A Ray cluster token, the node ids allowed to fetch it, and how often they did."""
+
+    token: str
+    members: set[str]
+    fetches: int = 0
 
 
 class _TrackedConnection(ProtocolWrapper):
@@ -208,6 +219,8 @@ class DevBackend:
         #: Join requests and whoami (protocol 10.7); C{onboarding.enabled = False} makes this a
         #: backend of the April generation, without those routes.
         self.onboarding = Onboarding(self)
+        #: Ray cluster tokens by credential_ref (protocol 10.6), see L{add_cluster_secret}.
+        self.cluster_secrets: dict[str, ClusterSecret] = {}
 
     # -- serving ----------------------------------------------------------------------------
 
@@ -228,6 +241,7 @@ class DevBackend:
         _put(nodes, b"credentials", credentials)
         _put(credentials, b"rotate", RotateResource(self))
         _put(nodes, b"stream", WebSocketResource(StreamFactory(self)))
+        _put(nodes, b"secrets", ClusterSecretResource(self))
         node_files = JsonResource()
         _put(api, b"node-files", node_files)
         images = JsonResource()
@@ -523,6 +537,11 @@ class DevBackend:
         unknown id, C{ValueError} for a terminal command or on the April generation.
         """
         return self.state.cancel_command(command_id)
+    def add_cluster_secret(self, credential_ref: str, members: list[str], token: str | None = None) -> str:
+        """Register a Ray cluster token served to C{members} (node ids); returns the token."""
+        value = token if token is not None else secrets.token_urlsafe(32)
+        self.cluster_secrets[credential_ref] = ClusterSecret(value, set(members))
+        return value
 
     def set_profile(self, node_id: str, profile: dict[str, Any] | None) -> None:
         """Assign the flat profile object sent in C{hello_ack}."""

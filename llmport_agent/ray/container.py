@@ -1,0 +1,232 @@
+"""
+The runtime container C{llm-port-ray-runtime} (protocol 10.6): one per node, long-lived,
+C{sleep infinity}, host network and IPC, the bundle's GPUs, devices, capabilities, shm,
+ulimits and mounts, plus the cluster token directory read-only; restart C{unless-stopped}.
+
+It carries the agent's labels (L{LABEL_RAY}, the agent id) but not the workloads' managed
+label: it is no workload and the workload watcher leaves it alone. A container of that name
+without them belongs to someone else and is never touched.
+
+The functions taking a C{client} are thread functions for L{DockerEngine.call}.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import docker
+from docker.errors import NotFound
+from docker.types import DeviceRequest, Ulimit
+
+from ..commands.base import POLICY_VIOLATION, RUNTIME_ERROR, CommandFailed
+from ..workloads.spec import LABEL_AGENT_ID, LABEL_IMAGE
+from .bundle import RuntimeBundle
+
+LABEL_RAY = "io.llmport.ray-runtime"
+RAY_VALUE = "llmport-agent"
+LABEL_TOKEN_DIR = "io.llmport.ray-token-dir"
+IDLE_COMMAND = ("sleep", "infinity")
+
+
+def token_file(token_dir: str) -> str:
+    return os.path.join(token_dir, "cluster.token")
+
+
+def container_env(bundle: RuntimeBundle, token_dir: str) -> dict[str, str]:
+    """The container's environment: the bundle's (filtered) env plus token auth."""
+    env = dict(bundle.env)
+    env["RAY_AUTH_MODE"] = "token"
+    env["RAY_AUTH_TOKEN_PATH"] = token_file(token_dir)
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    return env
+
+
+def wanted_mounts(bundle: RuntimeBundle, token_dir: str) -> set[tuple[str, str, bool]]:
+    """(host, container, read-only) of every bind mount the container must have."""
+    out = {(m.host_path, m.container_path, m.read_only) for m in bundle.mounts}
+    out.add((token_dir, token_dir, True))
+    return out
+
+
+def snapshot(info: dict[str, Any]) -> dict[str, Any]:
+    """The facts of an inspected container that the Ray commands use."""
+    state = info.get("State") or {}
+    config = info.get("Config") or {}
+    mounts = set()
+    for m in info.get("Mounts") or []:
+        if isinstance(m, dict) and m.get("Type", "bind") == "bind":
+            mounts.add((str(m.get("Source", "")), str(m.get("Destination", "")), not bool(m.get("RW", True))))
+    return {
+        "id": str(info.get("Id") or ""),
+        "name": str(info.get("Name") or "").lstrip("/"),
+        "labels": dict(config.get("Labels") or {}),
+        "running": bool(state.get("Running")),
+        "status": str(state.get("Status") or ""),
+        "started_at": state.get("StartedAt"),
+        "image": config.get("Image"),
+        "image_id": str(info.get("Image") or ""),
+        "mounts": mounts,
+    }
+
+
+def find(client: docker.DockerClient, name: str) -> dict[str, Any] | None:
+    """Thread function: the container named exactly C{name}, or C{None}."""
+    try:
+        info = client.api.inspect_container(name)
+    except NotFound:
+        return None
+    snap = snapshot(info)
+    if snap["name"] != name:  # inspect also matches ids and id prefixes
+        return None
+    return snap
+
+
+def is_ours(snap: dict[str, Any], agent_id: str) -> bool:
+    labels = snap["labels"]
+    return labels.get(LABEL_RAY) == RAY_VALUE and labels.get(LABEL_AGENT_ID) == agent_id
+
+
+def drift(snap: dict[str, Any], bundle: RuntimeBundle, image_id: str, token_dir: str) -> str | None:
+    """Why an existing container no longer fits (image, mounts, token path), or C{None}."""
+    if snap["image_id"] != image_id:
+        return f"it runs image {snap['image_id'][:19]}, the pinned image is {image_id[:19]}"
+    if snap["labels"].get(LABEL_TOKEN_DIR) != token_dir:
+        return "the cluster token directory changed"
+    want = wanted_mounts(bundle, token_dir)
+    if snap["mounts"] != want:
+        return "its mounts differ from the bundle's"
+    return None
+
+
+def _check_host_paths(paths: list[str]) -> None:
+    """A bind source must not lead through a symbolic link (the engine would follow it)."""
+    for path in paths:
+        real = os.path.realpath(path)
+        if real != path:
+            raise CommandFailed(
+                POLICY_VIOLATION,
+                f"runtime_bundle: host path {path!r} leads through a symbolic link (to {real!r}); "
+                "mount the real directory instead.",
+            )
+
+
+def _gpu_args(bundle: RuntimeBundle) -> tuple[list[Any], list[str]]:
+    """(device requests, extra devices) for the bundle's GPUs and vendor."""
+    if bundle.gpus is None or bundle.accelerator_vendor in ("none", "apple"):
+        return [], []
+    if bundle.accelerator_vendor == "amd":
+        return [], ["/dev/kfd", "/dev/dri"]
+    if bundle.gpus == "all":
+        return [DeviceRequest(count=-1, capabilities=[["gpu"]])], []
+    if bundle.gpus.startswith("device="):
+        ids = [d for d in bundle.gpus[len("device=") :].split(",") if d]
+        return [DeviceRequest(device_ids=ids, capabilities=[["gpu"]])], []
+    return [DeviceRequest(count=int(bundle.gpus), capabilities=[["gpu"]])], []
+
+
+def create_args(bundle: RuntimeBundle, image_id: str, token_dir: str, agent_id: str) -> dict[str, Any]:
+    """Everything the container is created with: the bundle's settings and nothing else."""
+    requests, gpu_devices = _gpu_args(bundle)
+    devices = []
+    for d in (*bundle.devices, *gpu_devices):
+        if d not in devices:
+            devices.append(d)
+    binds = [
+        f"{host}:{target}:{'ro' if ro else 'rw'}"
+        for host, target, ro in sorted(wanted_mounts(bundle, token_dir))
+    ]
+    return {
+        "name": bundle.name,
+        "image_id": image_id,
+        "labels": {
+            LABEL_RAY: RAY_VALUE,
+            LABEL_AGENT_ID: agent_id,
+            LABEL_IMAGE: bundle.image.canonical,
+            LABEL_TOKEN_DIR: token_dir,
+        },
+        "env": container_env(bundle, token_dir),
+        "binds": binds,
+        "host_paths": sorted({h for h, _t, _ro in wanted_mounts(bundle, token_dir)}),
+        "devices": [f"{d}:{d}:rwm" for d in devices],
+        "cap_add": list(bundle.capabilities),
+        "ipc_mode": bundle.ipc_mode,
+        "shm_size": bundle.shm_size,
+        "ulimits": [(n, s, h) for n, s, h in bundle.ulimits],
+        "device_requests": requests,
+    }
+
+
+def create_and_start(client: docker.DockerClient, args: dict[str, Any]) -> dict[str, Any]:
+    """Thread function: create and start the runtime container; its snapshot."""
+    _check_host_paths(args["host_paths"])
+    api = client.api
+    host_config = api.create_host_config(
+        network_mode="host",
+        ipc_mode=args["ipc_mode"],
+        binds=args["binds"],
+        devices=args["devices"] or None,
+        cap_add=args["cap_add"] or None,
+        shm_size=args["shm_size"],
+        ulimits=[Ulimit(name=n, soft=s, hard=h) for n, s, h in args["ulimits"]] or None,
+        restart_policy={"Name": "unless-stopped"},
+        device_requests=args["device_requests"] or None,
+        init=False,
+    )
+    created = api.create_container(
+        image=args["image_id"],
+        entrypoint=[IDLE_COMMAND[0]],
+        command=list(IDLE_COMMAND[1:]),
+        name=args["name"],
+        labels=args["labels"],
+        environment=args["env"],
+        host_config=host_config,
+        detach=True,
+    )
+    cid = created["Id"]
+    try:
+        api.start(cid)
+    except Exception:
+        try:
+            api.remove_container(cid, force=True)
+        except Exception:  # noqa: BLE001 - the start error is the one to report
+            pass
+        raise
+    snap = snapshot(api.inspect_container(cid))
+    return snap
+
+
+def start(client: docker.DockerClient, ident: str) -> dict[str, Any]:
+    """Thread function: start a stopped container; its snapshot."""
+    client.api.start(ident)
+    return snapshot(client.api.inspect_container(ident))
+
+
+def remove(client: docker.DockerClient, ident: str) -> bool:
+    """Thread function: force-remove; C{False} when it was already gone."""
+    try:
+        client.api.remove_container(ident, force=True)
+    except NotFound:
+        return False
+    return True
+
+
+def foreign(name: str) -> CommandFailed:
+    return CommandFailed(
+        RUNTIME_ERROR,
+        f"A container named {name} exists on this node and was not created by this agent; "
+        "remove or rename it (docker rm -f " + name + ") so the agent can create its Ray runtime.",
+    )
+
+
+def facts(snap: dict[str, Any] | None) -> dict[str, Any] | None:
+    """C{inventory.ray_runtime} / C{describe_ray_cluster.container}: {container, running, ...}."""
+    if snap is None:
+        return None
+    return {
+        "container": snap["name"],
+        "running": snap["running"],
+        "started_at": snap["started_at"],
+        "image": snap["image"] if snap["labels"].get(LABEL_IMAGE) is None else snap["labels"][LABEL_IMAGE],
+        "image_id": snap["image_id"],
+    }

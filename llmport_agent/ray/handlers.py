@@ -1,0 +1,675 @@
+"""
+The Ray command handlers (protocol 10.6): C{ensure_runtime_image}, C{ensure_ray_runtime},
+C{start_ray_head}, C{join_ray_cluster}, C{leave_ray_cluster}, C{stop_ray}, C{get_ray_status},
+C{get_ray_serve_status}, C{run_serve_app}, C{delete_serve_app}, C{describe_ray_cluster}.
+
+Every Ray process runs inside the runtime container; the agent execs C{ray start}/C{ray stop}
+and the image's helper CLI there. The host never runs Ray (and never C{ray stop}: outside a
+container it stops every Ray process of the machine). A command that carries a
+C{runtime_bundle} uses that bundle's container and fails when it is not running; one without
+uses the agent's runtime container when it runs.
+
+L{RayManager} holds the collaborators; L{ray_handler_specs} gives the command pipeline one
+L{HandlerSpec} per command type.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from attrs import frozen
+from twisted.internet.defer import DeferredLock
+from twisted.logger import Logger
+
+from ..commands.base import (
+    INVALID_COMMAND,
+    RUNTIME_ERROR,
+    CommandContext,
+    CommandFailed,
+    HandlerSpec,
+)
+from ..workloads.engine import DockerEngine
+from ..workloads.images import ImageManager
+from ..workloads.policy import AllowEntry, PolicyError, parse_port
+from . import container as rc
+from . import helpercli, imagepin
+from .bundle import DEFAULT_CONTAINER_NAME, RuntimeBundle, filter_env, parse_bundle
+from .execs import ExecResult, exec_in
+from .token import ClusterTokens, ensure_dir
+
+DEFAULT_RAY_VERSION = "2.58.0"
+#: Ray records the cluster a node last joined here (inside the container).
+CURRENT_CLUSTER_FILE = "/tmp/ray/ray_current_cluster"
+_START_TIMEOUT = 240.0
+_STOP_TIMEOUT = 90.0
+_PROBE_TIMEOUT = 20.0
+_HELPER_TIMEOUT = 60.0
+_SERVE_TIMEOUT = 240.0
+_APP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+_HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+#: Bytes of JSON the agent hands the helper on stdin (a compiled LLMServingArgs).
+_SERVE_DOC_LIMIT = 1024 * 1024
+_ALREADY = (
+    "already part of a ray cluster",
+    "already running",
+    "address is already in use",
+    "does not match persisted value",
+)
+
+
+@frozen
+class RaySettings:
+    """
+    @ivar allowed_roots: host directories bundle mounts may come from.
+    @ivar token_dir: C{RAY_TOKEN_DIR}.
+    """
+
+    agent_id: str
+    allowlist: tuple[AllowEntry, ...]
+    allowed_roots: tuple[str, ...]
+    token_dir: str
+
+
+def _payload(ctx: CommandContext) -> dict[str, Any]:
+    payload = ctx.command.payload
+    if not isinstance(payload, Mapping):
+        raise CommandFailed(INVALID_COMMAND, "the payload must be an object")
+    return dict(payload)
+
+
+def _opt_int(payload: Mapping[str, Any], key: str, maximum: int = 100000) -> int | None:
+    value = payload.get(key)
+    if value is None or value == "":
+        return None
+    if isinstance(value, bool):
+        raise CommandFailed(INVALID_COMMAND, f"{key} must be a whole number")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise CommandFailed(INVALID_COMMAND, f"{key} must be a whole number, not {str(value)[:20]!r}") from None
+    if not number.is_integer() or not 0 <= number <= maximum:
+        raise CommandFailed(INVALID_COMMAND, f"{key} {value!r} must be a whole number from 0 to {maximum}")
+    return int(number)
+
+
+def _port(payload: Mapping[str, Any], key: str, default: int) -> int:
+    if payload.get(key) in (None, ""):
+        return default
+    try:
+        return parse_port(payload.get(key), key)
+    except PolicyError as exc:
+        raise CommandFailed(INVALID_COMMAND, str(exc)) from None
+
+
+def _ip(value: object, key: str) -> str | None:
+    if value is None or value == "":
+        return None
+    try:
+        return str(ipaddress.ip_address(str(value).strip()))
+    except ValueError:
+        raise CommandFailed(INVALID_COMMAND, f"{key} {str(value)[:60]!r} is not an IP address") from None
+
+
+def _head_address(value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise CommandFailed(INVALID_COMMAND, "head_address is required (<ip>:<port> of the Ray head)")
+    host, sep, port = value.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise CommandFailed(INVALID_COMMAND, f"head_address {value[:80]!r} must be <ip>:<port>")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOST_RE.match(host):
+            raise CommandFailed(INVALID_COMMAND, f"head_address {value[:80]!r} must be <ip>:<port>") from None
+    return f"{host}:{int(port)}"
+
+
+def _app_name(payload: Mapping[str, Any], required: bool = True) -> str | None:
+    value = payload.get("app_name")
+    if value in (None, "") and not required:
+        return None
+    if not isinstance(value, str) or not _APP_RE.match(value):
+        raise CommandFailed(
+            INVALID_COMMAND,
+            f"app_name {str(value)[:80]!r} must be letters, digits, '_' and '-' (1 to 128 characters)",
+        )
+    return value
+
+
+def _bool(payload: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = payload.get(key, default)
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(value) if value is not None else default
+
+
+def _means_already(result: ExecResult) -> bool:
+    text = (result.err + result.out).lower()
+    return any(s in text for s in _ALREADY)
+
+
+class RayManager:
+    """
+    Runs the Ray commands against the runtime container.
+
+    @param images: pulls a missing runtime image (the workloads' L{ImageManager}).
+    @param tokens: the cluster token (fetch, file, delete).
+    @param pool: runs small file operations (the I/O pool).
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        engine: DockerEngine,
+        images: ImageManager,
+        tokens: ClusterTokens,
+        settings: RaySettings,
+        pool: Any,
+    ) -> None:
+        self._reactor = reactor
+        self.engine = engine
+        self.images = images
+        self.tokens = tokens
+        self.settings = settings
+        self._pool = pool
+        #: Lifecycle commands (start, join, leave, stop) one at a time.
+        self._lifecycle = DeferredLock()
+        #: Fetches a bundle image from a peer (C{source.peer_url}); set by peer seeding.
+        self.peer_loader: Callable[[RuntimeBundle, Mapping[str, Any], CommandContext], Awaitable[None]] | None = None
+
+    # -- pieces -----------------------------------------------------------------------------
+
+    def bundle(self, payload: Mapping[str, Any], required: bool = False) -> RuntimeBundle | None:
+        raw = payload.get("runtime_bundle")
+        if raw is None or raw == {}:
+            if required:
+                raise CommandFailed(
+                    INVALID_COMMAND,
+                    "runtime_bundle is required: this agent runs Ray only inside the digest-pinned "
+                    "runtime container (there is no Ray on the host).",
+                )
+            return None
+        return parse_bundle(
+            raw,
+            allowlist=self.settings.allowlist,
+            allowed_roots=self.settings.allowed_roots,
+            token_dir=self.settings.token_dir,
+        )
+
+    async def identify(self, bundle: RuntimeBundle) -> imagepin.PinReport:
+        identity = await self.engine.call(
+            imagepin.image_identity, bundle.image.canonical, what=f"inspecting image {bundle.image.canonical}"
+        )
+        return imagepin.check(identity, bundle.digest, bundle.rootfs_digest, bundle.repo_digest)
+
+    async def verify(self, bundle: RuntimeBundle, ctx: CommandContext, fetch: bool = True) -> imagepin.PinReport:
+        """The verified image (pulled when absent or different and C{fetch}); raises 10.4 codes."""
+        report = await self.identify(bundle)
+        if report.matched_by is not None or not fetch:
+            return report
+        name = bundle.image.canonical
+        payload = ctx.command.payload
+        source = payload.get("source") if isinstance(payload, Mapping) else None
+        why = ""
+        if isinstance(source, Mapping) and source.get("peer_url"):
+            if self.peer_loader is None:
+                raise CommandFailed(
+                    INVALID_COMMAND,
+                    "ensure_runtime_image from a peer (source.peer_url) is not supported by this agent yet; "
+                    "load the image on this node or make it pullable.",
+                )
+            await self.peer_loader(bundle, source, ctx)
+        else:
+            state = "not present" if not report.identity.present else "a different build"
+            ctx.progress("pull_image", f"Runtime image {name} is {state} here; pulling it")
+            try:
+                await self.images.pull(bundle.image, lambda msg, **kw: ctx.progress("pull_image", msg, **kw))
+            except CommandFailed as exc:
+                why = f" (pulling it failed: {exc.error_message})"
+        after = await self.identify(bundle)
+        return imagepin.require_match(after, name, bundle.digest, bundle.rootfs_digest, why=why)
+
+    async def find_container(self, name: str) -> dict[str, Any] | None:
+        return await self.engine.call(rc.find, name, what=f"looking up container {name}")
+
+    async def ensure_container(self, bundle: RuntimeBundle, image_id: str) -> dict[str, Any]:
+        """The runtime container running the verified image: reused, started or (re)created."""
+        token_dir = self.settings.token_dir
+        snap = await self.find_container(bundle.name)
+        if snap is not None:
+            if not rc.is_ours(snap, self.settings.agent_id):
+                raise rc.foreign(bundle.name)
+            reason = rc.drift(snap, bundle, image_id, token_dir)
+            if reason is None:
+                if not snap["running"]:
+                    snap = await self.engine.call(rc.start, snap["id"], what=f"starting {bundle.name}")
+                return {"container": bundle.name, "created": False, "running": True}
+            self.log.info("Recreating the Ray runtime container {name}: {reason}", name=bundle.name, reason=reason)
+            await self.engine.call(rc.remove, snap["id"], what=f"removing {bundle.name}")
+        await self._pool.run(ensure_dir, token_dir)
+        args = rc.create_args(bundle, image_id, token_dir, self.settings.agent_id)
+        snap = await self.engine.call(rc.create_and_start, args, what=f"creating {bundle.name}")
+        self.log.info("Created the Ray runtime container {name} from {image}", name=bundle.name, image=bundle.image.canonical)
+        return {"container": bundle.name, "created": True, "running": bool(snap["running"]), "container_id": snap["id"][:12]}
+
+    async def running_container(self, bundle: RuntimeBundle | None) -> dict[str, Any] | None:
+        """
+        The runtime container to use: the bundle's (which must be running: never a silent
+        fallback) or, without a bundle, the agent's default one when it runs (else C{None}).
+        """
+        name = bundle.name if bundle is not None else DEFAULT_CONTAINER_NAME
+        snap = await self.find_container(name)
+        ours = snap is not None and rc.is_ours(snap, self.settings.agent_id)
+        if ours and snap is not None and snap["running"]:
+            return snap
+        if bundle is not None:
+            state = "does not exist" if snap is None else ("is not this agent's" if not ours else f"is {snap['status']}")
+            raise CommandFailed(
+                RUNTIME_ERROR,
+                f"The Ray runtime container {name} {state}; run ensure_runtime_image / start_ray_head "
+                "(or join_ray_cluster) on this node first.",
+            )
+        return None
+
+    async def exec(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | None = None,
+        timeout: float = _PROBE_TIMEOUT,
+    ) -> ExecResult:
+        return await self.engine.call(
+            exec_in, name, argv, dict(env or {}), stdin, timeout, what=f"running {argv[0]} in {name}"
+        )
+
+    async def joined_cluster(self, name: str) -> str | None:
+        """The cluster address this node last joined, when a raylet runs (else C{None})."""
+        marker = await self.exec(name, ["cat", CURRENT_CLUSTER_FILE])
+        if marker.exit_code != 0 or not marker.out.strip():
+            return None
+        raylets = await self.exec(name, ["pgrep", "-c", "raylet"])
+        if raylets.exit_code != 0 or not raylets.out.strip().isdigit() or int(raylets.out.strip()) < 1:
+            return None
+        return marker.out.strip().splitlines()[0][:256]
+
+    def start_env(self, payload: Mapping[str, Any]) -> dict[str, str]:
+        """C{env} for C{ray start}: the six prefixes, reserved names dropped, token auth on."""
+        env = filter_env(payload.get("env"))
+        env["RAY_AUTH_MODE"] = "token"
+        env["RAY_AUTH_TOKEN_PATH"] = rc.token_file(self.settings.token_dir)
+        return env
+
+    async def ray_stop(self, name: str, force: bool = True) -> bool:
+        result = await self.exec(name, ["ray", "stop", *(["--force"] if force else [])], timeout=_STOP_TIMEOUT)
+        return result.exit_code == 0
+
+    async def prepare(self, bundle: RuntimeBundle, ctx: CommandContext) -> dict[str, Any]:
+        """Verified image and running container (start/join)."""
+        report = await self.verify(bundle, ctx)
+        ctx.progress("ensure_container", f"Ensuring the Ray runtime container {bundle.name}")
+        return await self.ensure_container(bundle, report.identity.image_id)
+
+    # -- image and runtime ----------------------------------------------------------------------
+
+    async def ensure_runtime_image(self, ctx: CommandContext) -> dict[str, Any]:
+        payload = _payload(ctx)
+        bundle = self.bundle(payload, required=True)
+        assert bundle is not None
+        fetch = payload.get("fetch") is not False
+        report = await self.verify(bundle, ctx, fetch=fetch)
+        result = report.result(bundle.image.canonical, bundle.runtime_handler)
+        if report.matched_by is not None and _bool(payload, "ensure_container", False):
+            result.update(await self.ensure_container(bundle, report.identity.image_id))
+        return result
+
+    async def ensure_ray_runtime(self, ctx: CommandContext) -> dict[str, Any]:
+        payload = _payload(ctx)
+        requested = str(payload.get("version") or DEFAULT_RAY_VERSION)[:64]
+        bundle = self.bundle(payload)
+        if bundle is None:
+            return {
+                "installed": False, "version": requested, "requested_version": requested,
+                "runtime": "none",
+                "error": "This agent runs Ray only inside the runtime container of a runtime_bundle; "
+                         "the command carried none and there is no Ray on the host.",
+            }
+        try:
+            report = await self.verify(bundle, ctx)
+            await self.ensure_container(bundle, report.identity.image_id)
+            out = await self.exec(bundle.name, ["ray", "--version"], timeout=60)
+        except CommandFailed as exc:
+            return {
+                "installed": False, "version": requested, "requested_version": requested,
+                "runtime": "container", "container": bundle.name, "image": bundle.image.canonical,
+                "error_code": exc.error_code, "error": exc.error_message,
+            }
+        version = None
+        m = re.search(r"version\s+([0-9][0-9A-Za-z.+-]{0,40})", out.out)
+        if out.exit_code == 0 and m:
+            version = m.group(1)
+        return {
+            "installed": version is not None,
+            "version": version or requested,
+            "requested_version": requested,
+            "version_match": version == requested,
+            "runtime": "container",
+            "container": bundle.name,
+            "image": bundle.image.canonical,
+            "image_id": report.identity.image_id,
+            "digest_verified": True,
+            "serve_llm_available": True,
+            **({} if version else {"error": f"ray --version failed in {bundle.name}: {out.detail()}"}),
+        }
+
+    # -- head and workers -------------------------------------------------------------------------
+
+    async def start_ray_head(self, ctx: CommandContext) -> dict[str, Any]:
+        payload = _payload(ctx)
+        port = _port(payload, "port", 6379)
+        dashboard_port = _port(payload, "dashboard_port", 8265)
+        dashboard_host = _ip(payload.get("dashboard_host") or "127.0.0.1", "dashboard_host") or "127.0.0.1"
+        include_dashboard = _bool(payload, "include_dashboard", True)
+        node_ip = _ip(payload.get("node_ip_address"), "node_ip_address")
+        num_cpus = _opt_int(payload, "num_cpus")
+        num_gpus = _opt_int(payload, "num_gpus", 1024)
+        bundle = self.bundle(payload, required=True)
+        assert bundle is not None
+        await self._lifecycle.acquire()
+        try:
+            ctx.progress("starting_head", f"Starting the Ray head on port {port}")
+            await self.tokens.ensure(payload.get("credential_ref"))
+            await self.prepare(bundle, ctx)
+            target = f"{node_ip}:{port}" if node_ip else None
+            joined = await self.joined_cluster(bundle.name)
+            already = False
+            if joined is not None:
+                if target is None or joined == target:
+                    already = True
+                else:
+                    ctx.progress("starting_head", f"This node runs Ray for {joined}; stopping it first")
+                    await self.ray_stop(bundle.name)
+            if not already:
+                argv = ["ray", "start", "--head", f"--port={port}", "--disable-usage-stats"]
+                if node_ip:
+                    argv.append(f"--node-ip-address={node_ip}")
+                if include_dashboard:
+                    argv += [f"--dashboard-host={dashboard_host}", f"--dashboard-port={dashboard_port}"]
+                else:
+                    argv.append("--include-dashboard=false")
+                if num_cpus is not None:
+                    argv.append(f"--num-cpus={num_cpus}")
+                if num_gpus is not None:
+                    argv.append(f"--num-gpus={num_gpus}")
+                result = await self.exec(bundle.name, argv, env=self.start_env(payload), timeout=_START_TIMEOUT)
+                if result.exit_code != 0:
+                    if not _means_already(result):
+                        raise CommandFailed(
+                            RUNTIME_ERROR,
+                            f"ray start --head failed in {bundle.name} "
+                            f"({'timed out' if result.timed_out else f'exit {result.exit_code}'}): {result.detail()}",
+                        )
+                    already = True
+            host = node_ip or dashboard_host
+            address = joined if already and joined else f"{host}:{port}"
+            return {
+                "started": True,
+                "already_running": already,
+                "cluster_address": address,
+                "head_address": address,
+                "dashboard_url": f"http://{node_ip or dashboard_host}:{dashboard_port}" if include_dashboard else None,
+                "runtime": "container",
+                "container": bundle.name,
+            }
+        finally:
+            self._lifecycle.release()
+
+    async def join_ray_cluster(self, ctx: CommandContext) -> dict[str, Any]:
+        payload = _payload(ctx)
+        head = _head_address(payload.get("head_address"))
+        node_ip = _ip(payload.get("node_ip_address"), "node_ip_address")
+        num_cpus = _opt_int(payload, "num_cpus")
+        num_gpus = _opt_int(payload, "num_gpus", 1024)
+        bundle = self.bundle(payload, required=True)
+        assert bundle is not None
+        await self._lifecycle.acquire()
+        try:
+            ctx.progress("joining_cluster", f"Joining the Ray cluster at {head}")
+            await self.tokens.ensure(payload.get("credential_ref"))
+            await self.prepare(bundle, ctx)
+            joined = await self.joined_cluster(bundle.name)
+            if joined == head:
+                return {"joined": True, "already_member": True, "head_address": head,
+                        "runtime": "container", "container": bundle.name}
+            if joined is not None:
+                ctx.progress("joining_cluster", f"This node runs Ray for {joined}; stopping it first")
+                await self.ray_stop(bundle.name)
+            argv = ["ray", "start", f"--address={head}", "--disable-usage-stats"]
+            if node_ip:
+                argv.append(f"--node-ip-address={node_ip}")
+            if num_cpus is not None:
+                argv.append(f"--num-cpus={num_cpus}")
+            if num_gpus is not None:
+                argv.append(f"--num-gpus={num_gpus}")
+            result = await self.exec(bundle.name, argv, env=self.start_env(payload), timeout=_START_TIMEOUT)
+            if result.exit_code != 0 and not _means_already(result):
+                raise CommandFailed(
+                    RUNTIME_ERROR,
+                    f"ray start --address={head} failed in {bundle.name} "
+                    f"({'timed out' if result.timed_out else f'exit {result.exit_code}'}): {result.detail()}",
+                )
+            return {"joined": True, "already_member": False, "head_address": head,
+                    "runtime": "container", "container": bundle.name}
+        finally:
+            self._lifecycle.release()
+
+    async def _stop_and_remove(self, payload: Mapping[str, Any], force: bool) -> dict[str, Any]:
+        bundle = self.bundle(payload)
+        name = bundle.name if bundle is not None else DEFAULT_CONTAINER_NAME
+        snap = await self.find_container(name)
+        if snap is None:
+            return {"stopped": True, "removed": False, "container": name, "runtime": "container"}
+        if not rc.is_ours(snap, self.settings.agent_id):
+            raise rc.foreign(name)
+        stopped = True
+        if snap["running"]:
+            stopped = await self.ray_stop(name, force)
+        await self.engine.call(rc.remove, snap["id"], what=f"removing {name}")
+        return {"stopped": True, "ray_stop_clean": stopped, "removed": True, "container": name, "runtime": "container"}
+
+    async def leave_ray_cluster(self, ctx: CommandContext) -> dict[str, Any]:
+        payload = _payload(ctx)
+        await self._lifecycle.acquire()
+        try:
+            ctx.progress("leaving_cluster", "Stopping Ray on this node and removing its runtime container")
+            result = {"left": True, **await self._stop_and_remove(payload, True)}
+            result["token_deleted"] = await self.tokens.delete()
+            return result
+        finally:
+            self._lifecycle.release()
+
+    async def stop_ray(self, ctx: CommandContext) -> dict[str, Any]:
+        payload = _payload(ctx)
+        force = _bool(payload, "force", False)
+        await self._lifecycle.acquire()
+        try:
+            ctx.progress("stopping_ray", "Stopping Ray on this node")
+            result = await self._stop_and_remove(payload, force)
+            result["token_deleted"] = await self.tokens.delete()
+            return result
+        finally:
+            self._lifecycle.release()
+
+    # -- status and Serve ---------------------------------------------------------------------------
+
+    async def _helper(self, name: str, argv: list[str], stdin: bytes | None = None,
+                      timeout: float = _HELPER_TIMEOUT) -> tuple[ExecResult, dict[str, Any] | None]:
+        result = await self.exec(name, [helpercli.HELPER, *argv], stdin=stdin, timeout=timeout)
+        doc = helpercli.first_json_object(result.out)
+        if doc is None:
+            self.log.warn(
+                "The runtime helper {verb} in {name} gave no answer (exit {code}): {detail}",
+                verb=argv[0], name=name, code=result.exit_code, detail=result.detail(300),
+            )
+        return result, doc
+
+    async def _token_best_effort(self, payload: Mapping[str, Any]) -> None:
+        if payload.get("credential_ref"):
+            try:
+                await self.tokens.ensure(payload.get("credential_ref"))
+            except CommandFailed as exc:
+                self.log.warn("Could not refresh the Ray cluster token: {why}", why=exc.error_message)
+
+    async def get_ray_status(self, ctx: CommandContext) -> dict[str, Any]:
+        payload = _payload(ctx)
+        bundle = self.bundle(payload)
+        snap = await self.running_container(bundle)
+        if snap is None:
+            return helpercli.dead_cluster(detail="no Ray runtime container runs on this node")
+        await self._token_best_effort(payload)
+        _, doc = await self._helper(snap["name"], ["cluster-status"])
+        expected = payload.get("expected_version")
+        status = helpercli.cluster_status(doc, str(expected) if expected else None)
+        if _bool(payload, "include_serve", True) and status["alive"]:
+            _, serve_doc = await self._helper(snap["name"], ["serve-status"])
+            status["serve"] = helpercli.serve_status(serve_doc, None)
+        if _bool(payload, "include_state", False):
+            status["state"] = {"available": False, "detail": "the state API is not offered by the runtime helper"}
+        status["runtime"] = "container"
+        status["container"] = snap["name"]
+        return status
+
+    async def get_ray_serve_status(self, ctx: CommandContext) -> dict[str, Any]:
+        payload = _payload(ctx)
+        app = _app_name(payload, required=False)
+        bundle = self.bundle(payload)
+        snap = await self.running_container(bundle)
+        if snap is None:
+            return {"available": False, "apps": {}, "detail": "no Ray runtime container runs on this node"}
+        await self._token_best_effort(payload)
+        argv = ["serve-status", *(["--app-name", app] if app else [])]
+        _, doc = await self._helper(snap["name"], argv)
+        return helpercli.serve_status(doc, app)
+
+    async def run_serve_app(self, ctx: CommandContext) -> dict[str, Any]:
+        payload = _payload(ctx)
+        app = _app_name(payload)
+        assert app is not None
+        args = payload.get("llm_serving_args")
+        if not isinstance(args, Mapping):
+            raise CommandFailed(INVALID_COMMAND, "llm_serving_args must be an object ({llm_configs: [...]})")
+        http = payload.get("http_options") or {}
+        if not isinstance(http, Mapping):
+            raise CommandFailed(INVALID_COMMAND, "http_options must be an object")
+        doc: dict[str, Any] = {"llm_serving_args": dict(args), "http_options": dict(http)}
+        if payload.get("proxy_location"):
+            doc["proxy_location"] = str(payload["proxy_location"])[:64]
+        data = json.dumps(doc).encode("utf-8")
+        if len(data) > _SERVE_DOC_LIMIT:
+            raise CommandFailed(INVALID_COMMAND, f"llm_serving_args is larger than {_SERVE_DOC_LIMIT} bytes")
+        bundle = self.bundle(payload)
+        snap = await self.running_container(bundle)
+        if snap is None:
+            raise CommandFailed(RUNTIME_ERROR, "No Ray runtime container runs on this node; start the Ray head first.")
+        route = f"/{app}"
+        ctx.progress("deploying_app", f"Deploying Serve application {app} at {route}")
+        result, answer = await self._helper(
+            snap["name"], ["run-serve-app", "--app-name", app, "--route-prefix", route, "--config", "-"],
+            stdin=data, timeout=_SERVE_TIMEOUT,
+        )
+        if not answer or not answer.get("deployed"):
+            why = (answer or {}).get("error") if isinstance(answer, dict) else None
+            raise CommandFailed(
+                RUNTIME_ERROR,
+                f"run_serve_app {app} failed in {snap['name']} (exit {result.exit_code}): "
+                f"{str(why)[:600] if why else result.detail() or 'no answer from the runtime helper'}",
+            )
+        prefix = answer.get("route_prefix")
+        return {"deployed": True, "app_name": app,
+                "route_prefix": prefix if isinstance(prefix, str) and prefix.startswith("/") else route}
+
+    async def delete_serve_app(self, ctx: CommandContext) -> dict[str, Any]:
+        payload = _payload(ctx)
+        app = _app_name(payload)
+        assert app is not None
+        bundle = self.bundle(payload)
+        snap = await self.running_container(bundle)
+        if snap is None:
+            return {"deleted": True, "app_name": app, "detail": "no Ray runtime container runs on this node"}
+        result, answer = await self._helper(snap["name"], ["delete-serve-app", "--app-name", app])
+        if not answer or not answer.get("deleted"):
+            why = (answer or {}).get("error") if isinstance(answer, dict) else None
+            raise CommandFailed(
+                RUNTIME_ERROR,
+                f"delete_serve_app {app} failed in {snap['name']} (exit {result.exit_code}): "
+                f"{str(why)[:600] if why else result.detail() or 'no answer from the runtime helper'}",
+            )
+        return {"deleted": True, "app_name": app}
+
+    async def describe_ray_cluster(self, ctx: CommandContext) -> dict[str, Any]:
+        payload = _payload(ctx)
+        snap = await self.find_container(DEFAULT_CONTAINER_NAME)
+        if snap is None or not rc.is_ours(snap, self.settings.agent_id) or not snap["running"]:
+            return {"running": False, "container": rc.facts(snap) if snap is not None else None}
+        errors: list[str] = []
+        _, doc = await self._helper(snap["name"], ["cluster-status"])
+        status = helpercli.cluster_status(doc, None)
+        _, serve_doc = await self._helper(snap["name"], ["serve-status"])
+        serve = helpercli.serve_status(serve_doc, None)
+        if serve.get("detail"):
+            errors.append(str(serve["detail"]))
+        raw_verify = payload.get("verify")
+        verify: Mapping[str, Any] = raw_verify if isinstance(raw_verify, Mapping) else {}
+        apps = []
+        for name, app in serve["apps"].items():
+            entry = {"name": name, "route_prefix": app.get("route_prefix") or f"/{name}",
+                     "status": app["status"], "deployments": app["deployments"], "llm_configs": None}
+            if name in verify:
+                entry["verify"] = {"equal": None, "diff": "the runtime helper does not report llm_configs"}
+            apps.append(entry)
+        result: dict[str, Any] = {
+            "running": True,
+            "container": rc.facts(snap),
+            "attached": bool(status["alive"]),
+            "ray_version": status["version"],
+            "gcs_address": status["cluster_address"],
+            "nodes": status["nodes"],
+            "serve": {"running": bool(serve["available"]), "http_options": None},
+            "apps": apps,
+            "errors": errors,
+        }
+        if _bool(payload, "hand_over_token", False) and status["alive"]:
+            token = await self.tokens.read()
+            if token:
+                # The sealed hand-over (protocol 10.6): the backend encrypts it on arrival.
+                # The pipeline keeps this result only until it is delivered (keep_result=False).
+                result["cluster_token"] = token
+            else:
+                result["token_error"] = "the cluster token file is missing or empty"
+        return result
+
+
+def ray_handler_specs(manager: RayManager) -> dict[str, HandlerSpec]:
+    """The command types this module handles, for the command pipeline's registry."""
+    m = manager
+    return {
+        "ensure_runtime_image": HandlerSpec(m.ensure_runtime_image, "runtime", True, 1800.0, blocked_by_maintenance=True),
+        "ensure_ray_runtime": HandlerSpec(m.ensure_ray_runtime, "runtime", True, 1800.0, blocked_by_maintenance=True),
+        "start_ray_head": HandlerSpec(m.start_ray_head, "runtime", True, 600.0, blocked_by_maintenance=True, blocked_by_draining=True),
+        "join_ray_cluster": HandlerSpec(m.join_ray_cluster, "runtime", True, 600.0, blocked_by_maintenance=True, blocked_by_draining=True),
+        "leave_ray_cluster": HandlerSpec(m.leave_ray_cluster, "runtime", True, 300.0),
+        "stop_ray": HandlerSpec(m.stop_ray, "runtime", True, 300.0),
+        "get_ray_status": HandlerSpec(m.get_ray_status, "read", True, 120.0, keep_result=False),
+        "get_ray_serve_status": HandlerSpec(m.get_ray_serve_status, "read", True, 120.0, keep_result=False),
+        "run_serve_app": HandlerSpec(m.run_serve_app, "runtime", True, 600.0, blocked_by_maintenance=True, blocked_by_draining=True),
+        "delete_serve_app": HandlerSpec(m.delete_serve_app, "runtime", True, 300.0),
+        "describe_ray_cluster": HandlerSpec(m.describe_ray_cluster, "read", True, 120.0, keep_result=False),
+    }

@@ -1,0 +1,204 @@
+"""
+Integration: multi-node inference on Ray (protocol 10.6), end to end.
+
+Two agents, each on its own private Docker engine, each running its runtime container from
+the Ray test bundle image (Ray 2.58.0 from the package index, the helper CLI on Ray's SDK),
+driven by the stand-in backend's Ray driver through the whole reconcile: image verified on
+both (by rootfs digest on the node whose config id differs), head started on 127.0.0.2,
+worker joined from 127.0.0.3, C{get_ray_status} shows 2 alive nodes, a trivial Serve app
+deployed and answering on its route on 127.0.0.1, deleted, worker leaves, head stops, both
+containers gone. Along the way: the cluster token is in no result, progress frame, event,
+journal line or log line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any
+
+import treq
+from twisted.internet import reactor
+from twisted.logger import formatEvent, globalLogPublisher
+from twisted.web.client import HTTPConnectionPool
+
+from llmport_agent.devbackend.rayenv import RayEnvironment, RayNode
+from llmport_agent.ray.imagepin import rootfs_digest
+from tests.agentharness import AgentTestCase
+from tests.support.docker_env import free_port, require_docker
+from tests.support.ray_env import IMAGE, import_ray_image, require_ray_image, require_second_docker
+
+TERMINAL = ("succeeded", "failed")
+
+
+def bundle_for(info: dict[str, Any], model_store: str) -> dict[str, Any]:
+    """The runtime bundle of the test image as the backend pins it (from one node's copy)."""
+    return {
+        "name": "llm-port-ray-runtime",
+        "image": IMAGE,
+        "digest": info["Id"],
+        "rootfs_digest": rootfs_digest(info["RootFS"]["Layers"]),
+        "repo_digest": None,
+        "runtime_handler": "docker",
+        "requirements": {"network_mode": "host", "ipc_mode": "host", "gpus": "none",
+                         "capabilities": ["IPC_LOCK"], "shm_size": "256m", "ulimits": {"nofile": 4096}},
+        "mounts": [{"host_path": model_store, "container_path": "/models", "mode": "ro"}],
+        "env": {"RAY_DEDUP_LOGS": "0", "LD_PRELOAD": "/evil.so", "RAY_AUTH_MODE": "off"},
+    }
+
+
+class RayClusterTests(AgentTestCase):
+    timeout = 900
+
+    def setUp(self) -> None:
+        self.tar = require_ray_image()
+        self.env_a = require_docker()
+        self.env_b = require_second_docker()
+        self.lines: list[str] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            text = formatEvent(event)
+            if text:
+                self.lines.append(text)
+            failure = event.get("log_failure")
+            if failure is not None:
+                self.lines.append(failure.getTraceback())
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+
+    def _cleanup_containers(self) -> None:
+        for env in (self.env_a, self.env_b):
+            for c in env.client().containers.list(all=True, filters={"label": "io.llmport.ray-runtime"}):
+                c.remove(force=True)
+
+    async def start_node(self, backend: Any, env: Any, name: str) -> tuple[Any, str, str]:
+        state = os.path.abspath(self.mktemp())
+        store = os.path.join(state, "models")
+        os.makedirs(store)
+        token_dir = os.path.join(state, "ray-token")
+        agent = self.start_agent(
+            backend, state_dir=state, docker_host=env.host, AGENT_ID=f"ray-{name}-{uuid.uuid4().hex[:6]}",
+            RAY_TOKEN_DIR=token_dir, IMAGE_ALLOWLIST="llmport-test",
+        )
+        node_id = await self.wait_connected(backend, agent)
+        await backend.wait_for(lambda: agent.engine.available, 30)
+        return agent, node_id, store
+
+    async def command(self, backend: Any, node_id: str, kind: str, payload: dict[str, Any],
+                      timeout: float = 120) -> dict[str, Any]:
+        cmd = backend.issue_command(node_id, kind, payload)
+        await backend.wait_for(lambda: backend.command(cmd["id"])["status"] in TERMINAL, timeout)
+        return dict(backend.command(cmd["id"]))
+
+    async def test_two_node_cluster_serve_app_and_teardown(self) -> None:
+        info_a = await self._in_thread(import_ray_image, self.env_a, self.tar)
+        await self._in_thread(import_ray_image, self.env_b, self.tar)
+        self.addCleanup(self._cleanup_containers)
+        backend = await self.start_backend()
+        agent_a, node_a, store_a = await self.start_node(backend, self.env_a, "head")
+        agent_b, node_b, _store_b = await self.start_node(backend, self.env_b, "worker")
+
+        # A node without Ray answers the status probe, alive false (not an unknown command).
+        rec = await self.command(backend, node_a, "get_ray_status", {})
+        self.assertEqual(rec["status"], "succeeded", rec.get("error_message"))
+        self.assertEqual((rec["result"]["alive"], rec["result"]["num_nodes"], rec["result"]["nodes"]), (False, 0, []))
+
+        # The backend pins the head's copy; the worker's copy has another config id but the
+        # same layers: the rootfs digest decides.
+        bundle = bundle_for(info_a, store_a)
+        bundle["mounts"] = []  # the two agents have different model stores; mounts are tested below
+        gcs_port, serve_port = free_port(), free_port()
+        env = RayEnvironment(
+            backend, "env-" + uuid.uuid4().hex[:8],
+            head=RayNode(node_a, "127.0.0.2"), workers=[RayNode(node_b, "127.0.0.3")],
+            bundle=bundle, port=gcs_port, num_cpus=1,
+            env={"NCCL_SOCKET_IFNAME": "lo", "RAY_AUTH_TOKEN_PATH": "/tmp/other", "PATH": "/evil"},
+        )
+        status = await env.reconcile()
+        self.assertEqual(status["num_nodes"], 2)
+        self.assertEqual(sorted(n["node_ip"] for n in status["nodes"] if n["alive"]), ["127.0.0.2", "127.0.0.3"])
+        self.assertEqual(status["version"], "2.58.0")
+        steps = [s[0] for s in env.steps]
+        self.assertEqual(steps[:6], ["ensure_runtime_image"] * 2 + ["ensure_ray_runtime"] * 2 + ["start_ray_head", "join_ray_cluster"])
+        images = {n: backend.command(c)["result"] for (s, n, c, _st) in env.steps if s == "ensure_runtime_image"}
+        self.assertEqual(images[node_a]["matched_by"], "rootfs_digest")
+        self.assertEqual(images[node_b]["matched_by"], "rootfs_digest")
+        self.assertNotEqual(images[node_a]["image_id"], images[node_b]["image_id"])
+        keys = {backend.command(c)["idempotency_key"] for (_s, _n, c, _st) in env.steps}
+        self.assertIn(f"inference-env:{env.env_id}:1:start_ray_head", keys)
+        self.assertIn(f"inference-env:{env.env_id}:1:join_ray_cluster:{node_b}", keys)
+
+        # The runtime container: host network and IPC, sleep infinity, the token dir read-only,
+        # only what the bundle names (the filtered env, the capability, the shm and ulimit).
+        c = self.env_a.client().api.inspect_container("llm-port-ray-runtime")
+        host = c["HostConfig"]
+        self.assertEqual((host["NetworkMode"], host["IpcMode"], host["RestartPolicy"]["Name"]),
+                         ("host", "host", "unless-stopped"))
+        self.assertEqual(host["CapAdd"], ["IPC_LOCK"])
+        self.assertFalse(host["Privileged"])
+        self.assertEqual(host["ShmSize"], 256 * 1024 * 1024)
+        self.assertEqual([c["Path"], *c["Args"]], ["sleep", "infinity"])
+        env_vars = dict(e.split("=", 1) for e in c["Config"]["Env"])
+        self.assertEqual(env_vars["RAY_AUTH_MODE"], "token")
+        self.assertNotIn("LD_PRELOAD", env_vars)
+        self.assertNotIn("NCCL_SOCKET_IFNAME", env_vars)  # start/join env goes to the exec only
+        token_dir = agent_a.config.ray_token_dir
+        self.assertIn(f"{token_dir}:{token_dir}:ro", host["Binds"])
+        self.assertEqual(os.stat(os.path.join(token_dir, "cluster.token")).st_mode & 0o777, 0o600)
+
+        # A second start at the same address is a success that starts nothing.
+        again = await self.command(backend, node_a, "start_ray_head", {
+            "credential_ref": env.credential_ref, "port": gcs_port, "node_ip_address": "127.0.0.2",
+            "include_dashboard": False, "runtime_bundle": bundle,
+        }, timeout=300)
+        self.assertEqual(again["status"], "succeeded", again.get("error_message"))
+        self.assertTrue(again["result"]["already_running"])
+        self.assertEqual(again["result"]["head_address"], f"127.0.0.2:{gcs_port}")
+
+        # A trivial Serve app (not vLLM), answering on its route on 127.0.0.1.
+        app = "llmport-" + uuid.uuid4().hex[:8]
+        run = await env.run_app(app, {"llm_configs": [{"model_loading_config": {"model_id": "tiny-model"}}]},
+                                {"host": "127.0.0.1", "port": serve_port})
+        self.assertEqual(run["route_prefix"], f"/{app}")
+        pool = HTTPConnectionPool(reactor, persistent=False)
+        response = await treq.get(f"http://127.0.0.1:{serve_port}/{app}", timeout=30, pool=pool)
+        self.assertEqual(response.code, 200)
+        self.assertEqual(json.loads(await response.content())["models"], ["tiny-model"])
+        deleted = await env.delete_app(app)
+        self.assertTrue(deleted["deleted"])
+        serve = await self.command(backend, node_a, "get_ray_serve_status", {"app_name": app, "runtime_bundle": bundle})
+        self.assertEqual(serve["result"]["apps"], {})
+
+        # Teardown: the worker leaves, the head stops; both containers and the token are gone.
+        await env.teardown()
+        for e in (self.env_a, self.env_b):
+            self.assertEqual(e.client().containers.list(all=True, filters={"label": "io.llmport.ray-runtime"}), [])
+        self.assertFalse(os.path.exists(os.path.join(token_dir, "cluster.token")))
+        rec = await self.command(backend, node_a, "get_ray_status", {})
+        self.assertFalse(rec["result"]["alive"])
+
+        # The cluster token reached no result, progress frame, event, journal or log line.
+        token = backend.cluster_secrets[env.credential_ref].token
+        self.assertGreaterEqual(backend.cluster_secrets[env.credential_ref].fetches, 2)
+        for node in (node_a, node_b):
+            for frame in backend.frames(node):
+                self.assertNotIn(token, json.dumps(frame))
+            for event in backend.events(node):
+                self.assertNotIn(token, json.dumps(event))
+        for agent in (agent_a, agent_b):
+            for name in ("commands.jsonl", "events.jsonl", "state.json"):
+                path = os.path.join(agent.state_dir, name)
+                if os.path.exists(path):
+                    with open(path, encoding="utf-8", errors="replace") as f:
+                        self.assertNotIn(token, f.read(), name)
+        self.assertTrue(self.lines)
+        for line in self.lines:
+            self.assertNotIn(token, line)
+
+    def _in_thread(self, fn: Any, *args: Any) -> Any:
+        from twisted.internet.threads import deferToThread
+
+        return deferToThread(fn, *args)
+

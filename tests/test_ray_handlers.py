@@ -1,0 +1,328 @@
+"""
+The Ray command handlers against a fake engine (a faithful stand-in of the thread functions'
+answers) and a stand-in backend over StubTreq: idempotent start and join, env to the exec
+only, the image pin's error codes, the runtime container's reuse, and the cluster token's
+privacy (fetched once per 300 s, 0600, deleted by stop_ray, in no result or log line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from treq.testing import StubTreq
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.task import Clock
+from twisted.logger import formatEvent, globalLogPublisher
+from twisted.trial.unittest import TestCase
+from twisted.web.resource import Resource
+
+from llmport_agent.backend_http import BackendHTTP
+from llmport_agent.commands.base import CommandFailed
+from llmport_agent.ray import container as rc
+from llmport_agent.ray import imagepin
+from llmport_agent.ray.execs import ExecResult
+from llmport_agent.ray.handlers import CURRENT_CLUSTER_FILE, RayManager, RaySettings, ray_handler_specs
+from llmport_agent.ray.token import ClusterTokens
+from llmport_agent.workloads.policy import parse_allowlist
+from tests.support.context import RecordingContext, make_command
+
+LAYERS = ("sha256:" + "1" * 64,)
+IMAGE_ID = "sha256:" + "a" * 64
+TOKEN = "tok-" + "s3cr3t" * 8
+REF = "env-1-token"
+
+
+class SecretResource(Resource):
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.code = 200
+
+    def render_GET(self, request: Any) -> bytes:
+        self.calls += 1
+        request.setResponseCode(self.code)
+        if request.getHeader(b"authorization") != b"Bearer cred.secret":
+            request.setResponseCode(401)
+            return b'{"detail": "Invalid credential."}'
+        if not request.path.endswith(REF.encode()):
+            request.setResponseCode(404)
+            return b'{"detail": "Secret not found."}'
+        return json.dumps({"token": TOKEN}).encode()
+
+
+class Pool:
+    """Runs blocking functions inline (the unit tests' thread pool)."""
+
+    def run(self, fn: Any, *args: Any, **kw: Any) -> Deferred[Any]:
+        try:
+            return succeed(fn(*args, **kw))
+        except Exception as exc:  # noqa: BLE001
+            from twisted.internet.defer import fail
+
+            return fail(exc)
+
+
+class FakeEngine:
+    """Answers the Ray thread functions the way the engine and Ray in the container do."""
+
+    def __init__(self) -> None:
+        self.identity = imagepin.Identity(True, IMAGE_ID, (), LAYERS)
+        self.container: dict[str, Any] | None = None
+        self.cluster: str | None = None  # what ray_current_cluster says while a raylet runs
+        self.execs: list[tuple[list[str], dict[str, str]]] = []
+        self.created: list[dict[str, Any]] = []
+        self.removed = 0
+        self.helper_out = json.dumps({"alive": True, "version": "2.58.0", "num_nodes": 1, "nodes": []})
+
+    async def call(self, fn: Any, *args: Any, what: str | None = None) -> Any:
+        if fn is imagepin.image_identity:
+            return self.identity
+        if fn is rc.find:
+            return self.container
+        if fn is rc.create_and_start:
+            args_ = args[0]
+            self.created.append(args_)
+            self.container = {
+                "id": "c" * 64, "name": args_["name"], "labels": dict(args_["labels"]), "running": True,
+                "status": "running", "started_at": "now", "image": None, "image_id": args_["image_id"],
+                "mounts": {(b.split(":")[0], b.split(":")[1], b.endswith(":ro")) for b in args_["binds"]},
+            }
+            return self.container
+        if fn is rc.remove:
+            self.removed += 1
+            self.container = None
+            self.cluster = None
+            return True
+        if fn is rc.start:
+            assert self.container is not None
+            self.container["running"] = True
+            return self.container
+        if fn.__name__ == "exec_in":
+            name, argv, env, stdin, timeout = args
+            self.execs.append((list(argv), dict(env)))
+            return self._exec(list(argv))
+        raise AssertionError(f"unexpected engine call {fn!r}")
+
+    def _exec(self, argv: list[str]) -> ExecResult:
+        if argv == ["cat", CURRENT_CLUSTER_FILE]:
+            return ExecResult(0 if self.cluster else 1, (self.cluster or "").encode(), b"")
+        if argv[:2] == ["pgrep", "-c"]:
+            return ExecResult(0 if self.cluster else 1, b"1\n" if self.cluster else b"0\n", b"")
+        if argv[:2] == ["ray", "start"]:
+            address = next((a.split("=", 1)[1] for a in argv if a.startswith("--address=")), None)
+            if address is None:
+                ip = next((a.split("=", 1)[1] for a in argv if a.startswith("--node-ip-address=")), "10.9.9.9")
+                port = next(a.split("=", 1)[1] for a in argv if a.startswith("--port="))
+                address = f"{ip}:{port}"
+            self.cluster = address
+            return ExecResult(0, b"Ray runtime started.\n", b"")
+        if argv[:2] == ["ray", "stop"]:
+            self.cluster = None
+            return ExecResult(0, b"Stopped all 5 Ray processes.\n", b"")
+        if argv[:2] == ["ray", "--version"]:
+            return ExecResult(0, b"ray, version 2.58.0\n", b"")
+        if argv[0] == "llm-port-ray-runtime":
+            return ExecResult(0, ("INFO connecting\n" + self.helper_out + "\n").encode(), b"")
+        raise AssertionError(f"unexpected exec {argv}")
+
+
+class RayHandlerTests(TestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.secret = SecretResource()
+        root = Resource()
+        root.putChild(b"api", self.secret)
+        self.http = StubTreq(self.secret)
+        backend = BackendHTTP(self.clock, self.http, "http://backend.test", 5)
+        self.token_dir = os.path.abspath(self.mktemp())
+        store = os.path.abspath(self.mktemp())
+        os.makedirs(store)
+        self.store = store
+        self.tokens = ClusterTokens(self.clock, backend, lambda: "cred.secret", Pool(), self.token_dir)
+        self.engine = FakeEngine()
+        self.pulls: list[Any] = []
+
+        class Images:
+            async def pull(inner, ref: Any, progress: Any) -> dict[str, Any]:  # noqa: N805
+                self.pulls.append(ref)
+                raise CommandFailed("pull_failed", "no such image in the registry")
+
+        settings = RaySettings("agent-1", parse_allowlist("llmport-test"), (store,), self.token_dir)
+        self.ray = RayManager(self.clock, self.engine, Images(), self.tokens, settings, Pool())  # type: ignore[arg-type]
+        self.specs = ray_handler_specs(self.ray)
+        self.lines: list[str] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            self.lines.append(formatEvent(event) or "")
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+
+    def bundle(self, **over: Any) -> dict[str, Any]:
+        b = {"image": "llmport-test/ray-runtime:2.58.0", "digest": IMAGE_ID,
+             "rootfs_digest": imagepin.rootfs_digest(LAYERS),
+             "requirements": {"gpus": "none"},
+             "mounts": [{"host_path": self.store, "container_path": "/models"}]}
+        b.update(over)
+        return b
+
+    async def do(self, kind: str, payload: dict[str, Any]) -> tuple[RecordingContext, dict[str, Any]]:
+        ctx = RecordingContext(make_command(kind, payload), self.clock)
+        result = await self.specs[kind].handler(ctx)
+        # Every result must survive the journal (JSON) and never carry the token.
+        self.assertNotIn(TOKEN, json.dumps(result))
+        self.assertNotIn(TOKEN, json.dumps(ctx.frames))
+        return ctx, result
+
+    async def fails(self, kind: str, payload: dict[str, Any]) -> CommandFailed:
+        ctx = RecordingContext(make_command(kind, payload), self.clock)
+        with self.assertRaises(CommandFailed) as cm:
+            await self.specs[kind].handler(ctx)
+        self.assertNotIn(TOKEN, cm.exception.error_message)
+        return cm.exception
+
+    def head(self, **over: Any) -> dict[str, Any]:
+        p = {"credential_ref": REF, "port": 6379, "node_ip_address": "10.0.0.1", "include_dashboard": False,
+             "runtime_bundle": self.bundle(), "env": {"NCCL_SOCKET_IFNAME": "ib0", "PATH": "/evil",
+                                                     "RAY_AUTH_TOKEN_PATH": "/tmp/x", "CUDA_VISIBLE_DEVICES": "0"}}
+        p.update(over)
+        return p
+
+    def starts(self) -> list[list[str]]:
+        return [argv for argv, _env in self.engine.execs if argv[:2] == ["ray", "start"]]
+
+    async def test_start_head_idempotent_and_env_to_exec_only(self) -> None:
+        _ctx, result = await self.do("start_ray_head", self.head())
+        self.assertEqual(result["head_address"], "10.0.0.1:6379")
+        self.assertFalse(result["already_running"])
+        (argv,) = self.starts()
+        self.assertIn("--head", argv)
+        env = next(e for a, e in self.engine.execs if a[:2] == ["ray", "start"])
+        self.assertEqual(env, {"NCCL_SOCKET_IFNAME": "ib0", "RAY_AUTH_MODE": "token",
+                               "RAY_AUTH_TOKEN_PATH": os.path.join(self.token_dir, "cluster.token")})
+        created = self.engine.created[0]
+        self.assertNotIn("NCCL_SOCKET_IFNAME", created["env"])
+        self.assertEqual(created["image_id"], IMAGE_ID)
+        # Same address: success, nothing started; the token is not fetched again within 300 s.
+        _ctx, again = await self.do("start_ray_head", self.head())
+        self.assertTrue(again["already_running"])
+        self.assertEqual(len(self.starts()), 1)
+        self.assertEqual(len(self.engine.created), 1)
+        self.assertEqual(self.secret.calls, 1)
+        # Another address: stopped first, then started there.
+        self.clock.advance(301)
+        _ctx, moved = await self.do("start_ray_head", self.head(node_ip_address="10.0.0.2"))
+        self.assertEqual(moved["head_address"], "10.0.0.2:6379")
+        kinds = [a[:2] for a, _ in self.engine.execs if a[0] == "ray"]
+        self.assertEqual(kinds[-2:], [["ray", "stop"], ["ray", "start"]])
+        self.assertEqual(self.secret.calls, 2)
+
+    async def test_join_idempotent(self) -> None:
+        payload = {"head_address": "10.0.0.1:6379", "credential_ref": REF, "node_ip_address": "10.0.0.2",
+                   "runtime_bundle": self.bundle()}
+        _c, r = await self.do("join_ray_cluster", payload)
+        self.assertEqual((r["joined"], r["already_member"]), (True, False))
+        _c, r = await self.do("join_ray_cluster", payload)
+        self.assertTrue(r["already_member"])
+        self.assertEqual(len(self.starts()), 1)
+        _c, r = await self.do("join_ray_cluster", {**payload, "head_address": "10.0.0.9:6379"})
+        self.assertFalse(r["already_member"])
+        self.assertEqual([a[:2] for a, _ in self.engine.execs if a[0] == "ray"][-2:], [["ray", "stop"], ["ray", "start"]])
+        bad = await self.fails("join_ray_cluster", {**payload, "head_address": "10.0.0.1; rm -rf /"})
+        self.assertEqual(bad.error_code, "invalid_command")
+
+    async def test_token_file_private_and_deleted_by_stop(self) -> None:
+        await self.do("start_ray_head", self.head())
+        path = os.path.join(self.token_dir, "cluster.token")
+        self.assertEqual(os.stat(path).st_mode & 0o777, 0o600)
+        with open(path) as f:
+            self.assertEqual(f.read(), TOKEN)
+        _c, result = await self.do("stop_ray", {"force": True, "runtime_bundle": self.bundle()})
+        self.assertTrue(result["stopped"])
+        self.assertTrue(result["token_deleted"])
+        self.assertFalse(os.path.exists(path))
+        self.assertIsNone(self.engine.container)
+        self.assertEqual(self.tokens.secrets(), [])
+        for line in self.lines:
+            self.assertNotIn(TOKEN, line)
+
+    async def test_token_never_followed_through_a_link(self) -> None:
+        os.makedirs(self.token_dir)
+        outside = os.path.abspath(self.mktemp())
+        os.symlink(outside, os.path.join(self.token_dir, "cluster.token"))
+        await self.do("start_ray_head", self.head())
+        self.assertFalse(os.path.exists(outside))
+        self.assertFalse(os.path.islink(os.path.join(self.token_dir, "cluster.token")))
+
+    async def test_token_errors_say_what_to_do(self) -> None:
+        err = await self.fails("start_ray_head", self.head(credential_ref="other-ref"))
+        self.assertIn("not a member", err.error_message)
+        err = await self.fails("start_ray_head", self.head(credential_ref="../../etc"))
+        self.assertEqual(err.error_code, "invalid_command")
+
+    async def test_get_ray_status_without_ray(self) -> None:
+        _c, r = await self.do("get_ray_status", {})
+        self.assertEqual((r["alive"], r["version"], r["num_nodes"], r["nodes"]), (False, None, 0, []))
+        err = await self.fails("get_ray_status", {"runtime_bundle": self.bundle()})
+        self.assertIn("does not exist", err.error_message)
+
+    async def test_get_ray_status_through_helper(self) -> None:
+        await self.do("start_ray_head", self.head())
+        _c, r = await self.do("get_ray_status", {"include_serve": False})
+        self.assertEqual((r["alive"], r["version"], r["num_nodes"]), (True, "2.58.0", 1))
+
+    async def test_image_mismatch_and_missing(self) -> None:
+        self.engine.identity = imagepin.Identity(True, "sha256:" + "9" * 64, (), ("sha256:" + "2" * 64,))
+        err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        self.assertEqual(err.error_code, "runtime_image_mismatch")
+        self.assertEqual(len(self.pulls), 1)  # a different build: the pinned one is pulled first
+        self.assertEqual(self.engine.created, [])
+        self.engine.identity = imagepin.Identity(False)
+        err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle()})
+        self.assertEqual(err.error_code, "runtime_image_missing")
+        self.assertIn("no such image in the registry", err.error_message)
+        _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "fetch": False})
+        self.assertEqual((r["verified"], r["present"]), (False, False))
+        self.assertEqual(len(self.pulls), 2)  # fetch: false only reports
+
+    async def test_ensure_runtime_image_and_container_reuse(self) -> None:
+        _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        self.assertEqual((r["verified"], r["matched_by"], r["created"]), (True, "rootfs_digest", True))
+        _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        self.assertFalse(r["created"])
+        other = os.path.join(self.store, "sub")
+        bundle = self.bundle(mounts=[{"host_path": other, "container_path": "/models"}])
+        _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": bundle, "ensure_container": True})
+        self.assertTrue(r["created"])
+        self.assertEqual(self.engine.removed, 1)
+
+    async def test_foreign_container_untouched(self) -> None:
+        self.engine.container = {"id": "f" * 64, "name": "llm-port-ray-runtime", "labels": {}, "running": True,
+                                 "status": "running", "started_at": None, "image": "x", "image_id": IMAGE_ID,
+                                 "mounts": set()}
+        err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        self.assertIn("not created by this agent", err.error_message)
+        err = await self.fails("stop_ray", {"runtime_bundle": self.bundle()})
+        self.assertEqual(self.engine.removed, 0)
+
+    async def test_policy_refusals_reach_nothing(self) -> None:
+        err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(
+            mounts=[{"host_path": "/etc", "container_path": "/models"}])})
+        self.assertEqual(err.error_code, "policy_violation")
+        err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(image="evil/ray:1")})
+        self.assertEqual(err.error_code, "policy_violation")
+        self.assertEqual(self.engine.execs, [])
+        self.assertEqual(self.engine.created, [])
+
+    async def test_describe_hand_over(self) -> None:
+        await self.do("start_ray_head", self.head())
+        ctx = RecordingContext(make_command("describe_ray_cluster", {"hand_over_token": True}), self.clock)
+        result = await self.specs["describe_ray_cluster"].handler(ctx)
+        self.assertEqual(result["cluster_token"], TOKEN)  # the sealed hand-over, on request only
+        self.assertFalse(self.specs["describe_ray_cluster"].keep_result)
+        _c, plain = await self.do("describe_ray_cluster", {})
+        self.assertNotIn("cluster_token", plain)
