@@ -222,7 +222,7 @@ class BackendHTTP:
         except ValueError:
             raise Transient(f"GET {SECRETS_PATH}...: the answer is larger than {SECRET_BODY_LIMIT} bytes") from None
         except Exception as e:  # network errors of every kind
-            raise Transient(f"GET {SECRETS_PATH}...: {describe_network_error(e)}") from None
+            raise Transient(f"GET {SECRETS_PATH}...: {describe_network_error(e, self.client_cert)}") from None
         content = b"".join(chunks)
         if response.code in (401, 403, 404):
             raise Rejected(response.code, _detail(content, (credential,)))
@@ -236,8 +236,6 @@ class BackendHTTP:
             raise Transient(f"GET {SECRETS_PATH}...: the reply carries no usable token")
         return token.strip()
 
-
-def describe_network_error(e: BaseException) -> str:
     async def request_join(
         self, agent_id: str, host: str, capabilities: dict[str, Any], version: str
     ) -> dict[str, Any]:

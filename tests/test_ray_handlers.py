@@ -23,7 +23,12 @@ from llmport_agent.commands.base import CommandFailed
 from llmport_agent.ray import container as rc
 from llmport_agent.ray import imagepin
 from llmport_agent.ray.execs import ExecResult
-from llmport_agent.ray.handlers import CURRENT_CLUSTER_FILE, RayManager, RaySettings, ray_handler_specs
+from llmport_agent.ray.handlers import (
+    CURRENT_CLUSTER_FILE,
+    RayManager,
+    RaySettings,
+    ray_handler_specs,
+)
 from llmport_agent.ray.token import ClusterTokens
 from llmport_agent.workloads.policy import parse_allowlist
 from tests.support.context import RecordingContext, make_command
