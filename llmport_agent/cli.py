@@ -43,11 +43,13 @@ def run_agent(config: AgentConfig, json_logs: bool = False) -> int:
     """
     from twisted.internet import reactor
 
+    from llmport_agent.fdlimit import raise_open_files_limit
     from llmport_agent.logsetup import SecretsHolder, begin_logging, want_json
     from llmport_agent.service import AgentService, install_stop_signals
 
     secrets = SecretsHolder()
     begin_logging(config.log_level, json=json_logs or want_json(config.log_format), secrets=secrets)
+    raise_open_files_limit()
     status = {"code": 0}
 
     def fatal(code: int, message: str) -> None:

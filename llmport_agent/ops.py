@@ -16,10 +16,10 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.logger import Logger
 from twisted.web.resource import Resource
-from twisted.web.server import Site
 
 from llmport_agent import VERSION
 from llmport_agent.metrics import AgentCollector, make_registry, render
+from llmport_agent.opshttp import BoundedSite
 
 #: The collector (it lives in llmport_agent.metrics; this name is kept for existing callers).
 _AgentCollector = AgentCollector
@@ -159,6 +159,7 @@ class OpsService(Service):
         self.port = port
         self.interface = interface
         self._listening: Any = None
+        self.site: BoundedSite | None = None
 
     def startService(self) -> None:
         super().startService()
@@ -167,8 +168,8 @@ class OpsService(Service):
         root.putChild(b"metrics", _Metrics(registry))
         root.putChild(b"healthz", _Health(self.agent, ready=False))
         root.putChild(b"readyz", _Health(self.agent, ready=True))
-        site = Site(root)
-        site.noisy = False
+        site = BoundedSite(root, self._reactor)
+        self.site = site
         endpoint = TCP4ServerEndpoint(self._reactor, self.port, interface=self.interface)
         d = endpoint.listen(site)
 

@@ -38,7 +38,10 @@ class Options(usage.Options):
 def makeService(options: Options) -> Any:
     from twisted.internet import reactor
 
+    from llmport_agent.fdlimit import raise_open_files_limit
     from llmport_agent.service import AgentService, install_stop_signals
+
+    raise_open_files_limit()
 
     def fatal(status: int, message: str) -> None:
         # twistd has no exit status of its own: stop cleanly, then leave with ours.

@@ -1,0 +1,235 @@
+"""
+A local attacker against the ops endpoint (127.0.0.1:OPS_PORT, which any host-network workload
+reaches): many idle or half-sent connections, a byte now and then, a huge request body. The
+endpoint holds a bounded number of descriptors, spools nothing, and drops slow clients.
+
+The first class uses real loopback connections to a real OpsService; the second drives the
+bounded HTTP channel with StringTransport and task.Clock (the timers).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from typing import Any
+
+import psutil
+from twisted.internet import reactor as _global_reactor
+from twisted.internet.task import Clock, deferLater
+from twisted.internet.testing import StringTransport
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.resource import Resource
+
+from llmport_agent import fdlimit, opshttp
+from llmport_agent.ops import OpsService
+
+reactor: Any = _global_reactor
+
+
+def _server_side(port: int) -> int:
+    """Established connections of this process whose local end is the ops port."""
+    return sum(1 for c in psutil.Process().net_connections(kind="tcp")
+               if c.laddr and c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(65536, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        return e.errno in (errno.ECONNRESET, errno.EPIPE)
+
+
+class LoopbackTests(TestCase):
+    timeout = 60
+
+    async def start_ops(self) -> int:
+        ops = OpsService(reactor, object(), 0)
+        ops.startService()
+        self.addCleanup(ops.stopService)
+        for _ in range(200):
+            if ops._listening is not None:
+                break
+            await deferLater(reactor, 0.01)
+        self.ops = ops
+        return int(ops._listening.getHost().port)
+
+    def client(self, port: int) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.settimeout(None)  # blocking again: reads below use MSG_DONTWAIT
+        self.addCleanup(s.close)
+        return s
+
+    async def test_half_sent_requests_hold_a_bounded_number_of_descriptors(self) -> None:
+        """
+        300 connections each sending half a request: the agent keeps at most MAX_CONNECTIONS
+        of them (before, it kept all of them, and 1,100 exhausted its descriptors).
+        """
+        port = await self.start_ops()
+        socks = []
+        for i in range(300):
+            s = self.client(port)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            socks.append(s)
+            if i % 20 == 19:  # the listen backlog is 50: let the reactor accept
+                await deferLater(reactor, 0.01)
+        # Let the reactor accept everything queued: each socket is either held or closed.
+        for _ in range(500):
+            held = _server_side(port)
+            closed = sum(1 for s in socks if _closed_by_peer(s))
+            if held + closed >= len(socks):
+                break
+            await deferLater(reactor, 0.02)
+        self.assertLessEqual(_server_side(port), opshttp.MAX_CONNECTIONS)
+        # Once they go, the endpoint answers again.
+        for s in socks:
+            s.close()
+        for _ in range(500):
+            if _server_side(port) == 0:
+                break
+            await deferLater(reactor, 0.02)
+        ok = self.client(port)
+        ok.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        got = b""
+        for _ in range(500):
+            try:
+                chunk = ok.recv(65536, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                await deferLater(reactor, 0.01)
+                continue
+            if not chunk:
+                break
+            got += chunk
+        self.assertTrue(got.startswith(b"HTTP/1.1 200"), got[:200])
+
+    async def test_a_huge_body_is_refused_not_spooled(self) -> None:
+        """A POST announcing 100 GB gets 413 at once; no temporary file is ever opened."""
+        opened: list[Any] = []
+        import tempfile
+
+        real = tempfile.TemporaryFile
+
+        def spy(*a: Any, **k: Any) -> Any:
+            f = real(*a, **k)
+            opened.append(f)
+            return f
+
+        self.patch(tempfile, "TemporaryFile", spy)
+        port = await self.start_ops()
+        s = self.client(port)
+        s.sendall(b"POST /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000000000\r\n\r\n")
+        s.sendall(b"x" * 65536)
+        got = b""
+        for _ in range(300):
+            try:
+                chunk = s.recv(65536, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                await deferLater(reactor, 0.01)
+                continue
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            got += chunk
+        self.assertTrue(got.startswith(b"HTTP/1.1 413"), got[:200])
+        self.assertEqual(opened, [])
+
+
+def channel(clock: Clock, **kwargs: Any) -> tuple[Any, StringTransport, opshttp.BoundedSite]:
+    root = Resource()
+    leaf = Resource()
+    leaf.isLeaf = True
+    leaf.render_GET = lambda request: b"ok"  # type: ignore[attr-defined]
+    root.putChild(b"healthz", leaf)
+    site = opshttp.BoundedSite(root, clock, **kwargs)
+    proto = site.buildProtocol(None)
+    transport = StringTransport()
+    proto.makeConnection(transport)
+    return proto, transport, site
+
+
+class ChannelTests(SynchronousTestCase):
+    def test_a_byte_now_and_then_is_dropped_at_the_deadline(self) -> None:
+        """Each byte resets the idle timer; the header deadline still ends the connection."""
+        clock = Clock()
+        proto, transport, site = channel(clock)
+        step = opshttp.IDLE_TIMEOUT_S / 2
+        elapsed = 0.0
+        for byte in b"GET /healthz HTTP/1.1\r\nHost: x\r\n":
+            proto.dataReceived(bytes([byte]))
+            clock.advance(step)
+            elapsed += step
+            if transport.disconnecting or getattr(transport, "disconnected", False):
+                break
+        self.assertLessEqual(elapsed, opshttp.HEADER_DEADLINE_S + step)
+        self.assertTrue(transport.disconnecting or transport.disconnected)
+        self.assertEqual(site.timed_out, 1)
+
+    def test_keep_alive_then_idle(self) -> None:
+        """A complete request is answered; the kept-alive connection is closed when idle."""
+        clock = Clock()
+        proto, transport, site = channel(clock)
+        proto.dataReceived(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 200"))
+        self.assertFalse(transport.disconnecting)
+        clock.advance(opshttp.HEADER_DEADLINE_S + 1)
+        self.assertTrue(transport.disconnecting or transport.disconnected)
+
+    def test_bodies_are_refused(self) -> None:
+        for headers in (b"Content-Length: 5\r\n", b"Transfer-Encoding: chunked\r\n"):
+            clock = Clock()
+            proto, transport, site = channel(clock)
+            proto.dataReceived(b"POST /healthz HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\nhello")
+            self.assertTrue(transport.value().startswith(b"HTTP/1.1 413"), transport.value())
+            self.assertTrue(transport.disconnecting)
+            self.assertEqual(site.bodies_refused, 1)
+
+    def test_header_limits(self) -> None:
+        clock = Clock()
+        proto, transport, _ = channel(clock)
+        proto.dataReceived(b"GET /healthz HTTP/1.1\r\n" + b"X-A: " + b"a" * opshttp.HEADER_BYTES + b"\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 400"))
+        proto, transport, _ = channel(clock)
+        proto.dataReceived(b"GET /healthz HTTP/1.1\r\n" + b"X-A: a\r\n" * (opshttp.MAX_HEADERS + 1) + b"\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 400"))
+
+    def test_connection_cap(self) -> None:
+        clock = Clock()
+        root = Resource()
+        site = opshttp.BoundedSite(root, clock, max_connections=3)
+        protos = [site.buildProtocol(None) for _ in range(3)]
+        for p in protos:
+            p.makeConnection(StringTransport())
+        self.assertIsNone(site.buildProtocol(None))
+        self.assertEqual(site.refused, 1)
+        protos[0].connectionLost(None)
+        self.assertIsNotNone(site.buildProtocol(None))
+
+
+class FakeRlimit:
+    def __init__(self, soft: int, hard: int) -> None:
+        self.limits = (soft, hard)
+
+    def getrlimit(self, which: int) -> tuple[int, int]:
+        return self.limits
+
+    def setrlimit(self, which: int, limits: tuple[int, int]) -> None:
+        self.limits = limits
+
+
+class OpenFilesLimitTests(SynchronousTestCase):
+    def test_soft_limit_raised_to_the_hard_one(self) -> None:
+        fake = FakeRlimit(1024, 524288)
+        self.assertEqual(fdlimit.raise_open_files_limit(rlimit=fake), fdlimit.WANTED)
+        self.assertEqual(fake.limits, (fdlimit.WANTED, 524288))
+        fake = FakeRlimit(1024, 4096)
+        self.assertEqual(fdlimit.raise_open_files_limit(rlimit=fake), 4096)
+        fake = FakeRlimit(100000, 524288)
+        self.assertEqual(fdlimit.raise_open_files_limit(rlimit=fake), 100000)
+
+    def test_the_unit_sets_limit_nofile(self) -> None:
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        with open(os.path.join(here, "deploy", "systemd", "llmport-agent.service")) as f:
+            self.assertIn(f"\nLimitNOFILE={fdlimit.WANTED}\n", f.read())
