@@ -37,6 +37,8 @@ TIMED_OUT = "timed_out"
 AGENT_RESTARTED = "agent_restarted"
 #: A handler's result could not be serialised to JSON; answered instead of losing it (10.4).
 RESULT_NOT_SERIALIZABLE = "result_not_serializable"
+#: stop/remove of a runtime whose named container exists but is not this agent's (issue 21).
+CONTAINER_NOT_OWNED = "container_not_owned"
 
 
 class CommandFailed(Exception):

@@ -17,6 +17,7 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 
 from ..commands.base import (
+    CONTAINER_NOT_OWNED,
     INVALID_COMMAND,
     RUNTIME_ERROR,
     CommandContext,
@@ -283,6 +284,23 @@ class WorkloadManager:
                     f"A container named {snap['name']} already exists on this node and does not "
                     f"belong to runtime {runtime_id}; remove or rename it, or choose another "
                     "container name.",
+                )
+
+    @staticmethod
+    def _refuse_foreign(found: list[dict[str, Any]], runtime_id: str, verb: str) -> None:
+        """
+        Stop and remove of a runtime whose named container exists but is not this agent's
+        (ownership: L{ops.is_owned}) fail: a success would tell the backend the runtime is
+        stopped or gone while that container keeps serving.
+        """
+        for snap in found:
+            if snap["foreign"]:
+                raise CommandFailed(
+                    CONTAINER_NOT_OWNED,
+                    f"The container {snap['name']} on this node is not managed by this agent (it "
+                    f"lacks this agent's labels for runtime {runtime_id}), so it was not {verb} and "
+                    f"is still {snap.get('status') or 'there'}: if it is this runtime's, stop or "
+                    f"remove it by hand (docker rm -f {snap['name']}); otherwise rename it. Then retry.",
                 )
 
     async def _reserved_ports(self, runtime_id: str) -> set[int]:
@@ -853,7 +871,8 @@ class WorkloadManager:
         self.health.hold(runtime_id)
         expect = None
         try:
-            found = [s for s in await self._find(runtime_id, name) if not s["foreign"]]
+            found = await self._find(runtime_id, name)
+            self._refuse_foreign(found, runtime_id, "stopped")
             if not found:
                 return {
                     "runtime_id": runtime_id,
@@ -884,7 +903,8 @@ class WorkloadManager:
         runtime_id, name = _ids(ctx.command.payload)
         self.health.hold(runtime_id)
         try:
-            found = [s for s in await self._find(runtime_id, name) if not s["foreign"]]
+            found = await self._find(runtime_id, name)
+            self._refuse_foreign(found, runtime_id, "removed")
             removed = await self._remove_all(found, self._grace)
             self.health.forget(runtime_id)
         finally:

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any
 
-from llmport_agent.commands.base import RUNTIME_ERROR
+from llmport_agent.commands.base import CONTAINER_NOT_OWNED, RUNTIME_ERROR
 from llmport_agent.workloads.spec import (
     LABEL_AGENT_ID,
     LABEL_MANAGED,
@@ -96,11 +96,7 @@ class ForeignContainerTests(WorkloadTestBase):
         running = self.foreign(labels=self.lookalike_labels(rid, name), name=name)
         before = self.state(running)
         ids = {"runtime_id": rid, "runtime_name": "x", "container_name": name}
-        _, stopped = await self.rig.run("stop_workload", ids)
-        self.assertFalse(stopped["stopped"])
-        self.assertEqual(self.state(running), before)
-        _, removed = await self.rig.run("remove_workload", ids)
-        self.assertEqual(removed["removed"], 0)
+        await self.assertNotOwned(ids, name)
         self.assertEqual(self.state(running), before)
 
         # A stopped look-alike: start must not start it (the name is taken, so it fails).
@@ -119,9 +115,20 @@ class ForeignContainerTests(WorkloadTestBase):
         db = self.foreign()
         before = self.state(db)
         ids = {"runtime_id": str(uuid.uuid4()), "runtime_name": "x", "container_name": db.name}
-        await self.rig.run("stop_workload", ids)
-        await self.rig.run("remove_workload", ids)
+        await self.assertNotOwned(ids, db.name)
         self.assertEqual(self.state(db), before)
+
+    async def assertNotOwned(self, ids: dict[str, str], name: str) -> None:
+        """
+        stop and remove of a runtime whose named container runs but is not this agent's fail,
+        saying so (issue 21: both answered succeeded, and the backend showed the runtime
+        stopped or removed while the container kept serving).
+        """
+        for command in ("stop_workload", "remove_workload"):
+            _, exc = await self.failure(command, ids)
+            self.assertEqual(exc.error_code, CONTAINER_NOT_OWNED, command)
+            self.assertIn(f"The container {name} on this node is not managed by this agent", exc.error_message)
+            self.assertIn("running", exc.error_message)
 
     async def test_own_workload_still_served(self) -> None:
         """The agent's own workload: logs, stop and remove work; remove again succeeds when it is gone."""
