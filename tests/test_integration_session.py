@@ -102,7 +102,8 @@ class FaultTests(AgentTestCase):
         cred = agent.state.credential
         backend.revoke_credentials(node_id)
         backend.drop_connections(node_id)
-        await backend.wait_for(lambda: agent.session._revoked, 20)
+        # (The stand-in's whoami says at the first refusal that the credential is gone.)
+        await backend.wait_for(lambda: agent.session._revoked and agent.session.stats.refused >= 3, 20)
         self.assertEqual(agent.state.credential, cred)
         self.assertIsNone(agent.exit_status)
         self.assertGreaterEqual(agent.session.stats.refused, 3)

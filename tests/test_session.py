@@ -174,6 +174,15 @@ class FakeBackend:
         self.rotations.append(d)
         return d
 
+    def whoami(self, credential: str, timeout: float | None = None) -> Deferred[dict[str, Any]]:
+        """An April backend: the route does not exist (the current one is in test_deleted_node)."""
+        from twisted.internet.defer import fail
+
+        from llmport_agent.backend_http import RouteMissing
+
+        self.whoami_calls = getattr(self, "whoami_calls", 0) + 1
+        return fail(RouteMissing("GET /api/node-files/whoami: HTTP 404 (no such route)"))
+
 
 class FakeProto:
     def __init__(self, opened_at: float | None) -> None:

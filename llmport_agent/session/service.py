@@ -34,7 +34,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from llmport_agent.backend_http import BackendHTTP, Rejected, Transient
+from llmport_agent.backend_http import BackendHTTP, Rejected, RouteMissing, Transient
 from llmport_agent.backoff import Backoff, FailureCounter, retry_policy
 from llmport_agent.config import AgentConfig
 from llmport_agent.session.dispatch import PUSH, DispatchDetector
@@ -212,6 +212,10 @@ class SessionService(Service):
         self.revoked_after_seconds = REVOKED_AFTER_SECONDS
         self.revoked_retry_seconds = REVOKED_RETRY_SECONDS
         self._starting: Deferred[None] | None = None
+        #: whoami was asked in this streak of refusals (cleared when the stream opens).
+        self._whoami_asked = False
+        #: The backend (current generation) said the credential is not a member's.
+        self.deleted_detail: str | None = None
         self._stopping = False
         self._rotating = False
         self._enrolling = False
@@ -526,6 +530,8 @@ class SessionService(Service):
             self.state.note(previous_credential=None)
         if self._revoked:
             self._revoked = False
+        self._whoami_asked = False
+        self.deleted_detail = None
         self._last_sent_at = self._reactor.seconds()
         # A connect counts as activity: the first command after a node (re)connects is
         # picked up as fast as the next ones.
@@ -669,7 +675,13 @@ class SessionService(Service):
                 self._reenroll(token)
             return
         previous = self.state.get("previous_credential")
-        if isinstance(previous, str) and previous and previous != self.state.credential:
+        alternate = isinstance(previous, str) and bool(previous) and previous != self.state.credential
+        if not alternate and not self._whoami_asked and self.state.credential:
+            # The current generation can tell at once whether this credential is still a
+            # member's (the April one has no whoami: its 404 is for the route itself).
+            self._whoami_asked = True
+            self._ask_whoami(http_status, self.state.credential)
+        if alternate:
             # Two credentials are kept only while it is unknown which one the backend honours
             # (a rotation whose reply was lost, a re-enrollment): alternate between them.
             self.log.warn(
@@ -679,7 +691,14 @@ class SessionService(Service):
             )
             self.state.note(credential=previous, previous_credential=self.state.credential)
         span = now - self._first_refusal_at
-        if self._refusals >= self.revoked_after_refusals and span >= self.revoked_after_seconds:
+        if self.deleted_detail is not None:
+            self.log.warn(
+                "The backend still refuses the stream (HTTP {status}): this node was deleted or its "
+                "credential revoked (see above); retrying in {every:.0f} s",
+                status=http_status,
+                every=self.revoked_retry_seconds,
+            )
+        elif self._refusals >= self.revoked_after_refusals and span >= self.revoked_after_seconds:
             self._credential_revoked()
         else:
             self.log.warn(
@@ -687,6 +706,34 @@ class SessionService(Service):
                 status=http_status,
                 n=self._refusals,
             )
+
+    def _ask_whoami(self, http_status: int, credential: str) -> None:
+        async def ask() -> None:
+            try:
+                await self._request(self.backend.whoami(credential, ROTATION_TIMEOUT))
+            except Rejected as e:
+                if self._stopping or self.proto is not None or credential != self.state.credential:
+                    return
+                self.deleted_detail = f"HTTP {e.status}: {e.detail}"[:200]
+                self._revoked = True
+                self.stats.last_error = "node deleted or credential revoked"
+                self.log.error(
+                    "The backend refused the stream (HTTP {status}) and does not know this node's "
+                    "credential any more (whoami {detail}): the node was deleted in llm-port or its "
+                    "credential revoked. To bring it back: sudo llmport-agent join {url} (an "
+                    "administrator approves the code it shows), or {help} and set "
+                    "LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN, then restart the agent. Retrying every {every:.0f} s.",
+                    status=http_status,
+                    detail=self.deleted_detail,
+                    url=self.config.backend_url,
+                    help=TOKEN_HELP,
+                    every=self.revoked_retry_seconds,
+                )
+            except (RouteMissing, Transient, CancelledError):
+                pass  # an April backend, or no answer: the refusals are counted as before
+
+        d = Deferred.fromCoroutine(ask())
+        d.addErrback(lambda f: self.log.failure("Asking the backend whoami failed", failure=f))
 
     def _reenroll(self, token: str) -> None:
         async def run() -> None:
