@@ -22,6 +22,8 @@ from llmport_agent import VERSION
 from llmport_agent.config import SETTINGS, AgentConfig, ConfigError, display_value, load_config
 
 EX_USAGE = 2
+#: Set once the agent's reactor ran in this process (L{leave} then ends it at once).
+_AGENT_RAN = False
 
 
 def _add_setting_options(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +63,8 @@ def run_agent(config: AgentConfig, json_logs: bool = False) -> int:
     reactor.callWhenRunning(install_stop_signals, reactor, agent)  # type: ignore[attr-defined]
     reactor.callWhenRunning(agent.startService)  # type: ignore[attr-defined]
     reactor.addSystemEventTrigger("before", "shutdown", agent.stopService)  # type: ignore[attr-defined]
+    global _AGENT_RAN
+    _AGENT_RAN = True
     reactor.run()  # type: ignore[attr-defined]
     return status["code"]
 
@@ -235,7 +239,27 @@ def main(argv: list[str] | None = None) -> int:
         return _show_config(config, args.json)
     if args.command == "status":
         return Installer().status(config)
-    return run_agent(config, json_logs=getattr(args, "json_logs", False))
+    code = run_agent(config, json_logs=getattr(args, "json_logs", False))
+    leave(code)  # ends the process at once when the agent ran (the console script calls main)
+    return code
+
+
+def leave(status: int) -> None:
+    """
+    After the agent ran in this process, end it with C{status} at once (C{os._exit}), once the
+    output is flushed: its stop already wrote the state, closed the session and joined every
+    thread pool of its own, and the interpreter's own teardown (freeing every object of a
+    long-running heap, joining the reactor's threads) would keep a stopped agent alive for
+    seconds after its "stopped" line, holding up a restart.
+    """
+    if not _AGENT_RAN:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def entry() -> Any:  # pragma: no cover

@@ -21,9 +21,11 @@ from typing import IO, Any
 
 from twisted.logger import (
     FilteringLogObserver,
+    ILogFilterPredicate,
     ILogObserver,
     LogLevel,
     LogLevelFilterPredicate,
+    PredicateResult,
     formatEvent,
     globalLogBeginner,
     textFileLogObserver,
@@ -44,6 +46,30 @@ LEVELS = {
 MAX_FIELD_CHARS = 8192
 #: Keys Twisted (or its legacy bridge) puts on events that are not the event's own fields.
 _INTERNAL = frozenset({"format", "message", "isError", "system", "time", "why", "failure", "printed"})
+
+
+#: Third-party lines that repeat one of the agent's own: (namespace prefix, format prefix).
+#: ClientService's "Scheduling retry N ..." (its N restarts at 1 whenever TCP connects, and the
+#: delay is unrounded) and Autobahn's "dropping connection ... abort=True" are both said by the
+#: session's one line per failed attempt (what happened, the rounded delay, the real attempt).
+REPEATED_THIRD_PARTY = (
+    ("twisted.application", "Scheduling retry "),
+    ("autobahn", "dropping connection to peer "),
+)
+
+
+@implementer(ILogFilterPredicate)
+class ThirdPartyRepeats:
+    """Drops the L{REPEATED_THIRD_PARTY} events; everything else passes on."""
+
+    def __call__(self, event: dict[str, Any]) -> PredicateResult:
+        namespace = str(event.get("log_namespace") or "")
+        fmt = event.get("log_format")
+        if isinstance(fmt, str):
+            for ns, prefix in REPEATED_THIRD_PARTY:
+                if namespace.startswith(ns) and fmt.startswith(prefix):
+                    return PredicateResult.no
+        return PredicateResult.maybe
 
 
 def level_predicate(level: str) -> LogLevelFilterPredicate:
@@ -171,7 +197,7 @@ def make_observer(
 ) -> ILogObserver:
     out = stream or sys.stdout
     base = FlatJSONObserver(out, secrets) if json else textFileLogObserver(out)
-    return FilteringLogObserver(base, [level_predicate(level)])
+    return FilteringLogObserver(base, [ThirdPartyRepeats(), level_predicate(level)])
 
 
 class SecretsHolder:
@@ -191,4 +217,4 @@ def begin_logging(level: str, json: bool = False, secrets: Callable[[], Iterable
 
 def twistd_json_observer() -> ILogObserver:
     """For C{twistd --logger llmport_agent.logsetup.twistd_json_observer}: the same JSON lines."""
-    return FlatJSONObserver(sys.stdout)
+    return FilteringLogObserver(FlatJSONObserver(sys.stdout), [ThirdPartyRepeats()])

@@ -92,6 +92,38 @@ def command_calls(known: Callable[[], Iterable[str]]) -> TimedCalls:
     )
 
 
+#: Pickup: a command waits milliseconds (node online) to hours (node offline) for the agent.
+PICKUP_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400)
+
+
+class CommandPickup:
+    """
+    How long commands waited between the backend issuing them (their C{issued_at}) and their
+    handler starting on this node, by type: the backend's queue, the poll or push delay, the
+    agent's lanes. Types outside C{known} count as C{"other"}; a negative wait (the two clocks
+    disagree) counts as 0.
+    """
+
+    def __init__(self, known: Callable[[], Iterable[str]]) -> None:
+        self.histogram = Histogram(
+            PREFIX + "command_pickup_seconds",
+            "Time from the backend issuing a command to its handler starting on this node, by type",
+            ["type"],
+            buckets=PICKUP_BUCKETS,
+            registry=None,
+        )
+        self._known = known
+
+    def observe(self, name: str, seconds: float) -> None:
+        label = str(name)[:64]
+        if label not in set(self._known()):
+            label = "other"
+        self.histogram.labels(label).observe(max(0.0, seconds))
+
+    def collect(self) -> Iterable[Metric]:
+        return self.histogram.collect()
+
+
 def engine_calls() -> TimedCalls:
     return TimedCalls(
         PREFIX + "engine_call_duration_seconds",
@@ -287,6 +319,9 @@ class AgentCollector:
         calls = getattr(p, "calls", None)
         if calls is not None:
             yield from calls.collect()
+        pickup = getattr(p, "pickup", None)
+        if pickup is not None:
+            yield from pickup.collect()
         receipts = CounterMetricFamily(PREFIX + "command_receipts",
                                        "Commands received, duplicates, malformed, results re-sent, "
                                        "deferred by a stop", labels=["kind"])

@@ -18,6 +18,7 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 
 from llmport_agent import VERSION
+from llmport_agent.backoff import Backoff
 from llmport_agent.metrics import AgentCollector, make_registry, render
 from llmport_agent.opshttp import BoundedSite
 
@@ -149,7 +150,38 @@ class _Health(Resource):
         return json.dumps(body, default=str).encode()
 
 
+#: Module level: a Logger class attribute would take the class's name as its namespace.
+_access_log = Logger(namespace="llmport_agent.ops.access")
+
+
+class QuietSite(BoundedSite):
+    """
+    A Site whose access log lines are DEBUG events (C{llmport_agent.ops.access}), not INFO
+    lines in the journal for every scrape of C{/metrics} or C{/readyz}.
+    """
+
+    def log(self, request: Any) -> None:
+        _access_log.debug(
+            "{method} {path} {code} {size}",
+            method=request.method.decode("ascii", "replace")[:16],
+            path=request.uri.decode("ascii", "replace")[:200],
+            code=request.code,
+            size=request.sentLength,
+        )
+
+
+#: Bind retries: 1 s, then doubling to a minute (another process may hold the port a while).
+BIND_RETRY_MIN = 1.0
+BIND_RETRY_MAX = 60.0
+
+
 class OpsService(Service):
+    """
+    The ops endpoint. A bind that fails (the port is taken, e.g. by the agent being replaced)
+    is retried with backoff for as long as the agent runs; the agent says once that it is
+    retrying and once when it listens.
+    """
+
     log = Logger()
 
     def __init__(self, reactor: Any, agent: Any, port: int, interface: str = "127.0.0.1") -> None:
@@ -160,6 +192,10 @@ class OpsService(Service):
         self.interface = interface
         self._listening: Any = None
         self.site: BoundedSite | None = None
+        self._retry: Any = None  # IDelayedCall of the next bind attempt
+        self._binding: Deferred[Any] | None = None
+        self.bind_failures = 0
+        self.backoff = Backoff(BIND_RETRY_MIN, BIND_RETRY_MAX, random=lambda: 1.0)
 
     def startService(self) -> None:
         super().startService()
@@ -168,29 +204,61 @@ class OpsService(Service):
         root.putChild(b"metrics", _Metrics(registry))
         root.putChild(b"healthz", _Health(self.agent, ready=False))
         root.putChild(b"readyz", _Health(self.agent, ready=True))
-        site = BoundedSite(root, self._reactor)
+        site = QuietSite(root, self._reactor)
         self.site = site
+        self.bind_failures = 0
+        self._bind()
+
+    def _bind(self) -> None:
+        self._retry = None
+        if not self.running or self.site is None:
+            return
         endpoint = TCP4ServerEndpoint(self._reactor, self.port, interface=self.interface)
-        d = endpoint.listen(site)
+        d = self._binding = endpoint.listen(self.site)
 
         def listening(port: Any) -> None:
+            self._binding = None
+            if not self.running:
+                port.stopListening()
+                return
             self._listening = port
-            self.log.info("Ops endpoint on http://{host}:{port}/ (healthz, readyz, metrics)",
-                          host=self.interface, port=port.getHost().port)
+            after = f" (after {self.bind_failures} failed attempts)" if self.bind_failures else ""
+            self.log.info("Ops endpoint listening on http://{host}:{port}/ (healthz, readyz, metrics){after}",
+                          host=self.interface, port=port.getHost().port, after=after)
 
         def failed(f: Any) -> None:
-            self.log.warn(
-                "The ops endpoint could not listen on {host}:{port} ({error}); running without it "
-                "(set LLM_PORT_NODE_AGENT_OPS_PORT to another port, or 0 to disable)",
-                host=self.interface,
-                port=self.port,
-                error=f.getErrorMessage(),
-            )
+            self._binding = None
+            if not self.running:
+                return
+            self.bind_failures += 1
+            delay = self.backoff.delay(self.bind_failures - 1)
+            fields = dict(host=self.interface, port=self.port, error=f.getErrorMessage(), delay=delay,
+                          attempt=self.bind_failures)
+            if self.bind_failures == 1:
+                self.log.warn(
+                    "The ops endpoint could not listen on {host}:{port} ({error}); running without "
+                    "it and retrying (first in {delay:.0f} s, then up to every "
+                    f"{BIND_RETRY_MAX:.0f} s). Free the port, or set LLM_PORT_NODE_AGENT_OPS_PORT to "
+                    "another port (0 disables it)",
+                    **fields,
+                )
+            else:
+                self.log.debug("Ops endpoint bind attempt {attempt} failed ({error}); retrying in "
+                               "{delay:.0f} s", **fields)
+            self._retry = self._reactor.callLater(delay, self._bind)
 
         d.addCallbacks(listening, failed)
 
+    @property
+    def listening_port(self) -> int | None:
+        """The bound port, or C{None} while not listening."""
+        return None if self._listening is None else int(self._listening.getHost().port)
+
     def stopService(self) -> Deferred[None]:
         super().stopService()
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+        self._retry = None
         port, self._listening = self._listening, None
         if port is None:
             return succeed(None)

@@ -139,6 +139,7 @@ class CommandPipeline(Service):
         wallclock: Callable[[], float] = time.time,
         calls: Any = None,
         keepalive: float = 30.0,
+        pickup: Any = None,
     ) -> None:
         self.setName("commands")
         self.reactor = reactor
@@ -183,6 +184,12 @@ class CommandPipeline(Service):
             calls = command_calls(lambda: self.registry)
         #: Durations by command type and outcome (metrics).
         self.calls = calls
+        if pickup is None:
+            from llmport_agent.metrics import CommandPickup
+
+            pickup = CommandPickup(lambda: self.registry)
+        #: Waits from the backend issuing a command to its start (metrics).
+        self.pickup = pickup
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -206,7 +213,7 @@ class CommandPipeline(Service):
                 )
                 self._track(Deferred.fromCoroutine(self._run(rec, parsed, resumed=True)))
             else:
-                self.log.warn(
+                self.log.info(
                     "Command {id} ({type}) was interrupted by the last agent stop and is not safe "
                     "to repeat; reporting it as failed",
                     id=rec.id,
@@ -438,7 +445,6 @@ class CommandPipeline(Service):
                 correlation_id=parsed.correlation_id,
                 received_at=self._wallclock(),
             )
-            self.log.warn("Rejected command {id}: {problem}", id=cid, problem=parsed.message)
             self._track(Deferred.fromCoroutine(self._reject(rec, INVALID_COMMAND, parsed.message)))
             return
         rec = JournalRecord(
@@ -637,6 +643,12 @@ class CommandPipeline(Service):
         ka = self._keepalives.get(rec.id)
         if ka is not None:
             ka.set_phase("running", f"{command.command_type} is running")
+        issued = parse_iso8601(command.issued_at) if command.issued_at and not resumed else None
+        if issued is not None:
+            try:
+                self.pickup.observe(command.command_type, self._wallclock() - issued)
+            except Exception:
+                self.log.failure("Could not record the pickup time of command {id}", id=rec.id)
         if resumed:
             ctx.progress("resumed", "Re-running after an agent restart interrupted this command")
         deadline = self.deadlines.get(command.command_type, spec.deadline)
@@ -817,6 +829,7 @@ class CommandPipeline(Service):
                                duration)
         except Exception:
             self.log.failure("Could not record the duration of command {id}", id=rec.id)
+        self._log_outcome(rec, success, result, error_code, error_message, duration)
         payload: dict[str, Any] = {
             "command_id": rec.id,
             "command_type": rec.command_type,
@@ -831,6 +844,37 @@ class CommandPipeline(Service):
             "command.finished", payload, "info" if success else "warning", rec.correlation_id or rec.id
         )
         self._send_result(rec)
+
+    def _log_outcome(
+        self,
+        rec: JournalRecord,
+        success: bool,
+        result: Mapping[str, Any],
+        error_code: str | None,
+        error_message: str | None,
+        duration: float,
+    ) -> None:
+        """
+        The one line per command outcome an operator reads in the journal: INFO for a success
+        (with a short summary of the result), WARNING for a failure (its error code and message).
+        """
+        ctype = rec.command_type or "command"
+        on = f" on runtime {rec.runtime_id}" if rec.runtime_id else ""
+        if success:
+            self.log.info(
+                "Command {id} {type}{on} succeeded in {duration:.2f} s{summary}",
+                id=rec.id, type=ctype, on=on, runtime_id=rec.runtime_id or "",
+                duration=round(duration, 3), outcome="success",
+                summary=result_summary(result),
+            )
+        else:
+            self.log.warn(
+                "Command {id} {type}{on} failed in {duration:.2f} s: {error_code}: {error_message}",
+                id=rec.id, type=ctype, on=on, runtime_id=rec.runtime_id or "",
+                duration=round(duration, 3), outcome="failure",
+                error_code=error_code or "failed",
+                error_message=(error_message or "no message")[:MAX_LOGGED_MESSAGE],
+            )
 
     def _send_result(self, rec: JournalRecord, replayed: bool = False) -> None:
         """
@@ -881,6 +925,29 @@ def _redispatched(obj: Any) -> bool:
     """The backend re-sent an in-flight command (C{"redispatch": true}, protocol 10.2)."""
     getter = getattr(obj, "get", None)
     return callable(getter) and getter("redispatch") is True
+
+
+#: Longest error message and result value written to the outcome line.
+MAX_LOGGED_MESSAGE = 500
+MAX_SUMMARY_VALUE = 80
+MAX_SUMMARY_FIELDS = 6
+
+
+def result_summary(result: Mapping[str, Any]) -> str:
+    """
+    C{" (key=value, ...)"} from a result's short scalar fields (numbers, booleans, strings of at
+    most L{MAX_SUMMARY_VALUE} characters; at most L{MAX_SUMMARY_FIELDS}); C{""} when none.
+    Bulk values (lists, logs, nested objects) stay out of the log line: they are in the result.
+    """
+    parts: list[str] = []
+    for key, value in list(result.items())[:64]:
+        if len(parts) >= MAX_SUMMARY_FIELDS:
+            break
+        if isinstance(value, bool | int | float) or (
+            isinstance(value, str) and value and len(value) <= MAX_SUMMARY_VALUE and "\n" not in value
+        ):
+            parts.append(f"{str(key)[:40]}={value}")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 async def _call(spec: HandlerSpec, ctx: _Context) -> dict[str, Any]:

@@ -20,14 +20,18 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from twisted.logger import ILogObserver, LogEvent, LogLevel, formatEvent
+from twisted.logger import ILogObserver, LogEvent, LogLevel, PredicateResult, formatEvent
 from zope.interface import implementer
 
 from llmport_agent.logs import LOG_NAMESPACE
 from llmport_agent.logs.loki import ILogSink
 from llmport_agent.logs.redact import Redactor
+from llmport_agent.logsetup import ThirdPartyRepeats
 
 __all__ = ["AgentLogObserver", "LEVEL_LABELS", "level_label", "node_labels"]
+
+#: Third-party lines that repeat the agent's own are not shipped either (as on stdout).
+_REPEATS = ThirdPartyRepeats()
 
 #: The C{level} label for each twisted.logger level.
 LEVEL_LABELS: dict[LogLevel, str] = {
@@ -116,7 +120,7 @@ class AgentLogObserver:
     def _observe(self, event: LogEvent) -> None:
         namespace = event.get("log_namespace")
         namespace = namespace if isinstance(namespace, str) else ""
-        if self._excluded_namespace(namespace):
+        if self._excluded_namespace(namespace) or _REPEATS(event) is PredicateResult.no:
             return
         level: Any = event.get("log_level")
         try:

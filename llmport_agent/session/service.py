@@ -31,7 +31,7 @@ from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, suc
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.task import LoopingCall
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from zope.interface import implementer
 
 from llmport_agent.backend_http import BackendHTTP, Rejected, RouteMissing, Transient
@@ -86,14 +86,30 @@ def stream_url(backend_url: str) -> str:
 class _NamedEndpoint:
     """An endpoint that logs as the backend address (ClientService logs its endpoint's repr)."""
 
-    def __init__(self, endpoint: Any, label: str, on_attempt: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        endpoint: Any,
+        label: str,
+        on_attempt: Callable[[], None],
+        on_failure: Callable[[Any], None] | None = None,
+    ) -> None:
         self._endpoint = endpoint
         self._label = label
         self._on_attempt = on_attempt
+        self._on_failure = on_failure
 
     def connect(self, protocolFactory: Any) -> Any:
         self._on_attempt()
-        return self._endpoint.connect(protocolFactory)
+        d = self._endpoint.connect(protocolFactory)
+        if self._on_failure is not None:
+            on_failure = self._on_failure
+
+            def failed(f: Any) -> Any:
+                on_failure(f)
+                return f
+
+            d.addErrback(failed)
+        return d
 
     def __repr__(self) -> str:
         return self._label
@@ -231,6 +247,8 @@ class SessionService(Service):
                 "at the first sign that it answers frames instead)",
             )
         self._dispatch_said = False
+        #: What the failed attempt was, said with the retry delay (L{_say_retry}).
+        self._retry_note: tuple[LogLevel | None, str, dict[str, Any]] | None = None
 
     # -- wiring ----------------------------------------------------------------------------
 
@@ -473,20 +491,49 @@ class SessionService(Service):
         shown = f"[{host}]" if ":" in host else host
         self._endpoint = _NamedEndpoint(
             self._endpoint_factory(host, port, tls), f"{'TLS ' if tls else ''}{shown}:{port}",
-            self._count_attempt,
+            self._count_attempt, self._connect_failed,
         )
         base_policy = retry_policy(self.backoff, self.failures)
 
         def policy(attempt: int) -> float:
-            if self._revoked:
-                return self.revoked_retry_seconds
-            return base_policy(attempt)
+            delay = self.revoked_retry_seconds if self._revoked else base_policy(attempt)
+            self._say_retry(max(attempt, self.failures.failures), delay)
+            return delay
 
         self._policy = policy
         self._start_client()
         self._rotation_loop = LoopingCall(self._rotation_tick)
         self._rotation_loop.clock = self._reactor
         self._rotation_loop.start(ROTATION_CHECK, now=False)
+
+    def _note_retry(self, level: LogLevel | None, fmt: str, **fields: Any) -> None:
+        """
+        What went wrong with this attempt, said together with the retry delay in one line when
+        ClientService asks for the delay (at once, in the same call chain as the close). C{None}
+        as the level: already said (a line of its own); the retry is then only logged at debug.
+        """
+        self._retry_note = (level, fmt, fields)
+
+    def _connect_failed(self, f: Any) -> None:
+        """TCP or TLS failed before any protocol existed (no close to report it)."""
+        if self._stopping:
+            return
+        reason = describe_connection_error(f, self.config.tls_client_cert) or f.getErrorMessage() or "connection failed"
+        self.stats.last_error = f"could not connect: {reason}"[:200]
+        self._note_retry(LogLevel.warn, "Could not connect to the backend at {endpoint}: {reason}",
+                         endpoint=repr(self._endpoint), reason=reason)
+
+    def _say_retry(self, attempt: int, delay: float) -> None:
+        """The agent's one line per failed attempt: what happened, the delay (rounded), the attempt."""
+        note, self._retry_note = self._retry_note, None
+        if self._stopping:
+            return
+        level, fmt, fields = note or (LogLevel.warn, "Could not connect to the backend at {endpoint}",
+                                      {"endpoint": repr(self._endpoint)})
+        if level is None:
+            level, fmt, fields = LogLevel.debug, "Connection attempt {attempt} to the backend failed", {}
+        self.log.emit(level, fmt + "; retrying in {delay:.1f} s (attempt {attempt})",
+                      **fields, delay=round(delay, 1), attempt=attempt)
 
     def _start_client(self) -> None:
         assert self._factory is not None
@@ -638,11 +685,12 @@ class SessionService(Service):
             self._refused(http_status, reason, getattr(proto, "lost_reason", None))
         else:
             self.stats.last_error = f"stream closed (code {code}, {reason or 'no reason'})"[:200]
-            self.log.info(
+            self._note_retry(
+                LogLevel.info,
                 "Backend stream closed (code {code}, {reason}) after {seconds:.0f} s; reconnecting",
                 code=code,
                 reason=reason or "no reason",
-                seconds=opened_for,
+                seconds=round(opened_for, 1),
             )
 
     def _refused(self, http_status: int | None, reason: str | None, lost: Any = None) -> None:
@@ -650,7 +698,8 @@ class SessionService(Service):
             described = (
                 describe_connection_error(lost, self.config.tls_client_cert) if lost is not None else None
             )
-            self.log.warn(
+            self._note_retry(
+                LogLevel.warn,
                 "Could not open the backend stream: {reason}",
                 reason=described or reason or "connection failed",
             )
@@ -700,9 +749,11 @@ class SessionService(Service):
             )
         elif self._refusals >= self.revoked_after_refusals and span >= self.revoked_after_seconds:
             self._credential_revoked()
+            self._note_retry(None, "")
         else:
-            self.log.warn(
-                "The backend refused the stream (HTTP {status}); retrying (refusal {n})",
+            self._note_retry(
+                LogLevel.warn,
+                "The backend refused the stream (HTTP {status}, refusal {n})",
                 status=http_status,
                 n=self._refusals,
             )
