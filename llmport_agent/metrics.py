@@ -21,7 +21,13 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from twisted.application.service import Service
 from twisted.internet.task import LoopingCall
@@ -281,6 +287,12 @@ class AgentCollector:
         info.add_metric([VERSION, platform.python_version(), twisted.__version__,
                          "true" if getattr(sys, "frozen", False) else "false"], 1.0)
         yield info
+        config = getattr(self.agent, "config", None)
+        node = GaugeMetricFamily(PREFIX + "node_info", "This node's agent id and backend node id "
+                                 "(empty before enrollment)", labels=["agent_id", "node_id"])
+        node.add_metric([str(getattr(config, "agent_id", "") or "")[:128],
+                         str(getattr(self.agent.session, "node_id", "") or "")[:128]], 1.0)
+        yield node
 
     def _session(self, session: Any) -> Iterator[Metric]:
         s = session.stats
@@ -491,6 +503,9 @@ def loki_lag(stats: dict[str, Any], now: float) -> float:
 def make_registry(agent: Any) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(AgentCollector(agent))  # type: ignore[arg-type]
+    # process_resident_memory_bytes, process_cpu_seconds_total, open fds, start time: read from
+    # /proc/self at scrape time (a few small reads; nothing on a platform without /proc).
+    ProcessCollector(registry=registry)
     return registry
 
 
