@@ -303,7 +303,7 @@ class AgentService(MultiService):
         self.loki, self.loki_pool = shipping.shipper, shipping.http_pool
         self.log_observer, self.journald = shipping.observer, shipping.journald
         # After the state pools: stopped before them, the readers before the shipper.
-        self._ordered[3:3] = [shipping.pool, self.loki, self.journald]
+        self._ordered[3:3] = shipping.readers
         if shipping.containers is not None:
             # Workload logs (protocol 8, job="node-container"): after the engine and the
             # shipper, so it stops before both.

@@ -760,7 +760,7 @@ class AgentObserverTests(SynchronousTestCase):
         levels = [p[0]["level"] for p in self.sink.pushed]
         self.assertEqual(levels, ["info", "warn", "error", "critical", "info"])
         first = self.sink.pushed[0]
-        self.assertEqual(first[0], {"job": "node-agent", "host": "10.0.0.5", "container": "node-n1", "level": "info"})
+        self.assertEqual(first[0], {"job": "node-agent", "host": "10.0.0.5", "container": "node-n1", "agent_id": "n1", "level": "info"})
         self.assertEqual(first[2], "[llmport_agent.session] connected to wss://b/x")
         self.assertEqual(self.sink.pushed[-1][0]["host"], "10.0.0.6")
         self.assertLess(abs(first[1] / 1e9 - time.time()), 60)

@@ -235,7 +235,7 @@ class JournaldSourceTests(SynchronousTestCase):
         self.transport.out(data[30:])
         (l1, t1, m1), (l2, t2, m2) = self.sink.pushed
         self.assertEqual(l1, {"job": "node-agent", "host": "10.0.0.5", "container": "node-n1",
-                              "level": "error"})
+                              "agent_id": "n1", "level": "error"})
         self.assertIsNone(protocol_label_problem(l1))
         self.assertEqual((t1, m1), (1_700_000_000_000_001_000, "docker.service: entry 1"))
         self.assertEqual((l2["level"], m2), ("info", "kernel: join with ***"))
@@ -504,7 +504,7 @@ class RealJournalTests(TestCase):
                                                    "llmport-agent.service: token *** seen",
                                                    "docker.service: disk warning"])
         self.assertEqual(first[1].labels, {"job": "node-agent", "host": "10.0.0.5", "container": "node-n1",
-                                           "level": "error"})
+                                           "agent_id": "n1", "level": "error"})
         self.assertEqual(first[2].labels["level"], "warn")
         self.assertLess(abs(first[0].ts_ns / 1e9 - time.time()), 60)
         with open(os.path.join(self.state_dir, CURSOR_FILE)) as f:

@@ -5,7 +5,8 @@ The agent's own log events as Loki lines (protocol section 8, "system logs").
 L{AgentLogObserver} is an C{ILogObserver} to add to the global log beginner / publisher. For
 each event at or above C{min_level} (info by default) it ships one line,
 C{"[<namespace>] <formatted text>"} plus the traceback for failures, with the labels
-C{{job: "node-agent", host, container: "node-<agent_id>", level}} and the event's own time.
+C{{job: "node-agent", host, container: "node-<agent_id>", agent_id, level}} and the event's own
+time.
 
 Events from C{llmport_agent.logs} (the shipper's own complaints) are never shipped, so a Loki
 outage cannot feed itself. Every line goes through the L{Redactor} first.
@@ -60,7 +61,9 @@ def node_labels(
     agent_id: str, host: Callable[[], str], job: str = "node-agent"
 ) -> Callable[[], dict[str, str]]:
     """
-    The base labels of the node's system logs: C{{job, host, container: "node-<agent_id>"}}.
+    The base labels of the node's system logs: C{{job, host, container: "node-<agent_id>",
+    agent_id}} (protocol 8 and 10.7: the current backend's agent labels system logs with its
+    C{agent_id} too; the UI matches on C{host}).
 
     @param host: returns the current C{host} label: what the backend stores as the node host
         (normally the advertised IP). Called for every line, from any thread: keep it cheap.
@@ -68,7 +71,7 @@ def node_labels(
     container = f"node-{agent_id}"
 
     def labels() -> dict[str, str]:
-        return {"job": job, "host": str(host()), "container": container}
+        return {"job": job, "host": str(host()), "container": container, "agent_id": agent_id}
 
     return labels
 

@@ -23,8 +23,9 @@ C{release()}, and C{stall()} all of them (a hung Loki).
 
 Checks, recorded in C{violations} (a test asserts the list is empty) without changing the
 answer: with C{check_labels} every stream's label set must be one of protocol 8's exactly
-(C{job="node-agent"}: C{job, host, container="node-...", level}; C{job="node-container"}:
-C{job, host, container, runtime_id}); within a stream, entries must come in time order, within
+(C{job="node-agent"}: C{job, host, container="node-<agent_id>", agent_id, level};
+C{job="node-container"}: C{job, host, container, runtime_id}; C{job="ray-serve"}: C{job, host,
+level, app, deployment, replica}); within a stream, entries must come in time order, within
 a push and across pushes (C{check_order}; an entry identical to a stored one, from a push
 retried after its answer was lost, is exempt); with C{require_gzip} a body must be gzip-encoded.
 C{duplicates} counts entries identical to one already stored (Loki keeps one of them).
@@ -59,19 +60,25 @@ def protocol_label_problem(labels: Mapping[str, str]) -> str | None:
     """What is wrong with a stream's label set by protocol section 8, or C{None}."""
     job = labels.get("job")
     if job == "node-agent":
-        if set(labels) != {"job", "host", "container", "level"}:
-            return f"node-agent stream with labels {sorted(labels)}, not [container, host, job, level]"
-        if not labels["container"].startswith("node-"):
+        if set(labels) != {"job", "host", "container", "agent_id", "level"}:
+            return (f"node-agent stream with labels {sorted(labels)}, not "
+                    "[agent_id, container, host, job, level]")
+        if labels["container"] != f"node-{labels['agent_id']}":
             return f"node-agent stream with container={labels['container']!r}, not node-<agent_id>"
         if labels["level"] not in _LEVELS:
             return f"node-agent stream with level={labels['level']!r}"
+        return None
+    if job == "ray-serve":
+        if set(labels) != {"job", "host", "level", "app", "deployment", "replica"}:
+            return (f"ray-serve stream with labels {sorted(labels)}, not "
+                    "[app, deployment, host, job, level, replica]")
         return None
     if job == "node-container":
         if set(labels) != {"job", "host", "container", "runtime_id"}:
             return (f"node-container stream with labels {sorted(labels)}, not "
                     "[container, host, job, runtime_id]")
         return None
-    return f"stream with job={job!r} (protocol 8 knows node-agent and node-container)"
+    return f"stream with job={job!r} (protocol 8 and 10.6 know node-agent, node-container, ray-serve)"
 
 
 class StoredEntry(NamedTuple):

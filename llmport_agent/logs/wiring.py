@@ -32,13 +32,21 @@ class LogShipping:
     observer: Any
     journald: Any
     containers: Any
+    ray_serve: Any = None
 
     def describe(self) -> dict[str, Any]:
         return {
             "loki": self.shipper.describe(),
             "journal": self.journald.describe() if self.journald is not None else {},
             "containers": self.containers.describe() if self.containers is not None else {},
+            "ray_serve": self.ray_serve.describe() if self.ray_serve is not None else {},
         }
+
+    @property
+    def readers(self) -> list[Any]:
+        """The pool, the shipper and the readers that do not need the engine, in start order."""
+        parts = [self.pool, self.shipper, self.journald, self.ray_serve]
+        return [p for p in parts if p is not None]
 
 
 def build_log_shipping(
@@ -67,6 +75,7 @@ def build_log_shipping(
     from llmport_agent.logs.containers import ContainerLogSource
     from llmport_agent.logs.journald import JournaldSource
     from llmport_agent.logs.loki import LokiShipper, loki_http_client
+    from llmport_agent.logs.rayserve import RayServeLogSource
     from llmport_agent.logs.spool import SPOOL_DIR, Spool
     from llmport_agent.logsetup import LEVELS
     from llmport_agent.tls import https_policy
@@ -119,4 +128,8 @@ def build_log_shipping(
             reactor, engine, shipper, host, runner=pool, streams=c.loki_container_streams,
             environ=docker_environ, secrets=all_secrets, state_dir=state_dir,
         )
-    return LogShipping(pool, shipper, http_pool, observer, journald, containers)
+    ray_serve = RayServeLogSource(
+        reactor, shipper, host, pool, session_dir=c.ray_session_dir, state_dir=state_dir,
+        secrets=all_secrets,
+    )
+    return LogShipping(pool, shipper, http_pool, observer, journald, containers, ray_serve)

@@ -44,7 +44,7 @@ def engine_lines(client: Any, container_id: str) -> list[str]:
 
 CREDENTIAL = f"{uuid.UUID(int=0x1234)}.{'A' * 20}-_{'b' * 21}"
 TOKEN = "Zx9_" + "q" * 24 + "-K3w"  # 32 url-safe characters, like an enrollment token
-LABELS = {"job": "node-agent", "host": "10.0.0.5", "container": "node-n1", "level": "info"}
+LABELS = {"job": "node-agent", "host": "10.0.0.5", "container": "node-n1", "agent_id": "n1", "level": "info"}
 
 
 def labels(**extra: str) -> dict[str, str]:
