@@ -532,7 +532,8 @@ class SessionService(Service):
                                       {"endpoint": repr(self._endpoint)})
         if level is None:
             level, fmt, fields = LogLevel.debug, "Connection attempt {attempt} to the backend failed", {}
-        self.log.emit(level, fmt + "; retrying in {delay:.1f} s (attempt {attempt})",
+        counted = " (attempt {attempt}, refusal {n})" if "n" in fields else " (attempt {attempt})"
+        self.log.emit(level, fmt + "; retrying in {delay:.1f} s" + counted,
                       **fields, delay=round(delay, 1), attempt=attempt)
 
     def _start_client(self) -> None:
@@ -741,11 +742,11 @@ class SessionService(Service):
             self.state.note(credential=previous, previous_credential=self.state.credential)
         span = now - self._first_refusal_at
         if self.deleted_detail is not None:
-            self.log.warn(
+            self._note_retry(
+                LogLevel.warn,
                 "The backend still refuses the stream (HTTP {status}): this node was deleted or its "
-                "credential revoked (see above); retrying in {every:.0f} s",
+                "credential revoked (see above)",
                 status=http_status,
-                every=self.revoked_retry_seconds,
             )
         elif self._refusals >= self.revoked_after_refusals and span >= self.revoked_after_seconds:
             self._credential_revoked()
@@ -753,7 +754,7 @@ class SessionService(Service):
         else:
             self._note_retry(
                 LogLevel.warn,
-                "The backend refused the stream (HTTP {status}, refusal {n})",
+                "The backend refused the stream (HTTP {status})",
                 status=http_status,
                 n=self._refusals,
             )
