@@ -242,10 +242,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show the agent's log at info level")
     parser.add_argument("--docker", action="store_true",
                         help="also start the Docker executor (needs a reachable engine)")
+    parser.add_argument("--ray", action="store_true",
+                        help="instead: a two-node Ray cluster on loopback (two agents, one engine, "
+                             "the Ray runtime image; see --ray-image)")
+    parser.add_argument("--ray-image", default="llmport-test/ray-runtime:2.58.0",
+                        help="the local Ray runtime image for --ray (built by tests/support/rayimage/build.sh)")
     args = parser.parse_args(sys.argv[2:] if argv is None else argv)
     status = {"code": 1}
 
     def run(reactor: Any) -> Deferred[None]:
+        if args.ray:
+            from llmport_agent.demoray import demo_ray
+            from llmport_agent.logsetup import begin_logging
+
+            begin_logging("WARN" if not args.verbose else "INFO")
+            d = Deferred.fromCoroutine(demo_ray(reactor, args, _say, None))
+            return d.addCallback(lambda code: status.update(code=code))
         d = Deferred.fromCoroutine(_demo(reactor, args))
         return d.addCallback(lambda code: status.update(code=code))
 

@@ -49,6 +49,8 @@ class RayNode:
 
     node_id: str
     node_ip: str
+    #: Another runtime container name for this node (two nodes on one engine, as in the demo).
+    container_name: str | None = None
 
 
 @define
@@ -83,6 +85,11 @@ class RayEnvironment:
     def head_address(self) -> str:
         return f"{self.head.node_ip}:{self.port}"
 
+    def bundle_for(self, node: RayNode) -> dict[str, Any]:
+        if node.container_name is None:
+            return self.bundle
+        return {**self.bundle, "name": node.container_name}
+
     def key(self, step: str, node: RayNode | None = None) -> str:
         base = f"inference-env:{self.env_id}:{self.generation}:{step}"
         return f"{base}:{node.node_id}" if node is not None else base
@@ -116,13 +123,13 @@ class RayEnvironment:
         """Bring the cluster up; returns the head's last C{get_ray_status} result."""
         self.backend.add_cluster_secret(self.credential_ref, [n.node_id for n in self.nodes])
         images = await self.step(
-            "ensure_runtime_image", self.nodes, lambda n: {"runtime_bundle": self.bundle, "ensure_container": True}
+            "ensure_runtime_image", self.nodes, lambda n: {"runtime_bundle": self.bundle_for(n), "ensure_container": True}
         )
         for node, rec in zip(self.nodes, images, strict=True):
             if not (rec.get("result") or {}).get("verified"):
                 raise EnvironmentFailed("ensure_runtime_image", node.node_id, rec, "the image is not verified")
         runtimes = await self.step(
-            "ensure_ray_runtime", self.nodes, lambda n: {"version": self.version, "runtime_bundle": self.bundle}
+            "ensure_ray_runtime", self.nodes, lambda n: {"version": self.version, "runtime_bundle": self.bundle_for(n)}
         )
         for node, rec in zip(self.nodes, runtimes, strict=True):
             if (rec.get("result") or {}).get("installed") is False:
@@ -131,7 +138,7 @@ class RayEnvironment:
             "credential_ref": self.credential_ref, "version": self.version, "port": self.port,
             "dashboard_port": self.dashboard_port, "dashboard_host": "127.0.0.1",
             "include_dashboard": self.include_dashboard, "node_ip_address": self.head.node_ip,
-            "runtime_bundle": self.bundle, "env": dict(self.env),
+            "runtime_bundle": self.bundle_for(self.head), "env": dict(self.env),
         }
         if self.num_cpus is not None:
             head_payload["num_cpus"] = self.num_cpus
@@ -141,7 +148,7 @@ class RayEnvironment:
             payload: dict[str, Any] = {
                 "head_address": self.head_address, "credential_ref": self.credential_ref,
                 "version": self.version, "node_ip_address": n.node_ip,
-                "runtime_bundle": self.bundle, "env": dict(self.env),
+                "runtime_bundle": self.bundle_for(n), "env": dict(self.env),
             }
             if self.num_cpus is not None:
                 payload["num_cpus"] = self.num_cpus
@@ -177,13 +184,13 @@ class RayEnvironment:
                       http_options: dict[str, Any] | None = None, budget: float = 120.0) -> dict[str, Any]:
         """C{run_serve_app} on the head, then its Serve status until the app is RUNNING."""
         payload = {"app_name": app_name, "llm_serving_args": llm_serving_args,
-                   "http_options": http_options or {}, "runtime_bundle": self.bundle}
+                   "http_options": http_options or {}, "runtime_bundle": self.bundle_for(self.head)}
         (rec,) = await self.step("run_serve_app", [self.head], lambda n: payload, per_node=False)
         reactor = self.backend.reactor
         deadline = reactor.seconds() + budget
         while True:
             (status,) = await self.step(
-                "get_ray_serve_status", [self.head], lambda n: {"app_name": app_name, "runtime_bundle": self.bundle},
+                "get_ray_serve_status", [self.head], lambda n: {"app_name": app_name, "runtime_bundle": self.bundle_for(self.head)},
                 per_node=False,
             )
             app = ((status.get("result") or {}).get("apps") or {}).get(app_name) or {}
@@ -196,14 +203,14 @@ class RayEnvironment:
 
     async def delete_app(self, app_name: str) -> dict[str, Any]:
         (rec,) = await self.step("delete_serve_app", [self.head],
-                                 lambda n: {"app_name": app_name, "runtime_bundle": self.bundle}, per_node=False)
+                                 lambda n: {"app_name": app_name, "runtime_bundle": self.bundle_for(self.head)}, per_node=False)
         return dict(rec.get("result") or {})
 
     async def teardown(self) -> None:
         """Workers leave, then the head stops (force)."""
         if self.workers:
             await self.step("leave_ray_cluster", self.workers,
-                            lambda n: {"version": self.version, "runtime_bundle": self.bundle})
+                            lambda n: {"version": self.version, "runtime_bundle": self.bundle_for(n)})
         await self.step("stop_ray", [self.head],
-                        lambda n: {"force": True, "version": self.version, "runtime_bundle": self.bundle},
+                        lambda n: {"force": True, "version": self.version, "runtime_bundle": self.bundle_for(n)},
                         per_node=False)
