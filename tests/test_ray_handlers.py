@@ -81,6 +81,7 @@ class FakeEngine:
         self.execs: list[tuple[list[str], dict[str, str]]] = []
         self.created: list[dict[str, Any]] = []
         self.removed = 0
+        self.streams = 0
         self.helper_out = json.dumps({"alive": True, "version": "2.58.0", "num_nodes": 1, "nodes": []})
 
     async def call(self, fn: Any, *args: Any, what: str | None = None) -> Any:
@@ -111,6 +112,13 @@ class FakeEngine:
             self.execs.append((list(argv), dict(env)))
             return self._exec(list(argv))
         raise AssertionError(f"unexpected engine call {fn!r}")
+
+    async def stream(self, fn: Any, control: Any, *args: Any, what: str | None = None) -> Any:
+        assert fn.__name__ == "exec_stream", fn
+        name, argv, env, stdin, timeout = args
+        self.execs.append((list(argv), dict(env)))
+        self.streams += 1
+        return self._exec(list(argv))
 
     def _exec(self, argv: list[str]) -> ExecResult:
         if argv == ["cat", CURRENT_CLUSTER_FILE]:

@@ -18,6 +18,8 @@ from typing import Any
 import docker
 from attrs import frozen
 
+from ..workloads.engine import StreamControl
+
 #: Bytes of stdout (and of stderr) kept from one exec.
 OUTPUT_LIMIT = 1024 * 1024
 
@@ -90,6 +92,20 @@ def _raw_socket(sock: Any) -> socket.socket:
     return raw  # type: ignore[no-any-return]
 
 
+def exec_stream(
+    client: docker.DockerClient,
+    control: StreamControl,
+    container: str,
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    stdin: bytes | None = None,
+    timeout: float = 120.0,
+    limit: int = OUTPUT_LIMIT,
+) -> ExecResult:
+    """Thread function for L{DockerEngine.stream}: L{exec_in}, its socket closed by C{control}."""
+    return exec_in(client, container, argv, env, stdin, timeout, limit, control=control)
+
+
 def exec_in(
     client: docker.DockerClient,
     container: str,
@@ -98,6 +114,8 @@ def exec_in(
     stdin: bytes | None = None,
     timeout: float = 120.0,
     limit: int = OUTPUT_LIMIT,
+    *,
+    control: StreamControl | None = None,
 ) -> ExecResult:
     """Thread function: run C{argv} in C{container}; see the module docstring."""
     api = client.api
@@ -113,6 +131,8 @@ def exec_in(
     exec_id = created["Id"]
     sock = api.exec_start(exec_id, socket=True)
     raw = _raw_socket(sock)
+    if control is not None:
+        control.attach(raw)  # a cancelled command closes the socket: the read ends at once
     reader = _Reader(limit)
     deadline = time.monotonic() + timeout
     timed_out = False

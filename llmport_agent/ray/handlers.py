@@ -32,13 +32,13 @@ from ..commands.base import (
     CommandFailed,
     HandlerSpec,
 )
-from ..workloads.engine import DockerEngine
+from ..workloads.engine import DockerEngine, StreamClosed, StreamControl
 from ..workloads.images import ImageManager
 from ..workloads.policy import AllowEntry, PolicyError, parse_port
 from . import container as rc
 from . import helpercli, imagepin
 from .bundle import DEFAULT_CONTAINER_NAME, RuntimeBundle, filter_env, parse_bundle
-from .execs import ExecResult, exec_in
+from .execs import ExecResult, exec_in, exec_stream
 from .token import ClusterTokens, ensure_dir
 
 DEFAULT_RAY_VERSION = "2.58.0"
@@ -287,9 +287,18 @@ class RayManager:
         stdin: bytes | None = None,
         timeout: float = _PROBE_TIMEOUT,
     ) -> ExecResult:
-        return await self.engine.call(
-            exec_in, name, argv, dict(env or {}), stdin, timeout, what=f"running {argv[0]} in {name}"
-        )
+        what = f"running {argv[0]} in {name}"
+        if timeout <= _PROBE_TIMEOUT:
+            return await self.engine.call(exec_in, name, argv, dict(env or {}), stdin, timeout, what=what)
+        # Long execs (ray start/stop, the helper) run on the stream pool, as pulls do: they never
+        # hold the short pool's threads, and a cancelled command closes the exec's socket.
+        control = StreamControl()
+        try:
+            return await self.engine.stream(
+                exec_stream, control, name, argv, dict(env or {}), stdin, timeout, what=what
+            )
+        except StreamClosed as exc:
+            raise CommandFailed(RUNTIME_ERROR, f"{what} was interrupted ({exc}).") from None
 
     async def joined_cluster(self, name: str) -> str | None:
         """The cluster address this node last joined, when a raylet runs (else C{None})."""
