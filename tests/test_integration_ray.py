@@ -30,6 +30,8 @@ from tests.support.docker_env import free_port, require_docker
 from tests.support.ray_env import IMAGE, import_ray_image, require_ray_image, require_second_docker
 
 TERMINAL = ("succeeded", "failed")
+#: A registry address on loopback where nothing listens: pulls from it fail at once, offline.
+DEAD_REGISTRY = "127.0.0.1:1"
 
 
 def bundle_for(info: dict[str, Any], model_store: str) -> dict[str, Any]:
@@ -73,14 +75,12 @@ class RayClusterTests(AgentTestCase):
             for c in env.client().containers.list(all=True, filters={"label": "io.llmport.ray-runtime"}):
                 c.remove(force=True)
 
-    async def start_node(self, backend: Any, env: Any, name: str) -> tuple[Any, str, str]:
+    async def start_node(self, backend: Any, env: Any, name: str, store: str) -> tuple[Any, str, str]:
         state = os.path.abspath(self.mktemp())
-        store = os.path.join(state, "models")
-        os.makedirs(store)
         token_dir = os.path.join(state, "ray-token")
         agent = self.start_agent(
             backend, state_dir=state, docker_host=env.host, AGENT_ID=f"ray-{name}-{uuid.uuid4().hex[:6]}",
-            RAY_TOKEN_DIR=token_dir, IMAGE_ALLOWLIST="llmport-test",
+            RAY_TOKEN_DIR=token_dir, IMAGE_ALLOWLIST=f"llmport-test,{DEAD_REGISTRY}", MODEL_STORE=store,
         )
         node_id = await self.wait_connected(backend, agent)
         await backend.wait_for(lambda: agent.engine.available, 30)
@@ -97,8 +97,10 @@ class RayClusterTests(AgentTestCase):
         await self._in_thread(import_ray_image, self.env_b, self.tar)
         self.addCleanup(self._cleanup_containers)
         backend = await self.start_backend()
-        agent_a, node_a, store_a = await self.start_node(backend, self.env_a, "head")
-        agent_b, node_b, _store_b = await self.start_node(backend, self.env_b, "worker")
+        store = os.path.abspath(self.mktemp())  # one model store path on both "nodes", as on a cluster
+        os.makedirs(os.path.join(store, "hub"))
+        agent_a, node_a, _ = await self.start_node(backend, self.env_a, "head", store)
+        agent_b, node_b, _ = await self.start_node(backend, self.env_b, "worker", store)
 
         # A node without Ray answers the status probe, alive false (not an unknown command).
         rec = await self.command(backend, node_a, "get_ray_status", {})
@@ -107,8 +109,29 @@ class RayClusterTests(AgentTestCase):
 
         # The backend pins the head's copy; the worker's copy has another config id but the
         # same layers: the rootfs digest decides.
-        bundle = bundle_for(info_a, store_a)
-        bundle["mounts"] = []  # the two agents have different model stores; mounts are tested below
+        bundle = bundle_for(info_a, store)
+        # The local policy, before anything reaches the engine: a host path outside the store,
+        # an image outside IMAGE_ALLOWLIST, a bundle without its pin.
+        for bad, code in (({**bundle, "mounts": [{"host_path": "/etc", "container_path": "/models"}]}, "policy_violation"),
+                          ({**bundle, "image": "docker.io/someone/ray:2.58.0"}, "policy_violation"),
+                          ({**bundle, "digest": None}, "invalid_command")):
+            rec = await self.command(backend, node_a, "ensure_runtime_image", {"runtime_bundle": bad, "ensure_container": True})
+            self.assertEqual((rec["status"], rec["error_code"]), ("failed", code), rec.get("error_message"))
+        self.assertEqual(self.env_a.client().containers.list(all=True, filters={"label": "io.llmport.ray-runtime"}), [])
+
+        # A different build under the pinned name: reported by fetch: false, refused otherwise
+        # (after a pull that fails: the registry is a dead loopback port).
+        pinned = f"{DEAD_REGISTRY}/llmport-test/ray-runtime:2.58.0"
+        self.env_a.client().api.tag(IMAGE, f"{DEAD_REGISTRY}/llmport-test/ray-runtime", "2.58.0")
+        other = {**bundle, "image": pinned, "digest": "sha256:" + "0" * 64, "rootfs_digest": "sha256:" + "1" * 64}
+        rec = await self.command(backend, node_a, "ensure_runtime_image", {"runtime_bundle": other, "fetch": False})
+        self.assertEqual((rec["result"]["verified"], rec["result"]["present"]), (False, True))
+        rec = await self.command(backend, node_a, "ensure_runtime_image", {"runtime_bundle": other})
+        self.assertEqual((rec["status"], rec["error_code"]), ("failed", "runtime_image_mismatch"), rec.get("error_message"))
+        rec = await self.command(backend, node_a, "ensure_runtime_image",
+                                 {"runtime_bundle": {**other, "image": f"{DEAD_REGISTRY}/llmport-test/absent:1"}})
+        self.assertEqual((rec["status"], rec["error_code"]), ("failed", "runtime_image_missing"), rec.get("error_message"))
+        self.env_a.remove_image(pinned)
         gcs_port, serve_port = free_port(), free_port()
         env = RayEnvironment(
             backend, "env-" + uuid.uuid4().hex[:8],
@@ -146,6 +169,8 @@ class RayClusterTests(AgentTestCase):
         self.assertNotIn("NCCL_SOCKET_IFNAME", env_vars)  # start/join env goes to the exec only
         token_dir = agent_a.config.ray_token_dir
         self.assertIn(f"{token_dir}:{token_dir}:ro", host["Binds"])
+        self.assertIn(f"{store}:/models:ro", host["Binds"])
+        self.assertEqual(len(host["Binds"]), 2)
         self.assertEqual(os.stat(os.path.join(token_dir, "cluster.token")).st_mode & 0o777, 0o600)
 
         # A second start at the same address is a success that starts nothing.

@@ -211,3 +211,21 @@ class ExecReaderTests(SynchronousTestCase):
         r = _Reader(1 << 20)
         r.feed(self.frame(1, json.dumps({"deployed": True}).encode()))
         self.assertEqual(helpercli.first_json_object(bytes(r.out).decode()), {"deployed": True})
+
+
+class HostPathLinkTests(SynchronousTestCase):
+    def test_links_below_the_root_refused_the_root_may_be_one(self) -> None:
+        import os
+
+        base = os.path.abspath(self.mktemp())
+        disk = os.path.join(base, "disk")
+        os.makedirs(os.path.join(disk, "hub"))
+        os.makedirs(os.path.join(base, "elsewhere"))
+        store = os.path.join(base, "store")
+        os.symlink(disk, store)  # the operator's store on another disk: allowed
+        rc._check_host_paths([(store, store), (os.path.join(store, "hub"), store)])
+        os.symlink(os.path.join(base, "elsewhere"), os.path.join(disk, "escape"))
+        with self.assertRaises(CommandFailed) as cm:
+            rc._check_host_paths([(os.path.join(store, "escape"), store)])
+        self.assertEqual(cm.exception.error_code, "policy_violation")
+        self.assertIn("symbolic link", cm.exception.error_message)

@@ -55,11 +55,15 @@ _MAX_VALUE = 4096
 
 @frozen
 class Mount:
-    """One bind mount: an absolute, normalised host path, container path and mode."""
+    """
+    One bind mount: an absolute, normalised host path, container path and mode, and the
+    allowed root (model store, session directory, RAY_ALLOWED_MOUNTS entry) it is under.
+    """
 
     host_path: str
     container_path: str
     read_only: bool
+    root: str = ""
 
 
 @frozen
@@ -230,7 +234,8 @@ def _mounts(
         mode = str(item.get("mode") or "ro").strip().lower()
         if mode not in ("ro", "rw"):
             raise _invalid(f"mount mode {mode[:10]!r} must be 'ro' or 'rw'")
-        if not any(_under(host, r) for r in roots):
+        root = next((r for r in roots if _under(host, r)), None)
+        if root is None:
             raise _refused(
                 f"mounting host path {host!r}",
                 "only the model store, the Ray session directory and RAY_ALLOWED_MOUNTS "
@@ -241,7 +246,7 @@ def _mounts(
         if target in targets:
             raise _invalid(f"container path {target!r} is mounted twice")
         targets.add(target)
-        out.append(Mount(host, target, mode == "ro"))
+        out.append(Mount(host, target, mode == "ro", root))
     return tuple(out)
 
 

@@ -99,11 +99,18 @@ def drift(snap: dict[str, Any], bundle: RuntimeBundle, image_id: str, token_dir:
     return None
 
 
-def _check_host_paths(paths: list[str]) -> None:
-    """A bind source must not lead through a symbolic link (the engine would follow it)."""
-    for path in paths:
+def _check_host_paths(paths: list[tuple[str, str]]) -> None:
+    """
+    Each C{(path, root)}: nothing below the allowed C{root} may be a symbolic link (the engine
+    would follow it out of the root). The root itself is the operator's path and may be one
+    (a model store on another disk, C{/var/run} -> C{/run}).
+    """
+    for path, root in paths:
+        rel = os.path.relpath(path, root)
+        real_root = os.path.realpath(root)
+        expected = real_root if rel == "." else os.path.join(real_root, rel)
         real = os.path.realpath(path)
-        if real != path:
+        if real != expected:
             raise CommandFailed(
                 POLICY_VIOLATION,
                 f"runtime_bundle: host path {path!r} leads through a symbolic link (to {real!r}); "
@@ -147,7 +154,7 @@ def create_args(bundle: RuntimeBundle, image_id: str, token_dir: str, agent_id: 
         },
         "env": container_env(bundle, token_dir),
         "binds": binds,
-        "host_paths": sorted({h for h, _t, _ro in wanted_mounts(bundle, token_dir)}),
+        "host_paths": sorted({(m.host_path, m.root or m.host_path) for m in bundle.mounts} | {(token_dir, token_dir)}),
         "devices": [f"{d}:{d}:rwm" for d in devices],
         "cap_add": list(bundle.capabilities),
         "ipc_mode": bundle.ipc_mode,
