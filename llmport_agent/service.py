@@ -56,6 +56,32 @@ def env_file_path() -> str:
     return os.path.join(root, ENV_FILE.lstrip("/")) if root else ENV_FILE
 
 
+def tighten_env_file(path: str) -> tuple[str, str, int] | None:
+    """
+    Thread function: chmod 0600 the env file when group or others may read or write it. Not
+    following a symlink (a link there is left alone). C{None} when nothing was to do, else
+    (C{"tightened"} or why not, the path, the mode found).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        if not stat.S_ISREG(st.st_mode) or not mode & (stat.S_IRWXG | stat.S_IRWXO):
+            return None
+        if st.st_uid != os.geteuid() and os.geteuid() != 0:
+            return ("it belongs to another user", path, mode)
+        try:
+            os.fchmod(fd, 0o600)
+        except OSError as e:
+            return (e.strerror or "chmod failed", path, mode)
+        return ("tightened", path, mode)
+    finally:
+        os.close(fd)
+
+
 def install_stop_signals(reactor: Any, agent: AgentService) -> None:
     """
     SIGTERM/SIGINT: the first begins a graceful stop (drain), a second ends the drain at once.
@@ -162,6 +188,7 @@ class AgentService(MultiService):
             )
         self.gpu_source = gpu_source
         self.engine: Any = None
+        self.adoption: Any = None
         self.workloads: Any = None
         self.health: Any = None
         self.ray: Any = None
@@ -358,11 +385,16 @@ class AgentService(MultiService):
             allow_host_ipc=c.allow_host_ipc,
         )
         self.engine = DockerEngine(self.reactor, environ=self._docker_environ)
+        from llmport_agent.workloads.adoption import Adoption
+
+        # The original agent's runtimes (its `workloads` mapping in this state file), taken over.
+        self.adoption = Adoption(self.reactor, self.engine, self.state, c.agent_id)
         self.health = HealthWatcher(
             self.reactor,
             self.engine,
             settings,
             self._emit_event,
+            adoption=self.adoption,
         )
         self.workloads = WorkloadManager(
             self.reactor,
@@ -377,6 +409,7 @@ class AgentService(MultiService):
             profile=lambda: self.modes.profile,
             health=self.health,
             gpus=lambda: self.collector.last_gpu if self.collector.last_report is not None else None,
+            adoption=self.adoption,
         )
 
     def _build_ray(self) -> None:
@@ -446,9 +479,9 @@ class AgentService(MultiService):
     async def _start(self) -> None:
         if self.state_note:
             self.log.warn("{note}", note=self.state_note)
-        self._check_env_file()
         for svc in self._ordered[:3]:
             svc.setServiceParent(self)
+        self._check_env_file()
         try:
             await self.io_pool.run(self.instance_lock.acquire)
         except AlreadyRunning as e:
@@ -476,35 +509,39 @@ class AgentService(MultiService):
             self.log.warn("{note}", note=note)
         for svc in self._ordered[3:]:
             svc.setServiceParent(self)
+        if self.adoption is not None:
+            self.adoption.start()
         self.notify.ready()
 
     def _check_env_file(self) -> None:
-        """Say once when the file holding the enrollment token can be read by other users."""
-        if not self.config.enrollment_token:
+        """
+        The env file (llm-port's own installer writes it 0644, token included) readable or
+        writable by other users is tightened to 0600 (issue 20), and said once; when it cannot
+        be (another owner), the warning says what to run.
+        """
+        self.io_pool.run(tighten_env_file, env_file_path()).addCallbacks(
+            self._env_file_checked, lambda f: self.log.failure("Checking the env file failed", f)
+        )
+
+    def _env_file_checked(self, result: tuple[str, str, int] | None) -> None:
+        if result is None:
             return
-        path = env_file_path()
-        try:
-            mode = os.stat(path).st_mode
-        except OSError:
-            return
-        if not mode & (stat.S_IRGRP | stat.S_IROTH | stat.S_IWGRP | stat.S_IWOTH):
-            return
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                holds_token = any(
-                    line.strip().startswith("LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN=")
-                    and line.split("=", 1)[1].strip().strip("\"'")
-                    for line in f.read(1 << 20).splitlines()
-                )
-        except OSError:
-            holds_token = True  # cannot tell: the agent's token came from somewhere
-        if holds_token:
+        outcome, path, mode = result
+        if outcome == "tightened":
             self.log.warn(
-                "{path} holds the enrollment token and is readable by other users (mode {mode:04o}): "
-                "run `chmod 600 {path}` (llmport-agent start does this); once the node is enrolled "
-                "the token line can be removed",
+                "{path} was readable by other users (mode {mode:04o}) and holds this node's settings "
+                "(an enrollment token, passwords): its mode is now 0600",
                 path=path,
-                mode=stat.S_IMODE(mode),
+                mode=mode,
+            )
+        else:
+            self.log.warn(
+                "{path} is readable by other users (mode {mode:04o}) and could not be tightened ({why}): "
+                "run `chmod 600 {path}` (llmport-agent start does this); once the node is enrolled the "
+                "token line can be removed",
+                path=path,
+                mode=mode,
+                why=outcome,
             )
 
     def whenStarted(self) -> Deferred[None]:
@@ -612,6 +649,8 @@ class AgentService(MultiService):
             self.log.failure("Draining before the stop failed")
         if self._gpu_inventory_call is not None and self._gpu_inventory_call.active():
             self._gpu_inventory_call.cancel()
+        if self.adoption is not None:
+            self.adoption.stop()
         self.notify.stopping("stopping: closing the backend session")
         pools = (self.io_pool, self.host_pool, self.hash_pool)
         for svc in reversed(list(self)):

@@ -413,14 +413,17 @@ _ = Any
 
 
 class TokenFileWarningTests(SynchronousTestCase):
-    """The agent says once when the file holding its token is readable by others (llm-port writes 0644)."""
+    """
+    The env file readable by other users (llm-port's installer writes it 0644, the token in it)
+    is tightened to 0600 when the agent starts, and said once (issue 20); a link is left alone.
+    """
 
-    def check(self, mode: int, token_line: bool = True) -> list[str]:
+    def check(self, mode: int, token_line: bool = True) -> tuple[list[str], str]:
         from twisted.internet.task import Clock
         from twisted.logger import globalLogPublisher
 
         from llmport_agent.config import load_config
-        from llmport_agent.service import AgentService
+        from llmport_agent.service import AgentService, tighten_env_file
 
         root = os.path.abspath(self.mktemp())
         os.makedirs(os.path.join(root, "etc"))
@@ -439,25 +442,40 @@ class TokenFileWarningTests(SynchronousTestCase):
 
         globalLogPublisher.addObserver(observer)
         self.addCleanup(globalLogPublisher.removeObserver, observer)
-        os.environ["LLMPORT_AGENT_SYSTEM_ROOT"] = root
-        self.addCleanup(os.environ.pop, "LLMPORT_AGENT_SYSTEM_ROOT", None)
         state = os.path.join(root, "state", "state.json")
         config = load_config({"LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN": TOKEN,
                               "LLM_PORT_NODE_AGENT_STATE_PATH": state, "LLM_PORT_NODE_AGENT_OPS_PORT": "0"}, {})
         agent = AgentService(Clock(), config, docker_enabled=False, notify_environ={})
-        agent._check_env_file()
-        return seen
+        agent._env_file_checked(tighten_env_file(path))
+        return seen, path
 
-    def test_world_readable_token_file(self) -> None:
-        seen = self.check(0o644)
-        self.assertEqual(len(seen), 1)
-        self.assertIn("chmod 600", seen[0])
-        self.assertIn("0644", seen[0])
-        self.assertNotIn(TOKEN, seen[0])
+    def test_world_readable_file_is_tightened(self) -> None:
+        for token_line in (True, False):
+            seen, path = self.check(0o644, token_line)
+            self.assertEqual(os.stat(path).st_mode & 0o777, 0o600)
+            self.assertEqual(len(seen), 1)
+            self.assertIn("mode 0644", seen[0])
+            self.assertIn("now 0600", seen[0])
+            self.assertNotIn(TOKEN, seen[0])
 
-    def test_private_file_or_no_token_is_quiet(self) -> None:
-        self.assertEqual(self.check(0o600), [])
-        self.assertEqual(self.check(0o644, token_line=False), [])
+    def test_private_file_is_quiet(self) -> None:
+        seen, path = self.check(0o600)
+        self.assertEqual(seen, [])
+        self.assertEqual(os.stat(path).st_mode & 0o777, 0o600)
+
+    def test_a_link_is_not_followed(self) -> None:
+        from llmport_agent.service import tighten_env_file
+
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        target = os.path.join(d, "elsewhere")
+        with open(target, "w") as f:
+            f.write("X=1\n")
+        os.chmod(target, 0o644)
+        link = os.path.join(d, "llmport-agent.env")
+        os.symlink(target, link)
+        self.assertIsNone(tighten_env_file(link))
+        self.assertEqual(os.stat(target).st_mode & 0o777, 0o644)
 
 
 class LineInjectionTests(SynchronousTestCase):

@@ -8,6 +8,7 @@ the L{DockerEngine} pools, never on the reactor thread, and nothing lazy crosses
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import docker
@@ -49,6 +50,15 @@ def snapshot(info: dict[str, Any]) -> dict[str, Any]:
             if hp:
                 ports[_int(key.split("/")[0])] = hp
                 break
+    # What it was created to publish (the engine shows no binding while it is stopped, or
+    # without a bridge): the last resort for a container without labels (adopted).
+    requested: dict[int, int] = {}
+    for key, bindings in (host_config.get("PortBindings") or {}).items():
+        if not bindings or not str(key).endswith("/tcp"):
+            continue
+        hp = _int((bindings[0] or {}).get("HostPort"))
+        if hp:
+            requested[_int(str(key).split("/")[0])] = hp
     health = state.get("Health") or {}
     env_runtime = ""
     for item in env:
@@ -74,6 +84,7 @@ def snapshot(info: dict[str, Any]) -> dict[str, Any]:
         "image_id": str(info.get("Image", "")),
         "network_mode": str(host_config.get("NetworkMode", "")),
         "ports": ports,
+        "requested_ports": requested,
         "restart_policy": str((host_config.get("RestartPolicy") or {}).get("Name", "")),
     }
 
@@ -90,6 +101,11 @@ def host_port_of(snap: dict[str, Any], container_port: int | None = None) -> int
         return label
     if ports:
         return next(iter(ports.values()))
+    requested: dict[int, int] = snap.get("requested_ports") or {}
+    if cport and cport in requested:
+        return requested[cport]
+    if requested:
+        return next(iter(requested.values()))
     return None
 
 
@@ -134,11 +150,16 @@ def by_exact_name(client: docker.DockerClient, name: str) -> dict[str, Any] | No
 
 
 def find_runtime(
-    client: docker.DockerClient, runtime_id: str, container_name: str | None, agent_id: str
+    client: docker.DockerClient,
+    runtime_id: str,
+    container_name: str | None,
+    agent_id: str,
+    adopted: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """
     Every container of a runtime that this agent manages (labels C{io.llmport.managed},
-    C{io.llmport.agent-id} = C{agent_id}, C{io.llmport.runtime-id}), plus the one called
+    C{io.llmport.agent-id} = C{agent_id}, C{io.llmport.runtime-id}, or adopted from the
+    original agent: C{adopted} maps full container ids to runtime ids), plus the one called
     exactly C{container_name} if it exists. Each snapshot gets C{foreign: True} unless this
     agent manages it for this runtime: a foreign container is never stopped, removed or
     read, only reported (its name is taken). Canonically named containers come first.
@@ -149,13 +170,22 @@ def find_runtime(
         snap = inspect(client, row["Id"])
         if snap is not None:
             found[snap["id"]] = snap
+    mine = {cid for cid, rid in (adopted or {}).items() if rid == runtime_id}
+    for cid in mine - set(found):
+        snap = inspect(client, cid)
+        if snap is not None and snap["id"] == cid:
+            found[cid] = snap
     if container_name and not any(s["name"] == container_name for s in found.values()):
         snap = by_exact_name(client, container_name)
         if snap is not None:
             found[snap["id"]] = snap
     out = []
     for snap in found.values():
-        snap["foreign"] = not is_owned(snap["labels"], agent_id, runtime_id)
+        snap["adopted"] = snap["id"] in mine and not snap["managed"]
+        if snap["adopted"]:
+            snap["managed"] = True
+            snap["runtime_id"] = runtime_id
+        snap["foreign"] = not (snap["adopted"] or is_owned(snap["labels"], agent_id, runtime_id))
         canonical = (snap["labels"].get(LABEL_NAME) or container_name or snap["name"]) == snap["name"]
         snap["canonical"] = canonical
         out.append(snap)
@@ -164,7 +194,7 @@ def find_runtime(
 
 
 def find_runtime_light(
-    client: docker.DockerClient, runtime_id: str, agent_id: str
+    client: docker.DockerClient, runtime_id: str, agent_id: str, adopted: Mapping[str, str] | None = None
 ) -> dict[str, Any] | None:
     """
     One cheap lookup for reads (logs): the container this agent manages for the runtime
@@ -182,17 +212,37 @@ def find_runtime_light(
         if labels.get(LABEL_NAME, name) == name:
             return entry
         best = best or entry
+    if best is None:
+        for cid, rid in (adopted or {}).items():
+            if rid == runtime_id:
+                snap = inspect(client, cid)
+                if snap is not None and snap["id"] == cid:
+                    return {"id": cid, "name": snap["name"]}
     return best
 
 
-def list_managed(client: docker.DockerClient) -> list[dict[str, Any]]:
+def list_managed(client: docker.DockerClient, adopted: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """
-    Summaries (one engine call) of every container this agent manages: id, name, state,
-    status text, labels, exit code parsed from the status, health from the status.
+    Summaries (one engine call, and one more for adopted containers) of every container this
+    agent manages: id, name, state, status text, labels, exit code parsed from the status,
+    health from the status. An adopted container (no labels of its own) is listed with its
+    runtime id and name as labels, and C{adopted: True}.
     """
     rows = client.api.containers(all=True, filters={"label": f"{LABEL_MANAGED}={MANAGED_VALUE}"})
+    extra: list[dict[str, Any]] = []
+    if adopted:
+        seen = {row["Id"] for row in rows}
+        wanted = [cid for cid in adopted if cid not in seen]
+        if wanted:
+            for row in client.api.containers(all=True, filters={"id": wanted}):
+                if row.get("Id") in wanted:
+                    row = dict(row)
+                    name = (row.get("Names") or ["/"])[0].lstrip("/")
+                    row["Labels"] = {LABEL_RUNTIME_ID: adopted[row["Id"]], LABEL_NAME: name}
+                    row["_adopted"] = True
+                    extra.append(row)
     out = []
-    for row in rows:
+    for row in [*rows, *extra]:
         status = str(row.get("Status", ""))
         m = _EXITED_RE.search(status)
         health = None
@@ -218,6 +268,7 @@ def list_managed(client: docker.DockerClient) -> list[dict[str, Any]]:
                     for p in (row.get("Ports") or [])
                     if p.get("PublicPort")
                 ],
+                "adopted": bool(row.get("_adopted")),
             }
         )
     return out

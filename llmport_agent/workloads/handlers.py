@@ -231,8 +231,11 @@ class WorkloadManager:
         probe: Callable[[str], Deferred[int]] | None = None,
         port_free: Callable[[int], bool] = port_is_free,
         gpus: Callable[[], GPUSnapshot | None] | None = None,
+        adoption: Any = None,
     ) -> None:
         self._reactor = reactor
+        #: The original agent's containers taken over (L{adoption.Adoption}), or C{None}.
+        self.adoption = adoption
         self.engine = engine
         self.settings = settings
         self.allowlist = parse_allowlist(settings.image_allowlist)
@@ -264,9 +267,23 @@ class WorkloadManager:
         # GPUs against this node's GPUs, their health and the engine (issue 13).
         return place_gpus(spec, self._gpus(), getattr(self.engine, "kind", "docker"))
 
+    async def _adopted(self) -> dict[str, str]:
+        """The adopted containers (container id -> runtime id), once the start's pass is over."""
+        if self.adoption is None:
+            return {}
+        await self.adoption.ready()
+        snapshot: dict[str, str] = self.adoption.snapshot()
+        return snapshot
+
+    def _note_deployed(self, ctx: CommandContext, result: Mapping[str, Any]) -> None:
+        if self.adoption is not None and isinstance(result.get("runtime_id"), str):
+            name = ctx.command.payload.get("runtime_name") if isinstance(ctx.command.payload, Mapping) else None
+            self.adoption.deployed(result["runtime_id"], result, name if isinstance(name, str) else None)
+
     async def _find(self, runtime_id: str, name: str | None) -> list[dict[str, Any]]:
+        adopted = await self._adopted()
         return await self.engine.call(
-            ops.find_runtime, runtime_id, name, self.settings.agent_id, what="looking up the workload"
+            ops.find_runtime, runtime_id, name, self.settings.agent_id, adopted, what="looking up the workload"
         )
 
     @staticmethod
@@ -304,7 +321,7 @@ class WorkloadManager:
                 )
 
     async def _reserved_ports(self, runtime_id: str) -> set[int]:
-        rows = await self.engine.call(ops.list_managed, what="listing managed workloads")
+        rows = await self.engine.call(ops.list_managed, await self._adopted(), what="listing managed workloads")
         ports: set[int] = set(self._claimed)
         for row in rows:
             labels = row["labels"]
@@ -588,6 +605,7 @@ class WorkloadManager:
             expect = "running"
         finally:
             self.health.release(spec.runtime_id, expect=expect)
+        self._note_deployed(ctx, result)
         self._event(ctx, "workload.deployed", self._eventPayload(result))
         return result
 
@@ -658,6 +676,8 @@ class WorkloadManager:
             expect = "running"
         finally:
             self.health.release(runtime_id, expect=expect)
+        if event == "workload.deployed":
+            self._note_deployed(ctx, result)
         self._event(ctx, event, self._eventPayload(result))
         return result
 
@@ -744,6 +764,7 @@ class WorkloadManager:
             raise
         finally:
             self.health.release(spec.runtime_id, announce=announce)
+        self._note_deployed(ctx, result)
         self._event(ctx, "workload.updated", self._eventPayload(result))
         return result
 
@@ -909,6 +930,8 @@ class WorkloadManager:
             self.health.forget(runtime_id)
         finally:
             self.health.release(runtime_id)
+        if self.adoption is not None:
+            self.adoption.removed(runtime_id)
         self._event(ctx, "workload.removed", {"runtime_id": runtime_id, "container_name": name})
         return {
             "runtime_id": runtime_id,
@@ -1003,7 +1026,8 @@ class WorkloadManager:
 
     async def _containerLogs(self, runtime_id: str, name: str, tail: int) -> dict[str, Any]:
         target = await self.engine.call(
-            ops.find_runtime_light, runtime_id, self.settings.agent_id, what="finding the container"
+            ops.find_runtime_light, runtime_id, self.settings.agent_id, await self._adopted(),
+            what="finding the container",
         )
         missing = {
             "runtime_id": runtime_id,

@@ -113,9 +113,12 @@ class HealthWatcher(Service):
         backoff_initial: float = 1.0,
         backoff_max: float = 30.0,
         coalesce: float = 0.05,
+        adoption: Any = None,
     ) -> None:
         self.setName("workload-health")
         self._reactor = reactor
+        #: The original agent's containers taken over (watched like the agent's own).
+        self.adoption = adoption
         self._engine = engine
         self._settings = settings
         self._emit = emit
@@ -489,6 +492,10 @@ class HealthWatcher(Service):
                 return snap
         return None
 
+    def _adopted(self) -> dict[str, str]:
+        snapshot: dict[str, str] = self.adoption.snapshot() if self.adoption is not None else {}
+        return snapshot
+
     async def check(
         self,
         runtime_id: str,
@@ -501,7 +508,8 @@ class HealthWatcher(Service):
         if runtime_id in self._held:
             return None
         snaps = await self._engine.call(
-            ops.find_runtime, runtime_id, None, self._settings.agent_id, what="checking workload health"
+            ops.find_runtime, runtime_id, None, self._settings.agent_id, self._adopted(),
+            what="checking workload health",
         )
         if runtime_id in self._held:
             return None
@@ -530,7 +538,7 @@ class HealthWatcher(Service):
             raise
 
     async def _sweep(self, *, force: bool) -> list[dict[str, Any]]:
-        rows = await self._engine.call(ops.list_managed, what="listing managed workloads")
+        rows = await self._engine.call(ops.list_managed, self._adopted(), what="listing managed workloads")
         sent: list[dict[str, Any]] = []
         seen: set[str] = set()
         for row in rows:

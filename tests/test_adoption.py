@@ -1,0 +1,288 @@
+"""
+Replacing the original agent on a node that runs workloads (issue 20 #6): the REAL original
+agent (0.1.8 and 0.1.13, each in its own virtualenv from the package index) enrolls against the
+stand-in backend and deploys a real workload on the real Docker engine; then this agent starts
+on the same state file, keeps the node's identity, adopts exactly the containers the original's
+`workloads` mapping names (right name, right image), and the runtime is stopped, started, its
+logs read and removed through the backend's commands. A container whose name matches the
+mapping but whose image differs is refused and left alone. The original's keys stay, so the
+original agent starts again on the state afterwards.
+
+The original is installed once per machine under $TMPDIR (or /tmp); when it cannot be installed
+(no package index) the tests skip with one line, and fail under CI=true.
+
+The test engine runs with --bridge=none, so the original's published port leads nowhere: a
+loopback HTTP server on the workload's host port plays the published port (both agents probe
+127.0.0.1:<host port>/health), and this agent is told that port counts as free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import SkipTest
+from twisted.web.resource import Resource
+from twisted.web.server import Site
+
+from llmport_agent.workloads.ports import port_is_free
+from llmport_agent.workloads.spec import LABEL_MANAGED
+from tests.agentharness import AgentTestCase
+from tests.support.docker_env import BUSYBOX, free_port, require_docker
+from tests.test_operator_texts import Captured
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENVS = os.path.join(os.environ.get("TMPDIR") or tempfile.gettempdir(), "llmport-original-agents")
+OTHER_IMAGE = "llmport-test/other:1"
+SCRIPT = "echo adopted-hello; mkdir -p /www && echo ok > /www/health && exec httpd -f -p 8000 -h /www"
+
+
+def install_original(version: str) -> str:
+    """The original agent's console script in its own venv (installed once); SkipTest when it cannot be."""
+    venv = os.path.join(VENVS, version)
+    exe = os.path.join(venv, "bin", "llmport-agent")
+    if os.access(exe, os.X_OK):
+        return exe
+    try:
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True, capture_output=True, timeout=300)
+        subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", f"llmport-agent=={version}"],
+                       check=True, capture_output=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as e:
+        reason = f"the original agent {version} cannot be installed from the package index ({type(e).__name__})"
+        if os.environ.get("CI") == "true":
+            raise AssertionError(f"CI=true but {reason}") from None
+        raise SkipTest(reason) from None
+    return exe
+
+
+class _Health(Resource):
+    isLeaf = True
+
+    def render_GET(self, request: Any) -> bytes:
+        return b"ok"
+
+
+class AdoptionTests(AgentTestCase):
+    timeout = 240
+
+    def setUp(self) -> None:
+        self.env = require_docker()
+        self.client = self.env.client()
+        self.client.images.get(BUSYBOX).tag(OTHER_IMAGE)
+
+    def published(self, port: int) -> None:
+        """A loopback server on the workload's host port, standing in for the engine's publish."""
+        listening = reactor.listenTCP(port, Site(_Health()), interface="127.0.0.1")  # type: ignore[attr-defined]
+        self.addCleanup(listening.stopListening)
+
+    def original(self, exe: str, env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
+        full = {k: v for k, v in os.environ.items() if not k.startswith("LLM_PORT_NODE_AGENT_")}
+        full.update(env, DOCKER_HOST=self.env.host)
+        out = open(log, "ab")
+        self.addCleanup(out.close)
+        proc = subprocess.Popen([exe, "run"], env=full, stdout=out, stderr=subprocess.STDOUT,
+                                cwd=os.path.dirname(log))
+        self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait()))
+        return proc
+
+    async def stop_original(self, b: Any, proc: subprocess.Popen[bytes]) -> None:
+        proc.send_signal(signal.SIGTERM)
+        await b.wait_for(lambda: proc.poll() is not None, 30)
+
+    def container(self, name: str) -> Any:
+        import docker
+
+        try:
+            return self.client.containers.get(name)
+        except docker.errors.NotFound:
+            return None
+
+    async def done(self, b: Any, command: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
+        cid = command["id"]
+        await b.wait_for(lambda: b.command(cid)["status"] in ("succeeded", "failed"), timeout)
+        return dict(b.command(cid))
+
+    async def deploy_with_original(self, b: Any, node_id: str, name: str) -> tuple[str, int]:
+        port = free_port()
+        self.published(port)
+        provider = {"type": "llamacpp", "image": BUSYBOX, "command": ["sh", "-c", SCRIPT],
+                    "container_port": "8000", "host_port": port}
+        command = b.create_runtime(node_id, provider, name=name)
+        result = await self.done(b, command, 90)
+        self.assertEqual(result["status"], "succeeded", result)
+        return command["payload"]["runtime_id"], port
+
+    async def run_version(self, version: str) -> None:
+        exe = await deferToThread(install_original, version)
+        captured = Captured(self)
+        self.allow_anomalies(".", "the original agent's frames are its own business here")
+        b = await self.start_backend()
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        agent_id = f"orig-{version.replace('.', '')}-{os.getpid()}"
+        state_path = os.path.join(d, "state.json")
+        env = {
+            "LLM_PORT_NODE_AGENT_BACKEND_URL": b.url,
+            "LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN": b.mint_token("original")["token"],
+            "LLM_PORT_NODE_AGENT_AGENT_ID": agent_id,
+            "LLM_PORT_NODE_AGENT_HOST": "127.0.0.1",
+            "LLM_PORT_NODE_AGENT_ADVERTISE_HOST": "127.0.0.1",
+            "LLM_PORT_NODE_AGENT_STATE_PATH": state_path,
+            "LLM_PORT_NODE_AGENT_MODEL_STORE": os.path.join(d, "models"),
+            "LLM_PORT_NODE_AGENT_CONTAINER_RUNTIME": "docker",
+            "LLM_PORT_NODE_AGENT_HEARTBEAT_INTERVAL_SEC": "2",
+            "HOME": d,
+        }
+        log = os.path.join(d, "original.log")
+        proc = self.original(exe, env, log)
+        await b.wait_for(lambda: b.node_by_agent_id(agent_id) is not None
+                         and b.connection_count(b.node_by_agent_id(agent_id)["id"]) == 1
+                         or proc.poll() is not None, 60)
+        self.assertIsNone(proc.poll(), open(log).read()[-3000:])
+        node_id = b.node_by_agent_id(agent_id)["id"]
+
+        # Two runtimes deployed by the original; the second one's container is then replaced by
+        # a same-named one from another image (the mapping no longer describes it).
+        rid, port = await self.deploy_with_original(b, node_id, "adopt me")
+        rid2, _port2 = await self.deploy_with_original(b, node_id, "not mine")
+        await self.stop_original(b, proc)
+        with open(state_path) as f:
+            original_state = json.load(f)
+        mapping = original_state["workloads"]
+        name, name2 = mapping[rid]["container_name"], mapping[rid2]["container_name"]
+        self.assertEqual(name, "llm-port-adopt-me")
+        first = self.container(name)
+        self.assertNotIn(LABEL_MANAGED, first.labels)
+        stale = self.container(name2)
+        stale.remove(force=True)
+        impostor = self.client.containers.run(OTHER_IMAGE, ["sh", "-c", "exec sleep 600"], name=name2, detach=True)
+        self.addCleanup(lambda: self.container(name2) and self.container(name2).remove(force=True))
+        self.addCleanup(lambda: self.container(name) and self.container(name).remove(force=True))
+
+        # This agent on the same state: same node, no new enrollment.
+        agent = self.start_agent(b, state_dir=d, token=False, docker_host=self.env.host, AGENT_ID=agent_id,
+                                 ADVERTISE_HOST="127.0.0.1")
+        agent.workloads._port_free = lambda p: p == port or port_is_free(p)
+        self.assertEqual(await self.wait_connected(b, agent), node_id)
+        await agent.adoption.ready()
+        self.assertEqual(agent.adoption.snapshot(), {first.id: rid})
+        lines = captured.lines()
+        self.assertTrue(any(f"Adopted runtime {rid}" in t and name in t for t in lines), lines[-20:])
+        refusal = [t for t in lines if f"Not adopting runtime {rid2}" in t]
+        self.assertEqual(len(refusal), 1, lines[-20:])
+        self.assertIn(OTHER_IMAGE, refusal[0])
+
+        # Managed like its own, through the backend's commands.
+        stopped = await self.done(b, b.runtime_action(rid, "stop"))
+        self.assertEqual(stopped["status"], "succeeded", stopped)
+        self.assertTrue(stopped["result"]["stopped"], stopped)
+        first.reload()
+        self.assertEqual(first.status, "exited")
+        started = await self.done(b, b.runtime_action(rid, "start"))
+        self.assertEqual(started["status"], "succeeded", started)
+        self.assertEqual(started["result"]["container_id"], first.id)
+        first.reload()
+        self.assertEqual(first.status, "running")
+        logs = await self.done(b, b.runtime_action(rid, "logs"))
+        self.assertTrue(logs["result"]["found"], logs)
+        self.assertIn("adopted-hello", logs["result"]["logs"])
+        # The refused one is left alone: its stop touches nothing, its logs are not read.
+        other_stop = await self.done(b, b.runtime_action(rid2, "stop"))
+        self.assertFalse((other_stop.get("result") or {}).get("stopped"), other_stop)
+        impostor.reload()
+        self.assertEqual(impostor.status, "running")
+        other_logs = await self.done(b, b.runtime_action(rid2, "logs"))
+        self.assertFalse((other_logs.get("result") or {}).get("found"), other_logs)
+
+        removed = await self.done(b, b.runtime_action(rid, "remove"))
+        self.assertEqual(removed["status"], "succeeded", removed)
+        self.assertEqual(removed["result"]["removed"], 1, removed)
+        self.assertIsNone(self.container(name))
+        await agent.state.flush()
+        with open(state_path) as f:
+            state = json.load(f)
+        self.assertNotIn(rid, state.get("workloads", {}))
+        self.assertNotIn(rid, state.get("adopted") or {})
+        self.assertIn(rid2, state["workloads"])  # not ours to forget
+        await self.stop_agent(agent)
+
+        # Going back: the original starts again on this state as the same node.
+        env.pop("LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN")
+        nodes_before = len(b.nodes())
+        again = self.original(exe, env, log)
+        await b.wait_for(lambda: b.connection_count(node_id) == 1 or again.poll() is not None, 60)
+        self.assertIsNone(again.poll(), open(log).read()[-3000:])
+        self.assertEqual(len(b.nodes()), nodes_before)
+        await self.stop_original(b, again)
+        await deferLater(reactor, 0, lambda: None)
+
+    async def test_original_0_1_8(self) -> None:
+        await self.run_version("0.1.8")
+
+    async def test_original_0_1_13(self) -> None:
+        await self.run_version("0.1.13")
+
+
+class JudgeTests(AgentTestCase):
+    """Each rule of adoption against the real engine, one container at a time."""
+
+    def setUp(self) -> None:
+        from tests.support.docker_env import require_docker
+
+        self.env = require_docker()
+        self.client = self.env.client()
+        self.client.images.get(BUSYBOX).tag(OTHER_IMAGE)
+
+    def make(self, name: str, image: str = BUSYBOX, labels: dict[str, str] | None = None) -> Any:
+        c = self.client.containers.create(image, ["sh", "-c", "exec sleep 60"], name=name, labels=labels or {})
+        self.addCleanup(lambda: c.remove(force=True))
+        return c
+
+    def judge(self, name: str, image: str, container_id: str | None = None) -> Any:
+        from llmport_agent.workloads.adoption import Candidate, judge
+
+        return judge(self.client, Candidate("rt-1", name, image, container_id), "me")
+
+    def test_the_rules(self) -> None:
+        from llmport_agent.workloads.spec import LABEL_AGENT_ID, MANAGED_VALUE
+
+        suffix = os.urandom(3).hex()
+        right = self.make(f"llm-port-right-{suffix}")
+        self.assertEqual(self.judge(right.name, BUSYBOX).container_id, right.id)
+        self.assertEqual(self.judge(right.name, BUSYBOX, right.id[:12]).container_id, right.id)
+        # Name matches, image differs (no id recorded: the image alone must refuse it).
+        other = self.make(f"llm-port-other-{suffix}", OTHER_IMAGE)
+        v = self.judge(other.name, BUSYBOX)
+        self.assertIsNone(v.container_id)
+        self.assertIn(OTHER_IMAGE, v.refused)
+        # Another container now holds the name.
+        self.assertIn("not the container the mapping names", self.judge(right.name, BUSYBOX, "0" * 12).refused)
+        plain = self.make(f"someone-{suffix}")
+        self.assertIn("does not start with llm-port-", self.judge(plain.name, BUSYBOX).refused)
+        self.assertIn("no container", self.judge(f"llm-port-absent-{suffix}", BUSYBOX).refused)
+        theirs = self.make(f"llm-port-theirs-{suffix}", labels={LABEL_MANAGED: MANAGED_VALUE, LABEL_AGENT_ID: "x"})
+        self.assertIn("managed by agent 'x'", self.judge(theirs.name, BUSYBOX).refused)
+        mine = self.make(f"llm-port-mine-{suffix}", labels={LABEL_MANAGED: MANAGED_VALUE, LABEL_AGENT_ID: "me"})
+        self.assertIn("already this agent's own", self.judge(mine.name, BUSYBOX).refused)
+
+    def test_malformed_mapping_entries_are_never_candidates(self) -> None:
+        from llmport_agent.workloads.adoption import candidates
+
+        found, bad = candidates({"workloads": {
+            "rt-ok": {"container_name": "llm-port-a", "image": "busybox"},
+            "rt-bad-name": {"container_name": "../../etc", "image": "busybox"},
+            "rt-no-image": {"container_name": "llm-port-b"},
+            "bad id with spaces": {"container_name": "llm-port-c", "image": "busybox"},
+            "rt-list": ["not", "an", "object"],
+        }})
+        self.assertEqual([c.runtime_id for c in found], ["rt-ok"])
+        self.assertEqual(len(bad), 4)
+        self.assertEqual(candidates({"workloads": "nonsense"}), ([], []))
