@@ -216,9 +216,9 @@ class DevBackend:
         self.enroll_requests = 0
         from .onboarding import Onboarding
 
-        #: Join requests and whoami (protocol 10.7); C{onboarding.enabled = False} makes this a
-        #: backend of the April generation, without those routes.
-        self.onboarding = Onboarding(self)
+        #: Join requests and whoami (protocol 10.7): served by the current generation only (the
+        #: April one answers 404 Not Found); C{onboarding.enabled} switches them alone.
+        self.onboarding = Onboarding(self, enabled=generation == GENERATION_CURRENT)
         #: Ray cluster tokens by credential_ref (protocol 10.6), see L{add_cluster_secret}.
         self.cluster_secrets: dict[str, ClusterSecret] = {}
 

@@ -774,7 +774,7 @@ class SessionService(Service):
                     "credential any more (whoami {detail}): the node was deleted in llm-port or its "
                     "credential revoked. To bring it back: sudo llmport-agent join {url} (an "
                     "administrator approves the code it shows), or {help} and set "
-                    "LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN, then restart the agent. Retrying every {every:.0f} s.",
+                    "LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN, then restart the agent; retrying every {every:.0f} s",
                     status=http_status,
                     detail=self.deleted_detail,
                     url=self.config.backend_url,
