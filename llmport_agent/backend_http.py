@@ -29,6 +29,7 @@ SECRETS_PATH = "/api/admin/system/nodes/secrets/"
 SECRET_BODY_LIMIT = 64 * 1024
 JOIN_PATH = "/api/admin/system/nodes/join-requests"
 WHOAMI_PATH = "/api/node-files/whoami"
+LOG_SINK_PATH = "/api/node-files/log-sink"
 
 
 class BackendError(Exception):
@@ -295,6 +296,28 @@ class BackendHTTP:
         if code != 200:
             raise Transient(f"GET {WHOAMI_PATH}: HTTP {code}: {_detail(content, (credential,))}")
         return _object(content, WHOAMI_PATH)
+
+
+    async def log_sink(self, credential: str, timeout: float | None = None) -> object:
+        """
+        C{GET /api/node-files/log-sink} with the node's credential (protocol 10.7): the
+        backend's C{loki_url}, or C{None} when it has none (C{null}, or a 404: an April backend
+        has no such route). Raises L{Rejected} (401/403) or L{Transient}. The value is not
+        validated here, not even its type (see L{llmport_agent.logs.sink.validate_sink_url}).
+        """
+        headers = {"Authorization": f"Bearer {credential}"}
+        code, content = await self._post(
+            LOG_SINK_PATH, None, headers, self.timeout if timeout is None else timeout, method="GET"
+        )
+        if code == 404:
+            return None
+        if code in (401, 403):
+            raise Rejected(code, _detail(content, (credential,)))
+        if code != 200:
+            raise Transient(f"GET {LOG_SINK_PATH}: HTTP {code}: {_detail(content, (credential,))}")
+        data = _object(content, LOG_SINK_PATH)
+        url = data.get("loki_url")
+        return None if url is None or url == "" else url
 
 
 def _object(content: bytes, path: str) -> dict[str, Any]:

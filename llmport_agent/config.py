@@ -318,7 +318,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("COMMAND_DEADLINES", "command_deadlines", (), lambda var, raw: _deadlines(var, raw),
             "Per-type deadlines overriding the built-in ones, e.g. deploy_workload=7200,fetch_container_logs=20."),
     Setting("LOKI_URL", "loki_url", None, _optional_http_url,
-            "Loki base URL for log shipping (unset = no shipping)."),
+            "Loki base URL for log shipping (unset = ask the backend for its log sink at connect)."),
     Setting("LOG_BATCH_SIZE", "log_batch_size", 100, _number(1, integer=True),
             "A Loki push starts once this many lines wait (when no push is in flight; a busy "
             "agent gathers more, up to LOKI_BATCH_BYTES)."),

@@ -298,8 +298,12 @@ class AgentService(MultiService):
         self.log_observer: Any = None
         self.loki_pool: Any = None
         self.log_shipping: Any = None
+        self.log_sink: Any = None
+        self._state_dir = state_dir
         if config.loki_url:
             self._build_log_shipping(state_dir)
+        else:
+            self._build_log_sink_discovery()
         self.ops: Any = None
         if config.ops_port:
             from llmport_agent.ops import OpsService
@@ -336,6 +340,49 @@ class AgentService(MultiService):
             # shipper, so it stops before both.
             self.container_logs = shipping.containers
             self._ordered.insert(self._ordered.index(self.engine) + 1, self.container_logs)
+
+    def _build_log_sink_discovery(self) -> None:
+        """
+        No LOKI_URL: ask the backend for its sink at connect (protocol 10.7); shipping is built
+        when it names one, into slots that keep the stop order of a configured LOKI_URL.
+        """
+        from llmport_agent.logs.sink import LogSinkDiscovery, ServiceSlot
+
+        self._logs_slot = ServiceSlot(self.reactor, "logs-slot")
+        self._ordered.insert(3, self._logs_slot)
+        self._containers_slot: ServiceSlot | None = None
+        if self.engine is not None:
+            self._containers_slot = ServiceSlot(self.reactor, "container-logs-slot")
+            self._ordered.insert(self._ordered.index(self.engine) + 1, self._containers_slot)
+        self.log_sink = LogSinkDiscovery(
+            self.reactor, lambda: self.backend.log_sink(self.session.credential()), self._sink_found
+        )
+        self.session.subscribe(self.log_sink)
+        self._ordered.insert(self._ordered.index(self.session), self.log_sink)
+
+    def _sink_found(self, url: str) -> None:
+        """Start shipping to the sink the backend named (reactor thread, once)."""
+        import attrs
+        from twisted.logger import globalLogPublisher
+
+        from llmport_agent.logs.wiring import build_log_shipping
+
+        if self.log_shipping is not None or not self.running:
+            return
+        shipping = build_log_shipping(
+            self.reactor, attrs.evolve(self.config, loki_url=url), state_dir=self._state_dir,
+            host=self.backend_host, secrets=self._secrets, engine=self.engine,
+            docker_environ=self._docker_environ,
+        )
+        self.log_shipping = shipping
+        self.loki, self.loki_pool = shipping.shipper, shipping.http_pool
+        self.log_observer, self.journald = shipping.observer, shipping.journald
+        for svc in shipping.readers:
+            svc.setServiceParent(self._logs_slot)
+        if shipping.containers is not None and self._containers_slot is not None:
+            self.container_logs = shipping.containers
+            shipping.containers.setServiceParent(self._containers_slot)
+        globalLogPublisher.addObserver(self.log_observer)
 
     def backend_host(self) -> str:
         """
@@ -836,7 +883,9 @@ class AgentService(MultiService):
             "events": {"outbox_depth": self.outbox.depth, "dropped": self.outbox.dropped, "sent": self.outbox.sent},
             "logs": (
                 self.log_shipping.describe() if self.log_shipping is not None
-                else {"shipping": "off (no LOKI_URL)"}
+                else {"shipping": "off (no LOKI_URL)"} if self.log_sink is None
+                else {"shipping": "off (no LOKI_URL; waiting for the backend's log sink)",
+                      "log_sink": self.log_sink.describe()}
             ),
             "reports": {"heartbeats_sent": self.heartbeat.sent, "inventories_sent": self.inventory.sent,
                         "inventory_error": self.inventory.last_error},

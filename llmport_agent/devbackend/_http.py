@@ -21,7 +21,12 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
-from llmport_agent.devbackend._state import AuthError, EnrollRejected, StoreFailure
+from llmport_agent.devbackend._state import (
+    GENERATION_CURRENT,
+    AuthError,
+    EnrollRejected,
+    StoreFailure,
+)
 
 if TYPE_CHECKING:
     from llmport_agent.devbackend.backend import DevBackend, ImageEntry
@@ -348,6 +353,33 @@ class ClusterSecretResource(JsonResource):
             return json_response(request, 404, {"detail": "Secret not found."})
         secret.fetches += 1
         return json_response(request, 200, {"token": secret.token})
+
+
+class LogSinkResource(JsonResource):
+    """
+    C{GET .../api/node-files/log-sink} (bearer, protocol 10.7): C{{"loki_url": ...}} with the
+    backend's L{DevBackend.log_sink_url}; 404 when it has none, and on an April backend (which
+    has no such route). 401 for a bad credential.
+    """
+
+    isLeaf = True
+
+    def __init__(self, backend: DevBackend) -> None:
+        super().__init__()
+        self._backend = backend
+
+    def render_GET(self, request: Request) -> bytes:
+        b = self._backend
+        b.log_sink_requests += 1
+        if b.state.generation != GENERATION_CURRENT:
+            return json_response(request, 404, {"detail": "Not Found"})
+        try:
+            b.state.authenticate(_header(request, b"authorization"))
+        except AuthError as e:
+            return json_response(request, 401, {"detail": e.detail})
+        if b.log_sink_url is None:
+            return json_response(request, 404, {"detail": "Not Found"})
+        return json_response(request, 200, {"loki_url": b.log_sink_url})
 
 
 @implementer(IPushProducer)

@@ -34,6 +34,7 @@ from llmport_agent.devbackend._http import (
     EnrollResource,
     ImageSaveResource,
     JsonResource,
+    LogSinkResource,
     RotateResource,
     TokensResource,
 )
@@ -174,8 +175,12 @@ class DevBackend:
         keep_frames: bool = True,
         generation: str = GENERATION_CURRENT,
         reaper_scale: float = 1.0,
+        log_sink_url: str | None = None,
     ) -> None:
         self.reactor = reactor
+        #: What C{GET /api/node-files/log-sink} names (protocol 10.7); C{None}: 404, no sink.
+        self.log_sink_url = log_sink_url
+        self.log_sink_requests = 0
         # An IReactorTime (seconds, callLater): idle timers, reaper sweeps and timestamps.
         self.clock: Any = clock if clock is not None else reactor
         self.faults = Faults(idle_timeout=idle_timeout)
@@ -247,6 +252,7 @@ class DevBackend:
         images = JsonResource()
         _put(node_files, b"images", images)
         _put(images, b"save", ImageSaveResource(self))
+        _put(node_files, b"log-sink", LogSinkResource(self))
         from .onboarding import install as install_onboarding
 
         install_onboarding(self.onboarding, nodes, node_files)

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="multiply the current generation's reaper times (300 s silence "
                         "floor, 600 s offline grace, 300 s stale session, 60 s sweep) by this "
                         "factor, e.g. 0.01 for tests (default 1)")
+    parser.add_argument("--log-sink-url", default=None,
+                        help="the Loki URL GET /api/node-files/log-sink names to agents without "
+                        "LOKI_URL (default: none, the route answers 404)")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warn", "error", "critical"])
     return parser
@@ -205,6 +208,7 @@ def main(argv: list[str]) -> int:
         keep_frames=args.keep_frames,
         generation=args.generation,
         reaper_scale=args.reaper_scale,
+        log_sink_url=args.log_sink_url,
     )
     for name, tag, path in args.image:
         backend.add_image(name, tag, path, image_size=None)

@@ -1,0 +1,310 @@
+"""
+Tests for log-sink discovery (protocol 10.7, L{llmport_agent.logs.sink}): the URL check, when
+the agent asks and asks again, the client call against the stand-in backend's route, and a
+whole agent without C{LOKI_URL} shipping to the sink the backend names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+from twisted.logger import formatEvent
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmport_agent.backend_http import Rejected, Transient
+from llmport_agent.backoff import Backoff
+from llmport_agent.logs.sink import REASK_SEC, LogSinkDiscovery, ServiceSlot, validate_sink_url
+from tests.agentharness import AgentTestCase
+from tests.support.logs import capture_events
+
+PASSWORD = "s3cr3t-LOKI-pass"
+
+
+class ValidateTests(SynchronousTestCase):
+    """What a backend may name as the sink."""
+
+    def test_accepted(self) -> None:
+        """http(s) with a host, a port, a base path, user info; the trailing / dropped."""
+        for url in ("http://127.0.0.1:3100", "https://loki.example/loki-gw/", f"http://u:{PASSWORD}@h:3100"):
+            self.assertEqual(validate_sink_url(url), url.rstrip("/"))
+
+    def test_refused(self) -> None:
+        """Other schemes, no host, query, fragment, control characters, too long, not a string."""
+        bad: list[object] = [
+            "ftp://h", "http://", "h:3100", f"http://u:{PASSWORD}@h/?x=1", "http://h/#f",
+            "http://h/a b", "http://h/\x00", "http://h:99999", "http://h:x", "http://" + "a" * 3000,
+            5, None, ["http://h"], {"url": "http://h"},
+        ]
+        for raw in bad:
+            with self.assertRaises(ValueError, msg=repr(raw)[:60]) as ctx:
+                validate_sink_url(raw)
+            self.assertNotIn(PASSWORD, str(ctx.exception))
+
+
+class Script:
+    """A scripted C{ask}: each call takes the next answer (a value, or an exception to raise)."""
+
+    def __init__(self, *answers: Any) -> None:
+        self.answers = list(answers)
+        self.calls = 0
+
+    async def __call__(self) -> object:
+        self.calls += 1
+        answer = self.answers.pop(0) if self.answers else None
+        if isinstance(answer, Exception):
+            raise answer
+        if isinstance(answer, Deferred):
+            return await answer
+        return answer
+
+
+class DiscoveryTests(SynchronousTestCase):
+    """When it asks, on a Clock."""
+
+    def make(self, *answers: Any) -> tuple[LogSinkDiscovery, Script, list[str]]:
+        self.clock = Clock()
+        script = Script(*answers)
+        found: list[str] = []
+        disc = LogSinkDiscovery(self.clock, script, found.append, backoff=Backoff(5.0, 300.0, random=lambda: 1.0))
+        disc.startService()
+        self.addCleanup(disc.stopService)
+        return disc, script, found
+
+    def test_found_at_connect_once(self) -> None:
+        """Asked at connect; a sink starts shipping once; reconnects do not ask again."""
+        disc, script, found = self.make(f"http://u:{PASSWORD}@127.0.0.1:3100/")
+        events = capture_events(self)
+        self.assertEqual(script.calls, 0)
+        disc.session_opened()
+        self.clock.advance(0)
+        self.assertEqual(found, [f"http://u:{PASSWORD}@127.0.0.1:3100"])
+        disc.session_closed()
+        disc.session_opened()
+        self.clock.advance(REASK_SEC * 3)
+        self.assertEqual(script.calls, 1)
+        self.assertEqual(found, [f"http://u:{PASSWORD}@127.0.0.1:3100"])
+        text = "\n".join(formatEvent(e) for e in events) + json.dumps(disc.describe())
+        self.assertNotIn(PASSWORD, text)
+        self.assertIn("u:***@127.0.0.1:3100", text)
+
+    def test_no_sink_asks_again_later_and_at_reconnect(self) -> None:
+        """None (null or 404): asked again every REASK_SEC while connected, and at each connect; said once."""
+        disc, script, found = self.make(None, None, None, "http://127.0.0.1:3100")
+        events = capture_events(self)
+        disc.session_opened()
+        self.clock.advance(0)
+        self.assertEqual(script.calls, 1)
+        self.clock.advance(REASK_SEC - 1)
+        self.assertEqual(script.calls, 1)
+        self.clock.advance(1)
+        self.assertEqual(script.calls, 2)
+        disc.session_closed()
+        self.clock.advance(REASK_SEC * 2)
+        self.assertEqual(script.calls, 2)  # not while disconnected
+        disc.session_opened()
+        self.clock.advance(0)
+        self.assertEqual(script.calls, 3)
+        self.clock.advance(REASK_SEC)
+        self.assertEqual(found, ["http://127.0.0.1:3100"])
+        said = [e for e in events if "offers no log sink" in formatEvent(e)]
+        self.assertEqual(len(said), 1)
+
+    def test_failures_retried_with_backoff(self) -> None:
+        """A failure to ask is retried while connected, backing off (10 s, 20 s, 40 s at the top of the jitter)."""
+        disc, script, found = self.make(Transient("HTTP 502"), Transient("x"), Transient("y"), "http://h:1")
+        disc.session_opened()
+        self.clock.advance(0)
+        for delay in (10.0, 20.0, 40.0):
+            calls = script.calls
+            self.clock.advance(delay - 0.01)
+            self.assertEqual(script.calls, calls)
+            self.clock.advance(0.01)
+            self.assertEqual(script.calls, calls + 1)
+        self.assertEqual(found, ["http://h:1"])
+
+    def test_rejected_waits_for_next_connect(self) -> None:
+        """401/403: no retry on this connection; the next connect asks again."""
+        disc, script, found = self.make(Rejected(401, "Invalid node credential."), "http://h:1")
+        disc.session_opened()
+        self.clock.advance(0)
+        self.clock.advance(REASK_SEC * 2)
+        self.assertEqual(script.calls, 1)
+        disc.session_closed()
+        disc.session_opened()
+        self.clock.advance(0)
+        self.assertEqual(found, ["http://h:1"])
+
+    def test_invalid_url_not_used(self) -> None:
+        """An unusable URL starts nothing, is said (masked), and is asked again later."""
+        disc, script, found = self.make(f"ftp://u:{PASSWORD}@h", 42, "http://h:1")
+        events = capture_events(self)
+        disc.session_opened()
+        self.clock.advance(0)
+        self.assertEqual(found, [])
+        self.clock.advance(REASK_SEC)
+        self.assertEqual(found, [])
+        self.clock.advance(REASK_SEC)
+        self.assertEqual(found, ["http://h:1"])
+        text = "\n".join(formatEvent(e) for e in events)
+        self.assertIn("not usable", text)
+        self.assertNotIn(PASSWORD, text)
+
+    def test_one_question_at_a_time_and_clean_stop(self) -> None:
+        """A slow answer is not asked over; a stop leaves no timer behind."""
+        slow: Deferred[object] = Deferred()
+        disc, script, found = self.make(slow)
+        disc.session_opened()
+        self.clock.advance(0)
+        disc.session_closed()
+        disc.session_opened()
+        self.clock.advance(0)
+        self.assertEqual(script.calls, 1)
+        slow.callback(None)
+        disc.stopService()
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class SlotTests(SynchronousTestCase):
+    """ServiceSlot: later children start at once; stop one by one, last first."""
+
+    def test_order(self) -> None:
+        from twisted.application.service import Service
+
+        log: list[str] = []
+        gates: dict[str, Deferred[None]] = {}
+
+        class Part(Service):
+            def __init__(self, name: str) -> None:
+                self.setName(name)
+
+            def startService(self) -> None:
+                super().startService()
+                log.append(f"start {self.name}")
+
+            def stopService(self) -> Deferred[None]:
+                super().stopService()
+                log.append(f"stop {self.name}")
+                gates[self.name] = Deferred()
+                return gates[self.name]
+
+        clock = Clock()
+        slot = ServiceSlot(clock, "slot")
+        slot.startService()
+        for name in ("pool", "shipper", "reader"):
+            Part(name).setServiceParent(slot)
+        self.assertEqual(log, ["start pool", "start shipper", "start reader"])
+        d = slot.stopService()
+        self.assertEqual(log[-1], "stop reader")
+        gates["reader"].callback(None)
+        self.assertEqual(log[-1], "stop shipper")
+        clock.advance(15)  # a stop that never ends is given up on
+        self.assertEqual(log[-1], "stop pool")
+        gates["pool"].callback(None)
+        self.successResultOf(d)
+
+
+class RouteTests(AgentTestCase):
+    """BackendHTTP.log_sink against the stand-in backend's route, over loopback."""
+
+    async def node_credential(self, **kw: Any) -> tuple[Any, Callable[[str], Any]]:
+        from treq.client import HTTPClient
+        from twisted.web.client import Agent, HTTPConnectionPool
+
+        from llmport_agent.backend_http import BackendHTTP
+
+        backend = await self.start_backend(**kw)
+        agent = self.start_agent(backend)
+        await self.wait_connected(backend, agent)
+        pool = HTTPConnectionPool(reactor, persistent=False)
+        http = BackendHTTP(reactor, HTTPClient(Agent(reactor, pool=pool)), backend.url, 10)
+        await agent.stopService()
+        return backend, lambda cred: http.log_sink(cred or agent.state.credential)
+
+    async def test_answers(self) -> None:
+        """The URL when set; 404 (None) when none; 401 for a bad credential."""
+        backend, ask = await self.node_credential()
+        before = backend.log_sink_requests  # the agent asked once itself
+        self.assertIsNone(await ask(""))
+        backend.log_sink_url = "http://127.0.0.1:3100"
+        self.assertEqual(await ask(""), "http://127.0.0.1:3100")
+        with self.assertRaises(Rejected):
+            await ask("00000000-0000-0000-0000-000000000000.nope")
+        self.assertEqual(backend.log_sink_requests - before, 3)
+
+    async def test_april_backend(self) -> None:
+        """The April generation has no such route: 404, no sink."""
+        backend, ask = await self.node_credential(generation="2026-04")
+        backend.log_sink_url = "http://127.0.0.1:3100"
+        self.assertIsNone(await ask(""))
+
+
+class AgentDiscoveryTests(AgentTestCase):
+    """A whole agent without LOKI_URL."""
+
+    async def loki(self) -> tuple[Any, str]:
+        from twisted.internet.endpoints import TCP4ServerEndpoint
+        from twisted.web.server import Site
+
+        from llmport_agent.logs.testing import FakeLoki
+
+        loki = FakeLoki(check_labels=True)
+        port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Site(loki))
+        self.addCleanup(port.stopListening)
+        return loki, f"http://127.0.0.1:{port.getHost().port}"
+
+    async def test_ships_to_the_backends_sink(self) -> None:
+        """The backend names a sink: the agent's lines reach it, with agent_id; diagnostics say so."""
+        loki, url = await self.loki()
+        backend = await self.start_backend(log_sink_url=url)
+        agent = self.start_agent(backend, LOG_FLUSH_INTERVAL_SEC="0.2")
+        await self.wait_connected(backend, agent)
+        agent_id = agent.config.agent_id
+        await backend.wait_for(lambda: agent.log_shipping is not None, 10)
+        agent.log.info("a line after the sink was found")
+        await backend.wait_for(
+            lambda: any("after the sink was found" in line for line in loki.lines(job="node-agent")), 10)
+        entries = loki.entries(job="node-agent")
+        self.assertTrue(all(e.labels["agent_id"] == agent_id for e in entries))
+        self.assertTrue(all(e.labels["container"] == f"node-{agent_id}" for e in entries))
+        self.assertEqual(loki.violations, [])
+        diag = await agent.diagnostics()
+        self.assertEqual(diag["logs"]["loki"]["url"], url + "/loki/api/v1/push")
+        self.assertNotIn(agent.state.credential.split(".")[1], "\n".join(loki.lines()))
+        await agent.stopService()
+        self.assertFalse(agent.log_shipping.shipper.running)
+
+    async def test_no_sink(self) -> None:
+        """No sink (404): nothing is shipped, diagnostics say the agent waits for one."""
+        backend = await self.start_backend()
+        agent = self.start_agent(backend)
+        await self.wait_connected(backend, agent)
+        await backend.wait_for(lambda: backend.log_sink_requests >= 1, 10)
+        await backend.wait_for(lambda: agent.log_sink.last == "no sink", 10)
+        self.assertIsNone(agent.log_shipping)
+        diag = await agent.diagnostics()
+        self.assertIn("waiting for the backend's log sink", diag["logs"]["shipping"])
+        self.assertEqual(diag["logs"]["log_sink"]["last"], "no sink")
+        await agent.stopService()
+
+    async def test_loki_url_set_no_question(self) -> None:
+        """With LOKI_URL set the backend is never asked."""
+        _loki, url = await self.loki()
+        backend = await self.start_backend(log_sink_url="http://127.0.0.1:1")
+        agent = self.start_agent(backend, LOKI_URL=url)
+        await self.wait_connected(backend, agent)
+        await defer_later(0.5)
+        self.assertEqual(backend.log_sink_requests, 0)
+        self.assertIsNone(agent.log_sink)
+        await agent.stopService()
+
+
+def defer_later(seconds: float) -> Deferred[None]:
+    from twisted.internet.task import deferLater
+
+    return deferLater(reactor, seconds, lambda: None)
+
