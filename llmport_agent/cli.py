@@ -4,6 +4,7 @@ The C{llmport-agent} console script.
   llmport-agent [run] [options]   run the agent in the foreground (same service as twistd)
   llmport-agent demo              stand-in backend + agent on loopback, end to end, then exit
   llmport-agent devbackend        run the local stand-in backend
+  llmport-agent doctor [--json]   check this node and say what to fix (read-only)
   llmport-agent config            show the resolved configuration (secrets masked)
   llmport-agent start|stop|status install and start / stop / inspect the systemd unit
   llmport-agent join [URL] [--user] join the current llm-port with a code an administrator approves
@@ -182,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         from llmport_agent.devbackend.cli import main as devbackend_main
 
         return devbackend_main(argv[1:])
+    if argv and argv[0] == "doctor":
+        from llmport_agent.doctor import main as doctor_main
+
+        return doctor_main(argv[1:])
     if argv and argv[0] == "demo":
         from llmport_agent.demo import main as demo_main
 
@@ -214,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("stop", help="stop and disable the systemd unit (root)")
     p_status = sub.add_parser("status", help="show enrollment and service status")
     _add_setting_options(p_status)
+    sub.add_parser("doctor", help="check this node and say what to fix (read-only; --json)")
     sub.add_parser("demo", help="run the end-to-end demo against the stand-in backend")
     sub.add_parser("devbackend", help="run the local stand-in backend")
     args = parser.parse_args(argv)

@@ -1,0 +1,349 @@
+"""
+`llmport-agent doctor` in scripted broken environments (issue 22, point 3), each named with the
+fix it must print: no engine, wrong CA, an expired token, a store on a full or read-only file
+system, an env file 0644 with the token, a port Ray needs taken, a deleted node; checks run
+concurrently, each bounded; a running agent next to it keeps its one stream and its state;
+the exit status follows the worst finding.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.task import deferLater
+from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
+
+from llmport_agent.devbackend import make_test_tls
+from llmport_agent.doctor import checks as C
+from llmport_agent.doctor.result import FAIL, OK, WARN, Finding, exit_status, fail, ok, warn
+from llmport_agent.doctor.run import diagnose, main, make_context, read_env_file
+from llmport_agent.ops import OpsService
+from tests.agentharness import AgentTestCase, agent_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ctx_for(case: Any, env: dict[str, str] | None = None, env_file: str | None = None, **kw: Any) -> C.Context:
+    d = os.path.abspath(case.mktemp())
+    os.makedirs(d, exist_ok=True)
+    base = {
+        "LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:9",
+        "LLM_PORT_NODE_AGENT_STATE_PATH": os.path.join(d, "state", "state.json"),
+        "LLM_PORT_NODE_AGENT_MODEL_STORE": os.path.join(d, "models"),
+        "LLM_PORT_NODE_AGENT_OPS_PORT": "0",
+    }
+    base.update(env or {})
+    return make_context(env_file or os.path.join(d, "absent.env"), base, **kw)
+
+
+def by_check(findings: list[Finding], name: str) -> list[Finding]:
+    return [f for f in findings if f.check == name]
+
+
+def one(case: Any, findings: list[Finding], name: str, status: str) -> Finding:
+    mine = by_check(findings, name)
+    case.assertEqual([f.status for f in mine], [status], [f.line() for f in findings])
+    return mine[0]
+
+
+class ResultTests(SynchronousTestCase):
+    def test_exit_status_by_the_worst(self) -> None:
+        self.assertEqual(exit_status([]), 0)
+        self.assertEqual(exit_status([ok("a", "x"), ok("b", "y")]), 0)
+        self.assertEqual(exit_status([ok("a", "x"), warn("b", "y", "z")]), 1)
+        self.assertEqual(exit_status([warn("b", "y", "z"), fail("c", "y", "z"), ok("a", "x")]), 2)
+
+    def test_line_names_the_fix(self) -> None:
+        self.assertEqual(fail("env file", "mode 0644", "`chmod 600 f`").line(),
+                         "fail  env file            mode 0644 -> `chmod 600 f`")
+        self.assertEqual(ok("rdma", "none").line(), "ok    rdma                none")
+
+    def test_env_file_parsing(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as f:
+            f.write("# c\nLLM_PORT_NODE_AGENT_BACKEND_URL=\"https://b.example\"\n\nX='1'\nbad line\n")
+        self.assertEqual(read_env_file(path), {"LLM_PORT_NODE_AGENT_BACKEND_URL": "https://b.example", "X": "1"})
+
+
+class EngineTests(SynchronousTestCase):
+    def test_no_engine(self) -> None:
+        ctx = ctx_for(self, {"DOCKER_HOST": "unix://" + os.path.abspath(self.mktemp()) + ".sock"})
+        f = one(self, C.check_engine(ctx), "docker engine", FAIL)
+        self.assertIn("no engine at unix://", f.detail)
+        self.assertIn("systemctl start docker", f.fix)
+        self.assertIn("DOCKER_HOST", f.fix)
+
+    def test_real_engine(self) -> None:
+        from tests.support.docker_env import require_docker
+
+        env = require_docker()
+        f = one(self, C.check_engine(ctx_for(self, {"DOCKER_HOST": env.host})), "docker engine", OK)
+        self.assertRegex(f.detail, r"^\d+\.\d+.* \(API 1\.\d+\) at unix://")
+
+
+class FileTests(SynchronousTestCase):
+    def test_env_file_0644_with_the_token(self) -> None:
+        path = os.path.abspath(self.mktemp())
+        with open(path, "w") as f:
+            f.write("LLM_PORT_NODE_AGENT_BACKEND_URL=http://127.0.0.1:9\nLLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN=abc\n")
+        os.chmod(path, 0o644)
+        ctx = ctx_for(self, env_file=path)
+        self.assertEqual(ctx.config.enrollment_token, "abc")  # type: ignore[union-attr]
+        f = one(self, C.check_files(ctx), "env file", FAIL)
+        self.assertIn("ENROLLMENT_TOKEN", f.detail)
+        self.assertIn("0644", f.detail)
+        self.assertEqual(f.fix, f"`sudo chmod 600 {path}`")
+        self.assertNotIn("abc", f.line())
+        os.chmod(path, 0o600)
+        one(self, C.check_files(ctx), "env file", OK)
+
+    def test_state_directory_open_to_others(self) -> None:
+        ctx = ctx_for(self)
+        state_dir = os.path.dirname(ctx.config.state_path)  # type: ignore[union-attr]
+        os.makedirs(state_dir)
+        os.chmod(state_dir, 0o777)
+        f = one(self, C.check_files(ctx), "state directory", FAIL)
+        self.assertEqual(f.fix, f"`chmod 700 {state_dir}`")
+        os.chmod(state_dir, 0o700)
+        one(self, C.check_files(ctx), "state directory", OK)
+
+    def test_store_with_a_link_out(self) -> None:
+        ctx = ctx_for(self)
+        store = ctx.config.model_store  # type: ignore[union-attr]
+        os.makedirs(os.path.join(store, "models--a"))
+        os.symlink("/etc", os.path.join(store, "models--a", "evil"))
+        os.symlink("models--a", os.path.join(store, "inside"))
+        found = C.check_model_store(ctx)
+        links = [f for f in found if "links leading out" in f.detail]
+        self.assertEqual(len(links), 1, [f.line() for f in found])
+        self.assertIn("models--a/evil", links[0].detail)
+        self.assertNotIn("inside", links[0].detail)
+
+    def _mount(self, *args: str) -> None:
+        done = subprocess.run(["mount", *args], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SkipTest(f"cannot mount here ({done.stderr.strip()[:100]})")
+
+    def _umount(self, path: str) -> None:
+        subprocess.run(["umount", "-l", path], capture_output=True, check=False)
+
+    def test_store_on_a_full_file_system(self) -> None:
+        if os.geteuid() != 0:
+            raise SkipTest("mounting a tmpfs needs root")
+        ctx = ctx_for(self)
+        store = ctx.config.model_store  # type: ignore[union-attr]
+        os.makedirs(store)
+        self._mount("-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", store)
+        self.addCleanup(self._umount, store)
+        with open(os.path.join(store, "filler"), "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        f2 = one(self, C.check_model_store(ctx), "model store", FAIL)
+        self.assertIn("GiB free", f2.detail)
+        self.assertIn("free space", f2.fix)
+
+    def test_store_on_a_read_only_file_system(self) -> None:
+        if os.geteuid() != 0:
+            raise SkipTest("a read-only bind mount needs root")
+        ctx = ctx_for(self)
+        store = ctx.config.model_store  # type: ignore[union-attr]
+        os.makedirs(store)
+        self._mount("--bind", store, store)
+        self.addCleanup(self._umount, store)
+        self._mount("-o", "remount,bind,ro", store)
+        f = one(self, C.check_model_store(ctx), "model store", FAIL)
+        self.assertIn("read-only file system", f.detail)
+        self.assertIn("mount it read-write", f.fix)
+
+
+class PortTests(SynchronousTestCase):
+    def test_a_port_ray_needs_is_taken(self) -> None:
+        holder = socket.socket()
+        self.addCleanup(holder.close)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        ctx = ctx_for(self, ray_ports=(port,))
+        f = one(self, C.check_ray_ports(ctx), "ray ports", WARN)
+        self.assertIn(f"{port} by ", f.detail)
+        self.assertIn(f"pid {os.getpid()}", f.detail)
+        self.assertIn("stop what holds them", f.fix)
+        holder.close()
+        one(self, C.check_ray_ports(ctx), "ray ports", OK)
+        self.assertEqual(C.RAY_PORTS, (6379, 8000, 8265, 8089))
+
+
+class BoundsTests(TestCase):
+    #: The hung check is cut off at 0.5 s: a run that waited for it would pass this bound.
+    timeout = 8
+    async def test_checks_run_concurrently_and_a_hung_one_is_cut_off(self) -> None:
+        """Two checks meet at a barrier (only possible at once); a third never returns: fail, bounded."""
+        barrier = threading.Barrier(2, timeout=30)
+        release = threading.Event()
+        self.addCleanup(release.set)
+
+        def meets(ctx: C.Context) -> list[Finding]:
+            barrier.wait()
+            return [ok("meet", "met")]
+
+        def hangs(ctx: C.Context) -> list[Finding]:
+            release.wait()
+            return [ok("hung", "never")]
+
+        ctx = ctx_for(self)
+        ctx.readiness = {}
+        findings = await diagnose(reactor, ctx, [("a", meets), ("b", meets), ("hung", hangs)], limit=0.5)
+        self.assertEqual([f.line() for f in findings[:2]], ["ok    meet                met"] * 2)
+        self.assertEqual((findings[2].check, findings[2].status), ("hung", FAIL))
+        self.assertIn("did not finish within 0.5 s", findings[2].detail)
+        self.assertTrue(findings[2].fix)
+
+    async def test_a_check_that_raises_is_one_failed_line(self) -> None:
+        def broken(ctx: C.Context) -> list[Finding]:
+            raise RuntimeError("boom")
+
+        ctx = ctx_for(self)
+        ctx.readiness = {}
+        findings = await diagnose(reactor, ctx, [("broken", broken)])
+        self.assertEqual([(f.check, f.status) for f in findings], [("broken", FAIL)])
+        self.assertIn("RuntimeError: boom", findings[0].detail)
+
+
+class BackendTests(AgentTestCase):
+    timeout = 120
+
+    async def run_doctor(self, ctx: C.Context) -> list[Finding]:
+        return await diagnose(reactor, ctx, [("backend", C.check_backend), ("credential", C.check_credential)])
+
+    async def test_wrong_ca(self) -> None:
+        """A backend whose CA is not trusted: names the issuer and CA_BUNDLE; with the CA it passes."""
+        tls = make_test_tls(self.mktemp())
+        backend = await self.start_backend(tls=tls)
+        ctx = ctx_for(self, {"LLM_PORT_NODE_AGENT_BACKEND_URL": backend.url})
+        findings = await self.run_doctor(ctx)
+        one(self, findings, "backend dns", OK)
+        one(self, findings, "backend tcp", OK)
+        f = one(self, findings, "backend tls", FAIL)
+        self.assertIn("not trusted", f.detail)
+        self.assertIn("llmport-agent devbackend test CA", f.detail)
+        self.assertIn("LLM_PORT_NODE_AGENT_CA_BUNDLE", f.fix)
+        good = ctx_for(self, {"LLM_PORT_NODE_AGENT_BACKEND_URL": backend.url,
+                              "LLM_PORT_NODE_AGENT_CA_BUNDLE": str(tls.ca_pem)})
+        findings = await self.run_doctor(good)
+        one(self, findings, "backend tls", OK)
+        one(self, findings, "clock", OK)
+
+    async def test_expired_token(self) -> None:
+        """The agent tried a token the backend rejected (expired): the doctor says to mint a new one."""
+        backend = await self.start_backend(token_ttl=0.05)
+        token = backend.mint_token("expires")["token"]
+        await deferLater(reactor, 0.2, lambda: None)
+        state_dir = os.path.abspath(self.mktemp())
+        fatal: list[tuple[int, str]] = []
+        agent = self.start_agent(backend, state_dir=state_dir, token=False, fatal=fatal, ENROLLMENT_TOKEN=token)
+        await backend.wait_for(lambda: bool(fatal), 20)
+        await self.stop_agent(agent)
+        env = agent_env(backend, state_dir, ENROLLMENT_TOKEN=token)
+        findings = await self.run_doctor(make_context(os.path.join(state_dir, "none.env"), env))
+        f = one(self, findings, "credential", FAIL)
+        self.assertIn("invalid, expired or used", f.detail)
+        self.assertIn("mint an enrollment token", f.fix)
+        self.assertNotIn(token, f.line())
+        # A token never tried: not spent, said to be unchecked.
+        fresh = backend.mint_token("fresh")["token"]
+        findings = await self.run_doctor(make_context(os.path.join(state_dir, "none.env"),
+                                                      agent_env(backend, state_dir, ENROLLMENT_TOKEN=fresh)))
+        self.assertIn("not tried here", one(self, findings, "credential", WARN).detail)
+
+    async def test_next_to_a_running_agent(self) -> None:
+        """
+        With the agent connected: credential ok from its /readyz, no second stream, no token spent,
+        the state file untouched, the agent still connected with its one stream.
+        """
+        backend = await self.start_backend()
+        state_dir = os.path.abspath(self.mktemp())
+        agent = self.start_agent(backend, state_dir=state_dir)
+        node_id = await self.wait_connected(backend, agent)
+        ops = OpsService(reactor, agent, 0)
+        ops.startService()
+        self.addCleanup(ops.stopService)
+        port = ops.listening_port
+        with open(agent.config.state_path, "rb") as f:
+            before = f.read()
+        env = agent_env(backend, state_dir, OPS_PORT=str(port))
+        ctx = make_context(os.path.join(state_dir, "none.env"), env)
+        findings = await diagnose(reactor, ctx)
+        f = one(self, findings, "credential", OK)
+        self.assertEqual(f.detail, "the running agent is connected with it")
+        self.assertEqual(backend.connection_count(node_id), 1)
+        self.assertTrue(agent.session.connected)
+        with open(agent.config.state_path, "rb") as f2:
+            self.assertEqual(f2.read(), before)
+        # Without the agent's view, the credential is asked of whoami (read-only, no stream).
+        ctx2 = make_context(os.path.join(state_dir, "none.env"), agent_env(backend, state_dir))
+        findings = await self.run_doctor(ctx2)
+        self.assertIn(node_id, one(self, findings, "credential", OK).detail)
+        self.assertEqual(backend.connection_count(node_id), 1)
+
+    async def test_deleted_node(self) -> None:
+        """whoami refuses the stored credential: fail, with join or a new token as the fix."""
+        backend = await self.start_backend()
+        state_dir = os.path.abspath(self.mktemp())
+        os.makedirs(state_dir)
+        with open(os.path.join(state_dir, "state.json"), "w") as f:
+            json.dump({"credential": "00000000-0000-0000-0000-000000000000.nope", "node_id": "n"}, f)
+        findings = await self.run_doctor(make_context(os.path.join(state_dir, "none.env"),
+                                                      agent_env(backend, state_dir)))
+        f = one(self, findings, "credential", FAIL)
+        self.assertIn("deleted", f.detail)
+        self.assertIn("llmport-agent join", f.fix)
+
+
+class CommandLineTests(SynchronousTestCase):
+    def test_json_and_exit_status_from_a_real_process(self) -> None:
+        """`llmport-agent doctor --json` as a process: valid JSON, exit 2 with a backend that is down."""
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        env = dict(os.environ, PYTHONPATH=ROOT, LLM_PORT_NODE_AGENT_BACKEND_URL="http://127.0.0.1:9",
+                   LLM_PORT_NODE_AGENT_STATE_PATH=os.path.join(d, "state.json"),
+                   LLM_PORT_NODE_AGENT_MODEL_STORE=os.path.join(d, "models"),
+                   LLM_PORT_NODE_AGENT_OPS_PORT="0", DOCKER_HOST="unix://" + os.path.join(d, "no.sock"))
+        done = subprocess.run([sys.executable, "-m", "llmport_agent.cli", "doctor", "--json",
+                               "--env-file", os.path.join(d, "none.env")],
+                              capture_output=True, text=True, env=env, timeout=60, check=False)
+        self.assertEqual(done.returncode, 2, done.stderr[-2000:])
+        report = json.loads(done.stdout)
+        self.assertEqual(report["status"], "fail")
+        self.assertEqual(report["exit"], 2)
+        names = [c["check"] for c in report["checks"]]
+        for name in ("configuration", "backend dns", "backend tcp", "credential", "docker engine",
+                     "nvidia toolkit", "nvml", "model store", "state directory", "env file",
+                     "systemd unit", "journald", "loki", "ray ports", "rdma"):
+            self.assertIn(name, names)
+        for c in report["checks"]:
+            self.assertIn(c["status"], (OK, WARN, FAIL))
+            if c["status"] != OK:
+                self.assertTrue(c["fix"], c)
+
+    def test_text_lines_in_process(self) -> None:
+        out = io.StringIO()
+        from llmport_agent.doctor import run
+
+        findings = [ok("a", "fine"), warn("b", "meh", "do x")]
+        self.assertEqual(run.report(findings, False, out), 1)
+        self.assertEqual(out.getvalue().splitlines(), ["ok    a                   fine",
+                                                       "warn  b                   meh -> do x",
+                                                       "1 ok, 1 warn, 0 fail"])
+        self.assertTrue(callable(main))
