@@ -30,6 +30,8 @@ SECRET_BODY_LIMIT = 64 * 1024
 JOIN_PATH = "/api/admin/system/nodes/join-requests"
 WHOAMI_PATH = "/api/node-files/whoami"
 LOG_SINK_PATH = "/api/node-files/log-sink"
+#: The most bytes read of a log-sink answer.
+LOG_SINK_BODY_LIMIT = 64 * 1024
 
 
 class BackendError(Exception):
@@ -298,6 +300,34 @@ class BackendHTTP:
         return _object(content, WHOAMI_PATH)
 
 
+    async def _get_bounded(self, path: str, credential: str, timeout: float, limit: int) -> tuple[int, bytes]:
+        """C{GET path} with the credential, reading at most C{limit} bytes of the answer."""
+        chunks: list[bytes] = []
+        size = 0
+
+        def collect(data: bytes) -> None:
+            nonlocal size
+            size += len(data)
+            if size > limit:
+                raise ValueError("answer too large")
+            chunks.append(data)
+
+        headers: dict[bytes | str, bytes | str] = {"Authorization": f"Bearer {credential}"}
+        try:
+            d = self._http.get(self.url(path), headers=headers, unbuffered=True)
+            d.addTimeout(timeout, self._reactor)
+            response = await d
+            body_d = treq.collect(response, collect)
+            body_d.addTimeout(timeout, self._reactor)
+            await body_d
+        except (TimeoutError, CancelledError):
+            raise Transient(f"GET {path}: no answer within {timeout:g} s") from None
+        except ValueError:
+            raise Transient(f"GET {path}: the answer is larger than {limit} bytes") from None
+        except Exception as e:  # network errors of every kind
+            raise Transient(f"GET {path}: {describe_network_error(e, self.client_cert)}") from None
+        return response.code, b"".join(chunks)
+
     async def log_sink(self, credential: str, timeout: float | None = None) -> object:
         """
         C{GET /api/node-files/log-sink} with the node's credential (protocol 10.7): the
@@ -305,9 +335,8 @@ class BackendHTTP:
         has no such route). Raises L{Rejected} (401/403) or L{Transient}. The value is not
         validated here, not even its type (see L{llmport_agent.logs.sink.validate_sink_url}).
         """
-        headers = {"Authorization": f"Bearer {credential}"}
-        code, content = await self._post(
-            LOG_SINK_PATH, None, headers, self.timeout if timeout is None else timeout, method="GET"
+        code, content = await self._get_bounded(
+            LOG_SINK_PATH, credential, self.timeout if timeout is None else timeout, LOG_SINK_BODY_LIMIT
         )
         if code == 404:
             return None

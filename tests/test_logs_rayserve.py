@@ -27,6 +27,7 @@ from llmport_agent.logs.rayserve import (
     scan,
 )
 from llmport_agent.logs.testing import protocol_label_problem
+from tests.agentharness import AgentTestCase
 from tests.support.logs import RecordingSink
 
 SESSION = "session_2026-12-02_10-00-00_123456_1"
@@ -374,3 +375,82 @@ def deferLater(reactor: Any, seconds: float) -> Deferred[None]:
     from twisted.internet.task import deferLater as later
 
     return later(reactor, seconds, lambda: None)
+
+
+class SaveOrderTests(SynchronousTestCase):
+    """Position writes never overtake each other (an older one landing last would go back)."""
+
+    def test_one_write_at_a_time(self) -> None:
+        """A save while another is in flight waits for it; the file ends with the newest positions."""
+        from llmport_agent.storage import atomic_write
+
+        class HeldRunner:
+            def __init__(self) -> None:
+                self.held: list[tuple[Callable[..., Any], tuple[Any, ...], Deferred[Any]]] = []
+
+            def run(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Deferred[Any]:
+                if fn is atomic_write:
+                    d: Deferred[Any] = Deferred()
+                    self.held.append((fn, args, d))
+                    return d
+                return defer.maybeDeferred(fn, *args, **kw)
+
+            def release(self, i: int) -> None:
+                fn, args, d = self.held.pop(i)
+                defer.maybeDeferred(fn, *args).chainDeferred(d)
+
+        clock = Clock()
+        clock.advance(100)
+        tree = Tree(os.path.abspath(self.mktemp()))
+        state = os.path.abspath(self.mktemp())
+        os.makedirs(state)
+        with open(os.path.join(state, STATE_FILE), "w") as f:
+            json.dump({"version": 1, "files": {}}, f)
+        sink = RecordingSink()
+        runner = HeldRunner()
+        tree.append("a")
+        src = RayServeLogSource(clock, sink, lambda: "h", runner, session_dir=tree.root, state_dir=state,
+                                wallclock_ns=lambda: NOW)
+        src.startService()
+        sink.delivered = len(sink.pushed)
+        tree.append("b")
+        clock.advance(2.0)  # a second pass: its save must wait for the first
+        sink.delivered = len(sink.pushed)
+        stopping = src.stopService()
+        self.assertEqual(len(runner.held), 1)  # the first write only
+        runner.release(0)
+        while runner.held:
+            runner.release(len(runner.held) - 1)
+        self.successResultOf(stopping)
+        with open(os.path.join(state, STATE_FILE)) as f:
+            saved = json.load(f)["files"][f"{SESSION}/{REPLICA}"]
+        self.assertEqual(saved["offset"], os.path.getsize(tree.path()))
+
+
+class AgentWiringTests(AgentTestCase):
+    """A whole agent with a Loki sink reads RAY_SESSION_DIR."""
+
+    async def test_agent_ships_replica_logs(self) -> None:
+        from twisted.internet import reactor
+        from twisted.internet.endpoints import TCP4ServerEndpoint
+        from twisted.web.server import Site
+
+        from llmport_agent.logs.testing import FakeLoki
+
+        loki = FakeLoki(check_labels=True)
+        port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Site(loki))
+        self.addCleanup(port.stopListening)
+        tree = Tree(os.path.abspath(self.mktemp()))
+        backend = await self.start_backend()
+        agent = self.start_agent(backend, LOKI_URL=f"http://127.0.0.1:{port.getHost().port}",
+                                 LOG_FLUSH_INTERVAL_SEC="0.2", RAY_SESSION_DIR=tree.root)
+        await self.wait_connected(backend, agent)
+        await backend.wait_for(lambda: agent.log_shipping.ray_serve.passes > 0, 10)
+        tree.append("INFO 2026-12-02 10:00:00,000 replica ready", f"token {agent.state.credential}")
+        await backend.wait_for(lambda: len(loki.entries(job="ray-serve")) == 2, 10)
+        entries = loki.entries(job="ray-serve")
+        self.assertEqual({e.labels["replica"] for e in entries}, {"k3x9q2"})
+        self.assertEqual({e.labels["host"] for e in entries}, {"127.0.0.1"})
+        self.assertNotIn(agent.state.credential, "\n".join(e.line for e in entries))
+        self.assertEqual(loki.violations, [])
+        await agent.stopService()

@@ -243,6 +243,52 @@ class RouteTests(AgentTestCase):
         self.assertIsNone(await ask(""))
 
 
+class RawAnswerTests(AgentTestCase):
+    """BackendHTTP.log_sink on answers the stand-in does not give: null, junk, too large, 5xx."""
+
+    async def ask(self, code: int, body: bytes) -> object:
+        from treq.client import HTTPClient
+        from twisted.internet.endpoints import TCP4ServerEndpoint
+        from twisted.web.client import Agent, HTTPConnectionPool
+        from twisted.web.resource import Resource
+        from twisted.web.server import Site
+
+        from llmport_agent.backend_http import BackendHTTP
+
+        seen: list[bytes | None] = []
+
+        class Answer(Resource):
+            isLeaf = True
+
+            def render_GET(self, request: Any) -> bytes:
+                seen.append(request.getHeader(b"authorization"))
+                request.setResponseCode(code)
+                return body
+
+        port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Site(Answer()))
+        self.addCleanup(port.stopListening)
+        pool = HTTPConnectionPool(reactor, persistent=False)
+        http = BackendHTTP(reactor, HTTPClient(Agent(reactor, pool=pool)),
+                           f"http://127.0.0.1:{port.getHost().port}/base", 10)
+        try:
+            return await http.log_sink("cred.secret")
+        finally:
+            self.assertEqual(seen, [b"Bearer cred.secret"])
+
+    async def test_null_and_empty(self) -> None:
+        """{"loki_url": null} and "" are no sink; a non-string is handed on for the check to refuse."""
+        self.assertIsNone(await self.ask(200, b'{"loki_url": null}'))
+        self.assertIsNone(await self.ask(200, b'{"loki_url": ""}'))
+        self.assertEqual(await self.ask(200, b'{"loki_url": 5}'), 5)
+
+    async def test_failures_are_transient(self) -> None:
+        """Junk, a list, a 502 and an answer over 64 KiB are failures worth retrying."""
+        for code, body in ((200, b"<html>"), (200, b"[]"), (502, b"bad gateway"),
+                           (200, b'{"loki_url": "http://h/' + b"a" * 70_000 + b'"}')):
+            with self.assertRaises(Transient):
+                await self.ask(code, body)
+
+
 class AgentDiscoveryTests(AgentTestCase):
     """A whole agent without LOKI_URL."""
 
