@@ -109,6 +109,11 @@ class PushWhileBusyTests(_Base):
             blocker.release[cid].callback({"done": True})
             await self.status(backend, cid, "succeeded")
         self.assertEqual(agent.session.dispatch.mode, expected)
+        # What collect_diagnostics reports about it.
+        diagnostics = (await agent.diagnostics())["session"]["dispatch"]
+        self.assertEqual(diagnostics["mode"], expected)
+        self.assertEqual(diagnostics["push_proofs"], 1 if generation == GENERATION_CURRENT else 0)
+        self.assertIn("reason", diagnostics)
 
     async def test_april(self) -> None:
         """April 2026: a command picked up (by a poll) while another runs; polling stays on."""
