@@ -207,20 +207,24 @@ class RayClusterTests(AgentTestCase):
         # The cluster token reached no result, progress frame, event, journal or log line.
         token = backend.cluster_secrets[env.credential_ref].token
         self.assertGreaterEqual(backend.cluster_secrets[env.credential_ref].fetches, 2)
+        def absent(text: str, where: str) -> None:
+            # Never assertNotIn: its failure message would print the token.
+            self.assertFalse(token in text, f"the cluster token appears in {where}")
+
         for node in (node_a, node_b):
             for frame in backend.frames(node):
-                self.assertNotIn(token, json.dumps(frame))
+                absent(json.dumps(frame), f"a frame from node {node} ({frame.get('type')})")
             for event in backend.events(node):
-                self.assertNotIn(token, json.dumps(event))
+                absent(json.dumps(event), f"an event of node {node}")
         for agent in (agent_a, agent_b):
             for name in ("commands.jsonl", "events.jsonl", "state.json"):
                 path = os.path.join(agent.state_dir, name)
                 if os.path.exists(path):
                     with open(path, encoding="utf-8", errors="replace") as f:
-                        self.assertNotIn(token, f.read(), name)
+                        absent(f.read(), name)
         self.assertTrue(self.lines)
-        for line in self.lines:
-            self.assertNotIn(token, line)
+        for i, line in enumerate(self.lines):
+            absent(line, f"log line {i}")
 
     def _in_thread(self, fn: Any, *args: Any) -> Any:
         from twisted.internet.threads import deferToThread

@@ -82,6 +82,7 @@ class FakeEngine:
         self.created: list[dict[str, Any]] = []
         self.removed = 0
         self.streams = 0
+        self.hold_create: Deferred[None] | None = None
         self.helper_out = json.dumps({"alive": True, "version": "2.58.0", "num_nodes": 1, "nodes": []})
 
     async def call(self, fn: Any, *args: Any, what: str | None = None) -> Any:
@@ -90,6 +91,8 @@ class FakeEngine:
         if fn is rc.find:
             return self.container
         if fn is rc.create_and_start:
+            if self.hold_create is not None:
+                await self.hold_create
             args_ = args[0]
             self.created.append(args_)
             self.container = {
@@ -187,15 +190,15 @@ class RayHandlerTests(TestCase):
         ctx = RecordingContext(make_command(kind, payload), self.clock)
         result = await self.specs[kind].handler(ctx)
         # Every result must survive the journal (JSON) and never carry the token.
-        self.assertNotIn(TOKEN, json.dumps(result))
-        self.assertNotIn(TOKEN, json.dumps(ctx.frames))
+        self.assertFalse(TOKEN in json.dumps(result), "the token is in the result")
+        self.assertFalse(TOKEN in json.dumps(ctx.frames), "the token is in a progress frame")
         return ctx, result
 
     async def fails(self, kind: str, payload: dict[str, Any]) -> CommandFailed:
         ctx = RecordingContext(make_command(kind, payload), self.clock)
         with self.assertRaises(CommandFailed) as cm:
             await self.specs[kind].handler(ctx)
-        self.assertNotIn(TOKEN, cm.exception.error_message)
+        self.assertFalse(TOKEN in cm.exception.error_message, "the token is in the error message")
         return cm.exception
 
     def head(self, **over: Any) -> dict[str, Any]:
@@ -261,7 +264,7 @@ class RayHandlerTests(TestCase):
         self.assertIsNone(self.engine.container)
         self.assertEqual(self.tokens.secrets(), [])
         for line in self.lines:
-            self.assertNotIn(TOKEN, line)
+            self.assertFalse(TOKEN in line, "the token is in a log line")
 
     async def test_token_never_followed_through_a_link(self) -> None:
         os.makedirs(self.token_dir)
@@ -339,3 +342,23 @@ class RayHandlerTests(TestCase):
         self.assertFalse(self.specs["describe_ray_cluster"].keep_result)
         _c, plain = await self.do("describe_ray_cluster", {})
         self.assertNotIn("cluster_token", plain)
+
+    async def test_one_container_for_concurrent_commands(self) -> None:
+        from twisted.internet.defer import gatherResults
+
+        self.engine.hold_create = Deferred()
+        payload = {"runtime_bundle": self.bundle(), "ensure_container": True}
+        first = Deferred.fromCoroutine(self.do("ensure_runtime_image", payload))
+        second = Deferred.fromCoroutine(self.do("ensure_runtime_image", payload))
+        hold, self.engine.hold_create = self.engine.hold_create, None
+        hold.callback(None)
+        results = await gatherResults([first, second])
+        self.assertEqual(sorted(r["created"] for _c, r in results), [False, True])
+        self.assertEqual(len(self.engine.created), 1)
+
+    async def test_a_hostile_cluster_marker_is_not_believed(self) -> None:
+        await self.do("start_ray_head", self.head())
+        self.engine.cluster = "10.0.0.1:6379 <script>" + "x" * 5000
+        _c, r = await self.do("start_ray_head", self.head())
+        self.assertFalse(r["already_running"])  # not a head address: started (again) instead
+        self.assertEqual(r["head_address"], "10.0.0.1:6379")

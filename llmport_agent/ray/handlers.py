@@ -181,6 +181,8 @@ class RayManager:
         self._pool = pool
         #: Lifecycle commands (start, join, leave, stop) one at a time.
         self._lifecycle = DeferredLock()
+        #: The runtime container is created, started or replaced by one command at a time.
+        self._container = DeferredLock()
         #: Fetches a bundle image from a peer (C{source.peer_url}); set by peer seeding.
         self.peer_loader: Callable[[RuntimeBundle, Mapping[str, Any], CommandContext], Awaitable[None]] | None = None
 
@@ -241,6 +243,13 @@ class RayManager:
 
     async def ensure_container(self, bundle: RuntimeBundle, image_id: str) -> dict[str, Any]:
         """The runtime container running the verified image: reused, started or (re)created."""
+        await self._container.acquire()
+        try:
+            return await self._ensure_container(bundle, image_id)
+        finally:
+            self._container.release()
+
+    async def _ensure_container(self, bundle: RuntimeBundle, image_id: str) -> dict[str, Any]:
         token_dir = self.settings.token_dir
         snap = await self.find_container(bundle.name)
         if snap is not None:
@@ -308,7 +317,11 @@ class RayManager:
         raylets = await self.exec(name, ["pgrep", "-c", "raylet"])
         if raylets.exit_code != 0 or not raylets.out.strip().isdigit() or int(raylets.out.strip()) < 1:
             return None
-        return marker.out.strip().splitlines()[0][:256]
+        # The container writes this file: only a well-formed <host>:<port> is believed.
+        try:
+            return _head_address(marker.out.strip().splitlines()[0][:300])
+        except CommandFailed:
+            return None
 
     def start_env(self, payload: Mapping[str, Any]) -> dict[str, str]:
         """C{env} for C{ray start}: the six prefixes, reserved names dropped, token auth on."""
