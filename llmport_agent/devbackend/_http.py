@@ -215,6 +215,24 @@ class TokensResource(JsonResource):
         super().__init__()
         self._backend = backend
 
+    def _ray_post(self, request: Request, path: list[str]) -> bytes:
+        """C{POST /dev/ray-environments} (reconcile) and C{.../<id>/teardown} (protocol 10.6)."""
+        b = self._backend
+        if len(path) == 3:
+            if path[2] != "teardown":
+                return json_response(request, 404, {"detail": "Not Found"})
+            try:
+                return json_response(request, 200, b.teardown_ray_environment(path[1]))
+            except KeyError:
+                return json_response(request, 404, {"detail": "Environment not found"})
+        body, errors = read_json_body(request)
+        if errors:
+            return json_response(request, 422, {"detail": errors})
+        try:
+            return json_response(request, 200, b.start_ray_environment(body if isinstance(body, dict) else {}))
+        except ValueError as e:
+            return json_response(request, 422, {"detail": str(e)})
+
     def _cancel(self, request: Request, command_id: str) -> bytes:
         """C{POST /dev/commands/<id>/cancel}: 409 when terminal or on the April generation."""
         if command_id not in self._backend.state.commands:
@@ -525,6 +543,8 @@ class DevApiResource(JsonResource):
             ("commands", 1): lambda p: b.commands(),
             ("commands", 2): lambda p: b.command(p[1]) if p[1] in b.state.commands else None,
             ("costs", 1): lambda p: b.costs(),
+            ("ray-environments", 1): lambda p: [b.ray_environment(k) for k in sorted(b.ray_environments)],
+            ("ray-environments", 2): lambda p: b.ray_environment(p[1]),
             ("backend", 1): lambda p: {
                 "generation": b.generation,
                 "reaper_scale": b.reaper_scale,
@@ -600,6 +620,24 @@ class DevApiResource(JsonResource):
             return json_response(request, 422, {"detail": str(e)})
         return json_response(request, 200, command)
 
+    def _ray_post(self, request: Request, path: list[str]) -> bytes:
+        """C{POST /dev/ray-environments} (reconcile) and C{.../<id>/teardown} (protocol 10.6)."""
+        b = self._backend
+        if len(path) == 3:
+            if path[2] != "teardown":
+                return json_response(request, 404, {"detail": "Not Found"})
+            try:
+                return json_response(request, 200, b.teardown_ray_environment(path[1]))
+            except KeyError:
+                return json_response(request, 404, {"detail": "Environment not found"})
+        body, errors = read_json_body(request)
+        if errors:
+            return json_response(request, 422, {"detail": errors})
+        try:
+            return json_response(request, 200, b.start_ray_environment(body if isinstance(body, dict) else {}))
+        except ValueError as e:
+            return json_response(request, 422, {"detail": str(e)})
+
     def _cancel(self, request: Request, command_id: str) -> bytes:
         """C{POST /dev/commands/<id>/cancel}: 409 when terminal or on the April generation."""
         if command_id not in self._backend.state.commands:
@@ -618,6 +656,8 @@ class DevApiResource(JsonResource):
             return self._runtimes_post(request, path)
         if len(path) == 3 and path[0] == "commands" and path[2] == "cancel":
             return self._cancel(request, path[1])
+        if path and path[0] == "ray-environments" and len(path) in (1, 3):
+            return self._ray_post(request, path)
         if len(path) != 3 or path[0] != "nodes" or path[2] not in ("commands", "profile"):
             return json_response(request, 404, {"detail": "Not Found"})
         node_id = path[1]

@@ -226,6 +226,8 @@ class DevBackend:
         self.onboarding = Onboarding(self, enabled=generation == GENERATION_CURRENT)
         #: Ray cluster tokens by credential_ref (protocol 10.6), see L{add_cluster_secret}.
         self.cluster_secrets: dict[str, ClusterSecret] = {}
+        #: Ray environments driven through the dev admin API, by id (L{start_ray_environment}).
+        self.ray_environments: dict[str, Any] = {}
 
     # -- serving ----------------------------------------------------------------------------
 
@@ -408,6 +410,9 @@ class DevBackend:
 
     async def _stop(self) -> None:
         self._stop_sweeper()
+        for run in self.ray_environments.values():
+            if run.task is not None and not run.task.called:
+                run.task.cancel()
         port, self._port = self._port, None
         if port is not None:
             await port.stopListening()
@@ -543,6 +548,51 @@ class DevBackend:
         unknown id, C{ValueError} for a terminal command or on the April generation.
         """
         return self.state.cancel_command(command_id)
+    def start_ray_environment(self, body: dict[str, Any]) -> dict[str, Any]:
+        """
+        Reconcile a Ray environment in the background (the backend's order, protocol 10.6):
+        C{{head: {node_id, node_ip}, workers: [...], runtime_bundle, port?, num_cpus?, env?, id?}}.
+        Its state is L{ray_environment}. C{ValueError} for a malformed body or unknown node.
+        """
+        from llmport_agent.devbackend.rayenv import EnvironmentRun, RayEnvironment, parse_node
+
+        head = parse_node(body.get("head"), "head")
+        workers = [parse_node(w, "workers[]") for w in (body.get("workers") or [])]
+        for n in (head, *workers):
+            if self.node(n.node_id) is None:
+                raise ValueError(f"no node {n.node_id}")
+        bundle = body.get("runtime_bundle")
+        if not isinstance(bundle, dict):
+            raise ValueError("runtime_bundle must be an object")
+        env_id = str(body.get("id") or "env-" + uuid.uuid4().hex[:8])
+        if env_id in self.ray_environments:
+            raise ValueError(f"environment {env_id} exists")
+        port = body.get("port", 6379)
+        num_cpus = body.get("num_cpus")
+        env = RayEnvironment(
+            self, env_id, head, workers, bundle,
+            port=port if isinstance(port, int) and not isinstance(port, bool) else 6379,
+            num_cpus=num_cpus if isinstance(num_cpus, int) and not isinstance(num_cpus, bool) else None,
+            env={str(k): str(v) for k, v in (body.get("env") or {}).items()} if isinstance(body.get("env"), dict) else {},
+        )
+        run = EnvironmentRun(env)
+        self.ray_environments[env_id] = run
+        run.run(env.reconcile(), "ready")
+        return dict(run.view())
+
+    def teardown_ray_environment(self, env_id: str) -> dict[str, Any]:
+        """Workers leave, then the head stops (in the background). C{KeyError} when unknown."""
+        run = self.ray_environments[env_id]
+        if run.task is not None and not run.task.called:
+            run.task.cancel()
+        run.state, run.error = "tearing_down", None
+        run.run(run.env.teardown(), "torn_down")
+        return dict(run.view())
+
+    def ray_environment(self, env_id: str) -> dict[str, Any] | None:
+        run = self.ray_environments.get(env_id)
+        return dict(run.view()) if run is not None else None
+
     def add_cluster_secret(self, credential_ref: str, members: list[str], token: str | None = None) -> str:
         """Register a Ray cluster token served to C{members} (node ids); returns the token."""
         value = token if token is not None else secrets.token_urlsafe(32)

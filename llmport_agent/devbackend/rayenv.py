@@ -214,3 +214,47 @@ class RayEnvironment:
         await self.step("stop_ray", [self.head],
                         lambda n: {"force": True, "version": self.version, "runtime_bundle": self.bundle_for(n)},
                         per_node=False)
+
+
+@define
+class EnvironmentRun:
+    """An environment the dev admin API drives (C{/dev/ray-environments}): its task and outcome."""
+
+    env: RayEnvironment
+    state: str = "reconciling"  # reconciling | ready | failed | tearing_down | torn_down
+    error: str | None = None
+    task: Any = None
+
+    def view(self) -> dict[str, Any]:
+        e = self.env
+        return {
+            "id": e.env_id, "state": self.state, "error": self.error, "generation": e.generation,
+            "head": {"node_id": e.head.node_id, "node_ip": e.head.node_ip},
+            "workers": [{"node_id": w.node_id, "node_ip": w.node_ip} for w in e.workers],
+            "head_address": e.head_address, "credential_ref": e.credential_ref,
+            "steps": [{"step": s, "node_id": n, "command_id": c, "status": st} for s, n, c, st in e.steps],
+            "status": e.status,
+        }
+
+    def run(self, coro: Any, done_state: str) -> None:
+        from twisted.internet.defer import CancelledError, Deferred
+
+        def ok(_: object) -> None:
+            self.state = done_state
+
+        def bad(f: Any) -> None:
+            if f.check(CancelledError):
+                self.state, self.error = "failed", "the stand-in backend stopped"
+                return
+            self.state = "failed"
+            self.error = f.getErrorMessage()
+
+        self.task = Deferred.fromCoroutine(coro)
+        self.task.addCallbacks(ok, bad)
+
+
+def parse_node(value: Any, what: str) -> RayNode:
+    if not isinstance(value, dict) or not isinstance(value.get("node_id"), str) or not isinstance(value.get("node_ip"), str):
+        raise ValueError(f"{what} must be {{node_id, node_ip[, container_name]}}")
+    name = value.get("container_name")
+    return RayNode(value["node_id"], value["node_ip"], name if isinstance(name, str) else None)
