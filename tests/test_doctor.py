@@ -347,3 +347,124 @@ class CommandLineTests(SynchronousTestCase):
                                                        "warn  b                   meh -> do x",
                                                        "1 ok, 1 warn, 0 fail"])
         self.assertTrue(callable(main))
+
+
+class LokiTests(TestCase):
+    async def loki(self) -> tuple[Any, str]:
+        from twisted.web.server import Site
+
+        from llmport_agent.logs.testing import FakeLoki
+
+        fake = FakeLoki()
+        port = reactor.listenTCP(0, Site(fake), interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        return fake, f"http://127.0.0.1:{port.getHost().port}"
+
+    async def run_loki(self, ctx: C.Context) -> list[Finding]:
+        return await diagnose(reactor, ctx, [("loki", C.check_loki)])
+
+    async def test_reachable_and_accepting(self) -> None:
+        fake, url = await self.loki()
+        ctx = ctx_for(self, {"LLM_PORT_NODE_AGENT_LOKI_URL": url, "LLM_PORT_NODE_AGENT_LOKI_TENANT": "t1"})
+        ctx.readiness = {}
+        f = one(self, await self.run_loki(ctx), "loki", OK)
+        self.assertIn("accepts pushes", f.detail)
+        self.assertEqual(fake.lines(), [])  # an empty push: nothing stored
+
+    async def test_credentials_refused(self) -> None:
+        fake, url = await self.loki()
+        fake.fail_next(1, 401)
+        ctx = ctx_for(self, {"LLM_PORT_NODE_AGENT_LOKI_URL": url, "LLM_PORT_NODE_AGENT_LOKI_USERNAME": "u",
+                             "LLM_PORT_NODE_AGENT_LOKI_PASSWORD": "s3cret-pass"})
+        ctx.readiness = {}
+        f = one(self, await self.run_loki(ctx), "loki", FAIL)
+        self.assertIn("refused the credentials (HTTP 401)", f.detail)
+        self.assertIn("LOKI_USERNAME", f.fix)
+        self.assertNotIn("s3cret-pass", f.line())
+
+    async def test_unreachable(self) -> None:
+        ctx = ctx_for(self, {"LLM_PORT_NODE_AGENT_LOKI_URL": "http://127.0.0.1:9"})
+        ctx.readiness = {}
+        f = one(self, await self.run_loki(ctx), "loki", FAIL)
+        self.assertIn("did not answer", f.detail)
+        self.assertIn("LOKI_URL", f.fix)
+
+
+class HostTests(SynchronousTestCase):
+    """NVIDIA toolkit, GPU health and RDMA against a scripted /dev, /etc and /sys (sys_root)."""
+
+    def root(self, *files: str) -> str:
+        root = os.path.abspath(self.mktemp())
+        for name in files:
+            path = os.path.join(root, name.lstrip("/"))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write("x")
+        return root
+
+    def test_nvidia_gpu_without_toolkit(self) -> None:
+        ctx = ctx_for(self, {"DOCKER_HOST": "unix:///nonexistent/d.sock"}, sys_root=self.root("/dev/nvidiactl"))
+        f = one(self, C.check_nvidia_runtime(ctx), "nvidia toolkit", FAIL)
+        self.assertIn("no CDI spec", f.detail)
+        self.assertIn("nvidia-container-toolkit", f.fix)
+        self.assertIn("nvidia-ctk", f.fix)
+        ctx.sys_root = self.root("/dev/nvidiactl", "/etc/cdi/nvidia.yaml")
+        self.assertIn("CDI spec /etc/cdi/nvidia.yaml", one(self, C.check_nvidia_runtime(ctx), "nvidia toolkit", OK).detail)
+        ctx.sys_root = self.root("/etc/hosts")
+        self.assertIn("not needed", one(self, C.check_nvidia_runtime(ctx), "nvidia toolkit", OK).detail)
+
+    def test_nvml_missing_on_a_gpu_host(self) -> None:
+        import pynvml
+
+        def no_library() -> None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+        self.patch(pynvml, "nvmlInit", no_library)
+        ctx = ctx_for(self, sys_root=self.root("/dev/nvidiactl"))
+        f = one(self, C.check_nvml(ctx), "nvml", FAIL)
+        self.assertIn("NVML does not load", f.detail)
+        self.assertIn("install the NVIDIA driver", f.fix)
+        ctx.sys_root = self.root("/etc/hosts")
+        one(self, C.check_nvml(ctx), "nvml", OK)
+
+    def test_gpu_health_from_the_running_agent(self) -> None:
+        ctx = ctx_for(self)
+        ctx.readiness = {"checks": {"nvml": {"ok": True, "detail": "8 GPU(s), 7 schedulable; GPU 3 unhealthy: Xid 79",
+                                             "health": {"healthy": 7, "unhealthy": 1}}}}
+        f = one(self, C.check_gpu_health(ctx), "gpu health", FAIL)
+        self.assertIn("Xid 79", f.detail)
+        self.assertIn("nvidia-smi -r", f.fix)
+        ctx.readiness = {"checks": {"nvml": {"ok": True, "detail": "8 GPU(s), 8 schedulable", "health": {"healthy": 8}}}}
+        one(self, C.check_gpu_health(ctx), "gpu health", OK)
+        ctx.readiness = None
+        self.assertEqual(C.check_gpu_health(ctx), [])
+
+    def test_rdma(self) -> None:
+        ctx = ctx_for(self, sys_root=self.root("/sys/class/infiniband/mlx5_0"))
+        f = one(self, C.check_rdma(ctx), "rdma", WARN)
+        self.assertIn("mlx5_0", f.detail)
+        self.assertIn("ib_uverbs", f.fix)
+        ctx.sys_root = self.root("/sys/class/infiniband/mlx5_0", "/dev/infiniband/uverbs0")
+        one(self, C.check_rdma(ctx), "rdma", OK)
+
+
+class NvmlTests(SynchronousTestCase):
+    def test_driver_count_and_uncorrected_ecc(self) -> None:
+        """NVML (the project's faithful fake, returning pynvml's own types): driver, count, ECC."""
+        import pynvml
+
+        from tests.test_ops import fake_gpus
+
+        fake = fake_gpus(4)
+        # GPU 2: uncorrected volatile ECC errors since boot.
+        fake.gpus[2].ecc_counts[(pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)] = 3
+        for name in ("nvmlInit", "nvmlShutdown", "nvmlSystemGetDriverVersion", "nvmlDeviceGetCount",
+                     "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetTotalEccErrors"):
+            self.patch(pynvml, name, getattr(fake, name))
+        found = C.check_nvml(ctx_for(self))
+        nvml = one(self, found, "nvml", OK)
+        self.assertIn("4 GPU(s)", nvml.detail)
+        self.assertRegex(nvml.detail, r"^driver \S+, 4 GPU\(s\)$")
+        health = one(self, found, "gpu health", WARN)
+        self.assertEqual(health.detail, "GPU 2: 3 uncorrected ECC errors since boot")
+        self.assertEqual(fake.refcount, 0)  # nvmlShutdown after the check
