@@ -24,6 +24,7 @@ from llmport_agent.inventory.sections import inventory_sections
 from llmport_agent.inventory.vllm import (
     MAX_ARG_CHARS,
     MAX_ARGS,
+    MAX_ARGS_TOTAL,
     describe,
     discover_vllm,
     looks_like_vllm,
@@ -193,12 +194,14 @@ class DescribeTests(SynchronousTestCase):
 
     def test_args_bounded(self) -> None:
         """Thousands of arguments, megabyte arguments: at most MAX_ARGS of MAX_ARG_CHARS reported."""
-        cmd = ["--model", "m", "--x", "y" * 1_000_000] + [f"--f{i}" for i in range(5000)]
+        cmd = ["--model", "m", "--x", "y" * 1_000_000] + [f"--f{i}={'v' * 300}" for i in range(5000)]
         d = describe(inspect_answer(cmd=cmd))
         assert d is not None
         self.assertLessEqual(len(d["args"]), MAX_ARGS)
         self.assertLessEqual(max(len(a) for a in d["args"]), MAX_ARG_CHARS)
-        self.assertLess(len(json.dumps(d)), 200_000)
+        self.assertLessEqual(sum(len(a) for a in d["args"]), MAX_ARGS_TOTAL)
+        self.assertEqual(d["args"][:3], ["--model", "m", "--x"])
+        self.assertLess(len(json.dumps(d)), 20_000)
 
     def test_hostile_shapes(self) -> None:
         """Wrong types anywhere are tolerated (no exception), junk is skipped."""

@@ -202,10 +202,12 @@ class SlotTests(SynchronousTestCase):
         self.assertEqual(log[-1], "stop reader")
         gates["reader"].callback(None)
         self.assertEqual(log[-1], "stop shipper")
+        d.cancel()  # the caller gives up waiting: the rest is still stopped
+        self.failureResultOf(d)
         clock.advance(15)  # a stop that never ends is given up on
         self.assertEqual(log[-1], "stop pool")
         gates["pool"].callback(None)
-        self.successResultOf(d)
+        self.assertEqual(clock.getDelayedCalls(), [])
 
 
 class RouteTests(AgentTestCase):

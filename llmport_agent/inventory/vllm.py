@@ -22,7 +22,8 @@ with such a name. Unknown values are left out (the inventory carries no C{null})
 
 B{Bounded}: at most L{MAX_CONTAINERS} described, L{MAX_LISTED} list rows looked at, a time
 budget for the inspects (L{discover_vllm}'s C{budget}), at most L{MAX_ARGS} arguments of at
-most L{MAX_ARG_CHARS} characters each reported (the values read are bounded too).
+most L{MAX_ARG_CHARS} characters each and L{MAX_ARGS_TOTAL} in all reported (the values read
+are bounded too).
 
 L{discover_vllm} runs on the engine's pool (C{DockerEngine.call}); the rest is pure.
 """
@@ -50,6 +51,8 @@ MAX_CONTAINERS = 50
 MAX_LISTED = 2000
 MAX_ARGS = 128
 MAX_ARG_CHARS = 512
+#: Characters of all reported arguments of one container (50 of them make one inventory row).
+MAX_ARGS_TOTAL = 8192
 #: Arguments and characters of a command line looked at (before the bounds above).
 _MAX_ARGV = 1024
 _MAX_ARGV_CHARS = 8192
@@ -254,6 +257,19 @@ def parse_args(args: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _bounded_args(args: Sequence[str]) -> list[str]:
+    """At most L{MAX_ARGS} arguments of L{MAX_ARG_CHARS}, L{MAX_ARGS_TOTAL} characters in all."""
+    out: list[str] = []
+    total = 0
+    for arg in args[:MAX_ARGS]:
+        arg = arg[:MAX_ARG_CHARS]
+        if total + len(arg) > MAX_ARGS_TOTAL:
+            break
+        out.append(arg)
+        total += len(arg)
+    return out
+
+
 def _host_port(info: Mapping[str, Any], container_port: int) -> int | None:
     host_config = info.get("HostConfig") or {}
     if str(host_config.get("NetworkMode") or "") == "host":
@@ -336,7 +352,7 @@ def describe(info: Mapping[str, Any]) -> dict[str, Any] | None:
             for m in (info.get("Mounts") or [])[:64]
             if isinstance(m, dict) and m.get("Source") and m.get("Destination")
         ][:10],
-        "args": [a[:MAX_ARG_CHARS] for a in redact(args)[:MAX_ARGS]],
+        "args": _bounded_args(redact(args)),
         **parsed,
     }
     return {k: v for k, v in out.items() if v is not None and v != ""}

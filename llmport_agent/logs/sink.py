@@ -232,7 +232,17 @@ class ServiceSlot(MultiService):
 
     def stopService(self) -> Deferred[None]:
         Service.stopService(self)
-        return Deferred.fromCoroutine(self._stop())
+        inner = Deferred.fromCoroutine(self._stop())
+        # A caller that gives up on the stop (cancels) must not cut it short: the children
+        # after the slow one (the shipper, the pool) would never be stopped.
+        outer: Deferred[None] = Deferred(lambda _: None)
+
+        def done(_: object) -> None:
+            if not outer.called:
+                outer.callback(None)
+
+        inner.addBoth(done)
+        return outer
 
     async def _stop(self) -> None:
         for svc in reversed(list(self)):
