@@ -468,3 +468,66 @@ class NvmlTests(SynchronousTestCase):
         health = one(self, found, "gpu health", WARN)
         self.assertEqual(health.detail, "GPU 2: 3 uncorrected ECC errors since boot")
         self.assertEqual(fake.refcount, 0)  # nvmlShutdown after the check
+
+
+class SystemdTests(SynchronousTestCase):
+    """The unit and journald checks against scripted `systemctl`, `systemd-analyze`, `journalctl`."""
+
+    def tools(self, show: str, exposure: str, journal_rc: int = 0) -> C.Context:
+        bindir = os.path.abspath(self.mktemp())
+        os.makedirs(bindir)
+        scripts = {
+            "systemctl": f"#!/bin/sh\ncat <<'E'\n{show}\nE\n",
+            "systemd-analyze": f"#!/bin/sh\necho '{exposure}'\n",
+            "journalctl": f"#!/bin/sh\nexit {journal_rc}\n",
+        }
+        for name, text in scripts.items():
+            path = os.path.join(bindir, name)
+            with open(path, "w") as f:
+                f.write(text)
+            os.chmod(path, 0o755)
+        old = os.environ.get("PATH", "")
+        os.environ["PATH"] = bindir + os.pathsep + old
+        self.addCleanup(os.environ.__setitem__, "PATH", old)
+        root = os.path.abspath(self.mktemp())
+        os.makedirs(os.path.join(root, "run", "systemd", "system"))
+        return ctx_for(self, sys_root=root)
+
+    def test_active_notify_unit(self) -> None:
+        ctx = self.tools("LoadState=loaded\nActiveState=active\nSubState=running\nType=notify\n"
+                         "NotifyAccess=all\nNRestarts=0",
+                         "→ Overall exposure level for llmport-agent.service: 2.8 OK :-)")
+        found = C.check_systemd(ctx)
+        self.assertIn("active/running, Type=notify", one(self, found, "systemd unit", OK).detail)
+        self.assertEqual(one(self, found, "unit exposure", OK).detail, "2.8 OK :-)")
+        one(self, C.check_journald(ctx), "journald", OK)
+
+    def test_failed_unit_and_an_exposed_one(self) -> None:
+        ctx = self.tools("LoadState=loaded\nActiveState=failed\nSubState=failed\nType=notify",
+                         "→ Overall exposure level for llmport-agent.service: 9.1 UNSAFE :-(", journal_rc=1)
+        found = C.check_systemd(ctx)
+        f = one(self, found, "systemd unit", FAIL)
+        self.assertIn("failed/failed", f.detail)
+        self.assertIn("journalctl -u llmport-agent.service", f.fix)
+        self.assertIn("2.8", one(self, found, "unit exposure", WARN).fix)
+        self.assertIn("systemd-journal", one(self, C.check_journald(ctx), "journald", WARN).fix)
+
+    def test_unit_not_installed(self) -> None:
+        ctx = self.tools("LoadState=not-found\nActiveState=inactive", "")
+        self.assertIn("llmport-agent start", one(self, C.check_systemd(ctx), "systemd unit", WARN).fix)
+
+
+class SilentBackendTests(SynchronousTestCase):
+    def test_a_backend_that_accepts_and_never_answers(self) -> None:
+        """TCP accepted, TLS never answered: DNS and TCP lines kept, TLS fails as timed out."""
+        server = socket.socket()
+        self.addCleanup(server.close)
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        port = server.getsockname()[1]
+        ctx = ctx_for(self, {"LLM_PORT_NODE_AGENT_BACKEND_URL": f"https://127.0.0.1:{port}"})
+        ctx.timeout = 0.3
+        found = C.check_backend(ctx)
+        self.assertEqual([(f.check, f.status) for f in found],
+                         [("backend dns", OK), ("backend tcp", OK), ("backend tls", FAIL)])
+        self.assertIn("timed out", found[2].detail)

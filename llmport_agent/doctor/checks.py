@@ -116,10 +116,29 @@ def _issuer(host: str, port: int, timeout: float) -> str:
         return "unknown"
 
 
+#: The backend chain's own budget (DNS, TCP, TLS, clock), under the runner's per-check limit, so
+#: what it found before a slow step is still reported.
+BACKEND_BUDGET_SEC = 8.0
+
+
+class _Budget:
+    def __init__(self, ctx: Context, total: float) -> None:
+        self._ctx = ctx
+        self._deadline = time.monotonic() + total
+
+    def left(self) -> float:
+        return self._deadline - time.monotonic()
+
+    def op(self) -> float:
+        """One operation's timeout: the usual one, or what is left (at least 0.1 s)."""
+        return max(0.1, min(self._ctx.timeout, self.left()))
+
+
 def check_backend(ctx: Context) -> list[Finding]:
     """DNS, then TCP, then TLS (https), then the clock against the backend's Date header."""
     if ctx.config is None:
         return []
+    budget = _Budget(ctx, BACKEND_BUDGET_SEC)
     url, host, port, tls = _backend(ctx)
     out: list[Finding] = []
     try:
@@ -130,7 +149,7 @@ def check_backend(ctx: Context) -> list[Finding]:
     addresses = sorted({str(i[4][0]) for i in infos})
     out.append(ok("backend dns", f"{host} resolves to {', '.join(addresses[:4])}"))
     try:
-        with socket.create_connection((host, port), timeout=ctx.timeout):
+        with socket.create_connection((host, port), timeout=budget.op()):
             pass
     except OSError as e:
         out.append(fail("backend tcp", f"cannot connect to {host}:{port} ({_err(e)})",
@@ -144,12 +163,12 @@ def check_backend(ctx: Context) -> list[Finding]:
                             "set LLM_PORT_NODE_AGENT_CA_BUNDLE to the backend's CA and VERIFY_TLS=true"))
         else:
             try:
-                with socket.create_connection((host, port), timeout=ctx.timeout) as raw:
-                    raw.settimeout(ctx.timeout)
+                with socket.create_connection((host, port), timeout=budget.op()) as raw:
+                    raw.settimeout(budget.op())
                     with _tls_context(ctx, True).wrap_socket(raw, server_hostname=host) as s:
                         version = s.version()
             except ssl.SSLCertVerificationError as e:
-                issuer = _issuer(host, port, ctx.timeout)
+                issuer = _issuer(host, port, budget.op())
                 where = ctx.config.ca_bundle or "the system's CA store"
                 out.append(fail("backend tls", f"certificate of {host} not trusted ({e.verify_message}; "
                                 f"issuer: {issuer}; trusted: {where})",
@@ -165,24 +184,29 @@ def check_backend(ctx: Context) -> list[Finding]:
     elif host not in ("localhost",) and not host.startswith("127.") and host != "::1":
         out.append(warn("backend tls", "plain http: the credential travels unencrypted",
                         "use an https:// BACKEND_URL"))
-    out.append(_clock(ctx, url))
+    if budget.left() < 0.5:
+        out.append(warn("clock", "not checked: the backend was too slow to answer in time",
+                        "check the network path to the backend (latency, a proxy)"))
+        return out
+    out.append(_clock(ctx, url, budget.op()))
     return out
 
 
 def _http(ctx: Context, url: str, method: str = "GET", headers: Mapping[str, str] | None = None,
-          verify: bool | None = None) -> tuple[int, dict[str, str], bytes]:
+          verify: bool | None = None, timeout: float | None = None) -> tuple[int, dict[str, str], bytes]:
     """One bounded HTTP request (body at most 64 KiB): (status, headers lower-cased, body)."""
     parts = urlsplit(url)
     tls = parts.scheme == "https"
     host = parts.hostname or ""
     port = parts.port or (443 if tls else 80)
     conn: http.client.HTTPConnection
+    limit = ctx.timeout if timeout is None else timeout
     if tls:
         assert ctx.config is not None
         context = _tls_context(ctx, ctx.config.verify_tls if verify is None else verify)
-        conn = http.client.HTTPSConnection(host, port, timeout=ctx.timeout, context=context)
+        conn = http.client.HTTPSConnection(host, port, timeout=limit, context=context)
     else:
-        conn = http.client.HTTPConnection(host, port, timeout=ctx.timeout)
+        conn = http.client.HTTPConnection(host, port, timeout=limit)
     try:
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         conn.request(method, path, headers=dict(headers or {}))
@@ -193,9 +217,9 @@ def _http(ctx: Context, url: str, method: str = "GET", headers: Mapping[str, str
         conn.close()
 
 
-def _clock(ctx: Context, url: str) -> Finding:
+def _clock(ctx: Context, url: str, timeout: float) -> Finding:
     try:
-        _status, headers, _body = _http(ctx, url.rstrip("/") + "/")
+        _status, headers, _body = _http(ctx, url.rstrip("/") + "/", timeout=timeout)
     except Exception as e:
         return warn("clock", f"could not ask the backend for its time ({_err(e)})", "check the backend first")
     date = headers.get("date")
