@@ -205,7 +205,7 @@ class AgentService(MultiService):
             model_store=config.model_store,
             engine_facts=self._engine_facts,
             # Protocol 10.5: network (fabrics), vLLM not started by llm-port, the Ray runtime.
-            sections=inventory_sections(self.host_pool, self.engine),
+            sections=inventory_sections(self.host_pool, self.engine, agent_id=config.agent_id),
             paths={"model_store": config.model_store, "ray_session": config.ray_session_dir},
         )
         # GPU health (issue 13): driver events and periodic checks; transitions become

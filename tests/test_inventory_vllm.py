@@ -31,7 +31,12 @@ from llmport_agent.inventory.vllm import (
     parse_args,
     redact,
 )
-from llmport_agent.workloads.spec import LABEL_MANAGED, MANAGED_VALUE
+from llmport_agent.ray.container import LABEL_RAY, RAY_VALUE, snapshot
+from llmport_agent.workloads.spec import LABEL_AGENT_ID, LABEL_MANAGED, MANAGED_VALUE
+
+AGENT = "gpu-node-7"
+#: How the agent marks its Ray runtime container (llmport_agent.ray.container).
+RAY_LABELS = {LABEL_RAY: RAY_VALUE, LABEL_AGENT_ID: AGENT}
 
 SECRET = "sk-live-THE-SECRET-0123456789"
 HF = "hf_THE_HF_TOKEN_abcdef"
@@ -233,6 +238,10 @@ class FakeAPI:
         self.inspected.append(cid)
         if self.on_inspect is not None:
             self.on_inspect()
+        if cid not in self.infos:
+            from docker.errors import NotFound
+
+            raise NotFound(f"No such container: {cid}")
         return self.infos[cid]
 
 
@@ -285,8 +294,8 @@ class RayRuntimeTests(SynchronousTestCase):
     def test_ours(self) -> None:
         """The agent's labelled container: {container, running, started_at, image, image_id}."""
         info = inspect_answer(name=RAY_RUNTIME_CONTAINER, image="llm-port/ray-runtime@sha256:" + "cd" * 32,
-                              labels={LABEL_MANAGED: MANAGED_VALUE})
-        r = describe_ray_runtime(info)
+                              labels=RAY_LABELS)
+        r = describe_ray_runtime(snapshot(info), AGENT)
         self.assertEqual(r, {"container": RAY_RUNTIME_CONTAINER, "running": True, "state": "running",
                              "started_at": "2026-11-30T09:00:00.123456789Z",
                              "image": "llm-port/ray-runtime@sha256:" + "cd" * 32,
@@ -294,7 +303,12 @@ class RayRuntimeTests(SynchronousTestCase):
 
     def test_not_ours(self) -> None:
         """A container of that name without the agent's label is not reported."""
-        self.assertIsNone(describe_ray_runtime(inspect_answer(name=RAY_RUNTIME_CONTAINER)))
+        self.assertIsNone(describe_ray_runtime(snapshot(inspect_answer(name=RAY_RUNTIME_CONTAINER)), AGENT))
+        # the workloads' label is not the Ray runtime's; another agent's Ray label is not this one's
+        managed = inspect_answer(name=RAY_RUNTIME_CONTAINER, labels={LABEL_MANAGED: MANAGED_VALUE})
+        self.assertIsNone(describe_ray_runtime(snapshot(managed), AGENT))
+        other = inspect_answer(name=RAY_RUNTIME_CONTAINER, labels={LABEL_RAY: RAY_VALUE, LABEL_AGENT_ID: "x"})
+        self.assertIsNone(describe_ray_runtime(snapshot(other), AGENT))
 
 
 class StubEngine:
@@ -328,7 +342,7 @@ class CollectorSectionTests(SynchronousTestCase):
         runner = SyncRunner()
         return InventoryCollector(
             self.clock, runner, NoGPUSource(), state_dir=state, model_store=None,
-            sections=inventory_sections(runner, engine, sysfs_root=os.path.join(
+            sections=inventory_sections(runner, engine, agent_id=AGENT, sysfs_root=os.path.join(
                 os.path.dirname(__file__), "data", "sysfs", "gpu-node")),
             paths={"model_store": "/srv/llm-port/models", "ray_session": "/var/lib/llm-port/ray"},
             **kw,
@@ -336,7 +350,7 @@ class CollectorSectionTests(SynchronousTestCase):
 
     def test_sections_in_inventory(self) -> None:
         """network, vllm_containers, ray_runtime in the inventory; paths in static capabilities."""
-        ray = inspect_answer(name=RAY_RUNTIME_CONTAINER, labels={LABEL_MANAGED: MANAGED_VALUE})
+        ray = inspect_answer(name=RAY_RUNTIME_CONTAINER, labels=RAY_LABELS)
         ray["Id"] = "9" * 64
         api = FakeAPI([*many(2), ray])
         api.infos[RAY_RUNTIME_CONTAINER] = ray
@@ -463,11 +477,11 @@ class RealEngineTests(TestCase):
         """No container: None; the agent's labelled one: reported with its state and image id."""
         from llmport_agent.inventory.rayruntime import inspect_ray_runtime
 
-        self.assertIsNone(await self.engine.call(inspect_ray_runtime))
-        c = self.make_container(RAY_RUNTIME_CONTAINER, ["sleep", "300"], labels={LABEL_MANAGED: MANAGED_VALUE})
-        r = await self.engine.call(inspect_ray_runtime)
+        self.assertIsNone(await self.engine.call(inspect_ray_runtime, AGENT))
+        c = self.make_container(RAY_RUNTIME_CONTAINER, ["sleep", "300"], labels=RAY_LABELS)
+        r = await self.engine.call(inspect_ray_runtime, AGENT)
         self.assertEqual((r["container"], r["running"], r["image"]), (RAY_RUNTIME_CONTAINER, True, self.busybox))
         self.assertEqual(r["image_id"], c.attrs["Image"])
         c.remove(force=True)
         self.make_container(RAY_RUNTIME_CONTAINER, ["sleep", "300"])  # the same name, not ours
-        self.assertIsNone(await self.engine.call(inspect_ray_runtime))
+        self.assertIsNone(await self.engine.call(inspect_ray_runtime, AGENT))

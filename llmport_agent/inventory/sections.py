@@ -23,7 +23,7 @@ __all__ = ["inventory_sections"]
 
 
 def inventory_sections(
-    runner: BlockingRunner, engine: Any = None, *, sysfs_root: str = "/"
+    runner: BlockingRunner, engine: Any = None, *, agent_id: str = "", sysfs_root: str = "/"
 ) -> dict[str, Callable[[], Awaitable[Any]]]:
     """C{{inventory key: async reader}} for L{InventoryCollector}'s C{sections}."""
 
@@ -42,7 +42,7 @@ def inventory_sections(
     async def ray_runtime() -> Any:
         if not engine.available:
             return None
-        return await engine.call(inspect_ray_runtime, what="inspecting the Ray runtime container")
+        return await engine.call(inspect_ray_runtime, agent_id, what="inspecting the Ray runtime container")
 
     sections["vllm_containers"] = vllm_containers
     sections["ray_runtime"] = ray_runtime
