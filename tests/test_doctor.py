@@ -531,3 +531,26 @@ class SilentBackendTests(SynchronousTestCase):
         self.assertEqual([(f.check, f.status) for f in found],
                          [("backend dns", OK), ("backend tcp", OK), ("backend tls", FAIL)])
         self.assertIn("timed out", found[2].detail)
+
+
+class AprilBackendTests(AgentTestCase):
+    async def test_credential_by_stream_upgrade(self) -> None:
+        """An April backend has no whoami: a stream upgrade read to its status line, then closed."""
+        from llmport_agent.devbackend._state import GENERATION_APRIL
+
+        backend = await self.start_backend(generation=GENERATION_APRIL)
+        self.allow_anomalies(".", "the doctor's upgrade closes at once")
+        reply = backend.enroll_node("doctor-node")
+        state_dir = os.path.abspath(self.mktemp())
+        os.makedirs(state_dir)
+        state = os.path.join(state_dir, "state.json")
+        with open(state, "w") as f:
+            json.dump({"credential": reply["credential"], "node_id": reply["node_id"]}, f)
+        ctx = make_context(os.path.join(state_dir, "none.env"), agent_env(backend, state_dir, AGENT_ID="doctor-node"))
+        findings = await diagnose(reactor, ctx, [("credential", C.check_credential)])
+        self.assertEqual(one(self, findings, "credential", OK).detail, "the backend accepts it (stream upgrade)")
+        with open(state, "w") as f:
+            json.dump({"credential": reply["credential"][:-4] + "xxxx", "node_id": reply["node_id"]}, f)
+        findings = await diagnose(reactor, ctx, [("credential", C.check_credential)])
+        self.assertIn("stream: HTTP 403", one(self, findings, "credential", FAIL).detail)
+        await deferLater(reactor, 0.1, lambda: None)

@@ -285,7 +285,9 @@ def check_credential(ctx: Context) -> list[Finding]:
         code, _h, body = _http(ctx, url + WHOAMI_PATH, headers=headers)
     except Exception as e:
         return [warn("credential", f"not checked: the backend did not answer ({_err(e)})", "check the backend first")]
-    route_missing = code == 404 and body.strip() in (b'{"detail":"Not Found"}', b'{"detail": "Not Found"}')
+    from llmport_agent.backend_http import is_route_missing
+
+    route_missing = is_route_missing(code, body)
     if code == 200:
         try:
             node = json.loads(body).get("node_id", "")
@@ -303,17 +305,39 @@ def check_credential(ctx: Context) -> list[Finding]:
 
 
 def _upgrade_attempt(ctx: Context, credential: str) -> Finding:
-    """An older backend (no whoami): try the stream upgrade and close at once on success."""
+    """
+    An older backend (no whoami): the stream upgrade, read up to its status line only, then
+    closed at once (no frame is read or sent: the backend sees a connection that went away).
+    """
     assert ctx.config is not None
     import base64
 
+    parts = urlsplit(ctx.config.backend_url)
+    tls = parts.scheme == "https"
+    host = parts.hostname or ""
+    port = parts.port or (443 if tls else 80)
     key = base64.b64encode(os.urandom(16)).decode()
-    headers = {"Authorization": f"Bearer {credential}", "Upgrade": "websocket", "Connection": "Upgrade",
-               "Sec-WebSocket-Key": key, "Sec-WebSocket-Version": "13"}
+    request = (f"GET {parts.path.rstrip('/')}{STREAM_PATH} HTTP/1.1\r\nHost: {parts.netloc.rsplit('@', 1)[-1]}\r\n"
+               f"Authorization: Bearer {credential}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode()
     try:
-        code, _h, _b = _http(ctx, ctx.config.backend_url.rstrip("/") + STREAM_PATH, headers=headers)
-    except Exception as e:
+        with socket.create_connection((host, port), timeout=ctx.timeout) as raw:
+            raw.settimeout(ctx.timeout)
+            conn: Any = _tls_context(ctx, ctx.config.verify_tls).wrap_socket(raw, server_hostname=host) if tls else raw
+            conn.sendall(request)
+            line = b""
+            while b"\r\n" not in line and len(line) < 1024:
+                chunk = conn.recv(1024)
+                if not chunk:
+                    break
+                line += chunk
+    except OSError as e:
         return warn("credential", f"not checked: the stream did not answer ({_err(e)})", "check the backend first")
+    try:
+        code = int(line.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        return warn("credential", "not checked: the stream answered something that is not HTTP",
+                    "check BACKEND_URL")
     if code == 101:
         return ok("credential", "the backend accepts it (stream upgrade)")
     if code in (401, 403):
