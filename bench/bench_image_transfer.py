@@ -4,12 +4,13 @@ on the real Docker engine the tests start (needs root, docker.io, busybox-static
 
 An image with one random layer of --size-mb is made and saved to a file; a server in a separate
 process streams that file like the backend's image-save endpoint (no Content-Length,
-X-Image-Size); the agent's ImageManager.transfer streams it (filtered: only the requested tag may
+X-Image-Size; with --export as the current backend serves its export: Content-Length and
+X-Image-Id, the resumable path); the agent's ImageManager.transfer streams it (filtered: only the requested tag may
 come out of the archive) into the engine's image load. The image is removed before every run, and
 transfer and `docker load -i <file>` alternate, so both meet the same engine state. A 10 ms
 reactor probe runs during the transfers. Prints figures; asserts nothing.
 
-Usage: python3 bench/bench_image_transfer.py [--size-mb 512] [--repeat 3]
+Usage: python3 bench/bench_image_transfer.py [--size-mb 512] [--repeat 3] [--export]
 """
 
 from __future__ import annotations
@@ -39,13 +40,18 @@ from tests.support.rig import Rig  # noqa: E402
 SERVER = r"""
 import http.server, os, sys
 path = sys.argv[1]
+export = sys.argv[3] == "export"
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
     def log_message(self, *a): pass
     def do_GET(self):
         self.send_response(200)
         self.send_header("Content-Type", "application/x-tar")
-        self.send_header("X-Image-Size", str(os.path.getsize(path)))
+        if export:  # the current backend's export: a real length and the image id
+            self.send_header("Content-Length", str(os.path.getsize(path)))
+            self.send_header("X-Image-Id", "sha256:" + "0" * 64)
+        else:
+            self.send_header("X-Image-Size", str(os.path.getsize(path)))
         self.end_headers()
         with open(path, "rb") as f:
             while True:
@@ -106,14 +112,16 @@ def docker_load(env: Any, path: str) -> float:
     return time.perf_counter() - started
 
 
-async def main(reactor: Any, size_mb: int, repeat: int) -> None:
+async def main(reactor: Any, size_mb: int, repeat: int, export: bool = False) -> None:
     env = require_docker()
     workdir = tempfile.mkdtemp(prefix="llmport-bench-xfer-", dir="/var/tmp")
     print(f"making a {size_mb} MB image ...", flush=True)
     path = make_image(env, size_mb, workdir)
     size = os.path.getsize(path)
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-c", SERVER, path, str(port)])
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER, path, str(port), "export" if export else "stream"]
+    )
     rig = Rig(reactor, env, backend_url=f"http://127.0.0.1:{port}", credential=lambda: "bench")
     await rig.start()
     probe = LatenessProbe()
@@ -145,7 +153,8 @@ async def main(reactor: Any, size_mb: int, repeat: int) -> None:
         rates = [size / v / 1e6 for v in values]
         return f"{statistics.median(rates):.0f} MB/s ({min(rates):.0f}..{max(rates):.0f})"
 
-    print(f"\n== image transfer, {size / 1e6:.0f} MB tar, {repeat} runs each ==")
+    mode = "export (Content-Length, X-Image-Id)" if export else "stream (X-Image-Size)"
+    print(f"\n== image transfer, {size / 1e6:.0f} MB tar, {repeat} runs each, {mode} ==")
     print(f"docker load -i <file>           : {rate(loads)}")
     print(f"transfer_from_server (filtered) : {rate(transfers)}")
     print(f"ratio transfer / docker load    : {statistics.median(loads) / statistics.median(transfers):.2f}")
@@ -156,5 +165,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--size-mb", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--export", action="store_true", help="serve as the current backend's export")
     args = parser.parse_args()
-    react(lambda reactor: ensureDeferred(main(reactor, args.size_mb, args.repeat)))
+    react(lambda reactor: ensureDeferred(main(reactor, args.size_mb, args.repeat, args.export)))

@@ -1056,6 +1056,63 @@ class FilesAndAdminTests(LoopbackMixin, TestCase):
         code, reply = await self.get("/api/node-files/images/save?image=busybox&tag=1.0")
         self.assertEqual((code, reply), (401, {"detail": "Missing Authorization header."}))
 
+    async def save(self, cred: str, query: str, range_: str | None = None) -> tuple[Any, bytes]:
+        headers = {"Authorization": "Bearer " + cred}
+        if range_:
+            headers["Range"] = range_
+        response = await self.http.get(
+            self.backend.url + "/api/node-files/images/save?" + query, headers=_headers(headers)
+        )
+        return response, await response.content()
+
+    async def test_image_save_current_export(self) -> None:
+        """
+        Current generation (protocol 10.4), an image with an id: Content-Length, X-Image-Id,
+        Range (206 from the offset, 416 with bytes */size past the end); a pin that names
+        another build gets 409 {detail}; the right pin (rootfs or id) gets the image.
+        """
+        await self.start()
+        cred = (await self.enroll())["credential"]
+        path = self._tar(300_000)
+        with open(path, "rb") as f:
+            data = f.read()
+        iid, rootfs = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+        self.backend.add_image("busybox", "1.0", path, image_size=1234, image_id=iid, rootfs_digest=rootfs)
+        response, body = await self.save(cred, "image=busybox&tag=1.0")
+        self.assertEqual((response.code, body), (200, data))
+        self.assertEqual(response.length, len(data))
+        self.assertEqual(response.headers.getRawHeaders("x-image-id"), [iid])
+        self.assertIsNone(response.headers.getRawHeaders("x-image-size"))
+        response, body = await self.save(cred, "image=busybox&tag=1.0", "bytes=100000-")
+        self.assertEqual((response.code, body), (206, data[100000:]))
+        self.assertEqual(response.headers.getRawHeaders("content-range"), [f"bytes 100000-{len(data) - 1}/{len(data)}"])
+        response, body = await self.save(cred, "image=busybox&tag=1.0", f"bytes={len(data)}-")
+        self.assertEqual(response.code, 416)
+        self.assertEqual(response.headers.getRawHeaders("content-range"), [f"bytes */{len(data)}"])
+        response, body = await self.save(cred, "image=busybox&tag=1.0&expect_id=sha256:" + "9" * 64)
+        self.assertEqual(response.code, 409)
+        self.assertIn("different build", json.loads(body)["detail"])
+        for pin in ("expect_id=" + iid, "expect_rootfs=" + rootfs, "expect_id=x&expect_rootfs=" + rootfs):
+            response, body = await self.save(cred, "image=busybox&tag=1.0&" + pin)
+            self.assertEqual((response.code, body), (200, data))
+
+    async def test_image_save_april_and_no_export(self) -> None:
+        """The April route ignores pins and streams; so does the current one for an image without an id."""
+        await self.start()
+        cred = (await self.enroll())["credential"]
+        path = self._tar(100_000)
+        self.backend.add_image("x", "1", path, image_size=99, image_id="sha256:" + "a" * 64)
+        self.backend.add_image("noid", "1", path, image_size=99)
+        self.backend.image_route_current = False
+        response, body = await self.save(cred, "image=x&tag=1&expect_id=sha256:" + "9" * 64, "bytes=10-")
+        self.assertEqual((response.code, len(body)), (200, 100_000))
+        self.assertEqual(response.headers.getRawHeaders("x-image-size"), ["99"])
+        self.assertIsNone(response.headers.getRawHeaders("x-image-id"))
+        self.backend.image_route_current = True
+        response, body = await self.save(cred, "image=noid&tag=1", "bytes=10-")
+        self.assertEqual((response.code, len(body)), (200, 100_000))
+        self.assertEqual(response.headers.getRawHeaders("x-image-size"), ["99"])
+
     async def test_image_abort_fault(self) -> None:
         """The abort knob cuts the download after the given number of bytes."""
         await self.start()

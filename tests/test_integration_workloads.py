@@ -205,3 +205,52 @@ class WorkloadLogsToLokiTests(_WorkloadBase):
         entry = loki.entries(job="node-container")[0]
         self.assertEqual(entry.labels["host"], "127.0.0.1")
         self.assertTrue(entry.labels["container"].startswith("llm-port-"))
+
+
+class ImageTransferFlowTests(_WorkloadBase):
+    async def test_transfer_resumes_through_the_stand_in(self) -> None:
+        """
+        protocol 10.4 end to end: a deploy with transfer_from_server from the stand-in's export
+        (Content-Length, X-Image-Id) whose every response is cut after 200 kB resumes with
+        Range until the image is loaded, and the workload runs; a pin naming another build is
+        server_image_mismatch, at once.
+        """
+        import uuid
+
+        from tests.support.docker_env import BUSYBOX
+
+        env = require_docker()
+        backend, agent, node_id = await self.setup_agent()
+        name = f"llmport/e2e-{uuid.uuid4().hex[:6]}"
+        api = env.client().api
+        api.tag(BUSYBOX, name, "1")
+        image_id = api.inspect_image(f"{name}:1")["Id"]
+        path = os.path.join(self.mktemp())
+        with open(path, "wb") as f:
+            for chunk in api.get_image(f"{name}:1"):
+                f.write(chunk)
+        api.remove_image(f"{name}:1")
+        backend.add_image(name, "1", path, image_id=image_id)
+        backend.faults.image_abort_after = 200_000
+        payload = httpd_payload(image=f"{name}:1", image_source="transfer_from_server")
+        self.addCleanup(self._remove, backend, node_id, payload)
+        self.addCleanup(env.remove_image, f"{name}:1")
+        deploy = backend.issue_command(node_id, "deploy_workload", payload)
+        rec = await self.done(backend, deploy["id"])
+        self.assertEqual(rec["status"], "succeeded", rec.get("error_message"))
+        messages = [e["payload"].get("message", "") for e in backend.timeline(deploy["id"])
+                    if e["event_type"] == "progress" and e["payload"].get("phase") == "transfer_image"]
+        self.assertTrue(any("resuming" in m for m in messages), messages)
+        self.assertTrue(rec["result"]["image_id"].startswith("sha256:"))
+        self.assertEqual(api.inspect_image(f"{name}:1")["Id"], image_id)
+        # Another build pinned on the node (the images API's expect_id) -> 409 -> mismatch.
+        env.remove_image(f"{name}:1")
+        from twisted.internet.defer import ensureDeferred
+
+        from llmport_agent.commands.base import CommandFailed
+        from llmport_agent.workloads.policy import parse_image_ref
+
+        with self.assertRaises(CommandFailed) as cm:
+            await ensureDeferred(agent.workloads.images.transfer(
+                parse_image_ref(f"{name}:1"), lambda *a, **k: None, expect_id="sha256:" + "0" * 64))
+        self.assertEqual(cm.exception.error_code, "server_image_mismatch")

@@ -230,11 +230,15 @@ class TransferTests(WorkloadTestBase):
             self.assertNotIn(CREDENTIAL, repr(frame))
 
     async def test_broken_download(self) -> None:
-        """A backend connection that breaks mid-stream fails with transfer_failed; nothing is loaded."""
+        """
+        A streamed (not resumable) download that breaks fails with image_transfer_failed;
+        nothing is loaded, and it is not asked again with a Range it could not honour.
+        """
         self.resource.break_after = 256 * 1024
         with self.assertRaises(CommandFailed) as cm:
             await self.rig.manager.images.transfer(parse_image_ref(self.ref), Recorder())
-        self.assertEqual(cm.exception.error_code, "transfer_failed")
+        self.assertEqual(cm.exception.error_code, "image_transfer_failed")
+        self.assertEqual(len(self.resource.requests), 1)
         self.assertIn("broke", cm.exception.error_message)
         self.assertIsNone(await self.rig.manager.images.inspect(parse_image_ref(self.ref)))
 
@@ -247,11 +251,11 @@ class TransferTests(WorkloadTestBase):
         self.assertIsNone(await self.rig.manager.images.inspect(parse_image_ref(self.ref)))
 
     async def test_refused(self) -> None:
-        """HTTP errors from the backend fail with transfer_failed and never echo the credential."""
+        """HTTP errors from the backend fail with image_transfer_failed and never echo the credential."""
         self.resource.credential = "something-else"
         with self.assertRaises(CommandFailed) as cm:
             await self.rig.manager.images.transfer(parse_image_ref(self.ref), Recorder())
-        self.assertEqual(cm.exception.error_code, "transfer_failed")
+        self.assertEqual(cm.exception.error_code, "image_transfer_failed")
         self.assertIn("HTTP 401", cm.exception.error_message)
         self.assertNotIn(CREDENTIAL, cm.exception.error_message)
 
@@ -284,3 +288,117 @@ class TransferTests(WorkloadTestBase):
         await deferLater(reactor, 0.2, lambda: None)
         self.assertIsNone(await self.rig.manager.images.inspect(parse_image_ref(self.ref)))
 
+
+
+class ResumableTransferTests(TransferTests):
+    """
+    The current backend's export (protocol 10.4): Content-Length, X-Image-Id, Range resume
+    into the same image load, 200-to-a-range restarts, 409 for another build. Every test of
+    TransferTests runs here too, against the export.
+    """
+
+    async def setUp(self) -> None:  # type: ignore[override]
+        await super().setUp()
+        self.resource.export = True
+        self.image_id = "sha256:" + "a" * 64
+        self.rootfs = "sha256:" + "b" * 64
+        self.resource.ids[(self.name, "1")] = (self.image_id, self.rootfs)
+        self.rig.manager.images.resume_delay = 0.05
+        self.size = len(self.resource.tars[(self.name, "1")])
+
+    async def test_broken_download(self) -> None:
+        """Every response breaks at 256 KiB: resumed until done, each resume where it stopped."""
+        self.resource.break_after = 256 * 1024
+        rec = Recorder()
+        result = await self.rig.manager.images.transfer(parse_image_ref(self.ref), rec)
+        self.assertIsNotNone(await self.rig.manager.images.inspect(parse_image_ref(self.ref)))
+        self.assertEqual(result["bytes_done"], self.size)
+        ranges = [r["range"] for r in self.resource.requests]
+        expected = [None] + [f"bytes={n}-" for n in range(256 * 1024, self.size, 256 * 1024)]
+        self.assertEqual(ranges, expected)
+        self.assertEqual(result["resumed"], len(expected) - 1)
+        self.assertTrue(any("resuming" in c["message"] for c in rec.calls))
+
+    async def test_resume_once(self) -> None:
+        """One break: one ranged request, the image loads, nothing sent twice."""
+        self.resource.break_once_after = 300_000
+        result = await self.rig.manager.images.transfer(parse_image_ref(self.ref), Recorder())
+        self.assertEqual([r["range"] for r in self.resource.requests], [None, "bytes=300000-"])
+        self.assertEqual((result["resumed"], result["restarted"]), (1, 0))
+        self.assertEqual(self.resource.sent, self.size)
+        self.assertIsNotNone(await self.rig.manager.images.inspect(parse_image_ref(self.ref)))
+
+    async def test_200_to_a_range_restarts(self) -> None:
+        """A 200 answering a ranged request starts the load over from byte 0, and it completes."""
+        self.resource.break_once_after = 300_000
+        self.resource.ignore_range = True
+        result = await self.rig.manager.images.transfer(parse_image_ref(self.ref), Recorder())
+        self.assertEqual(result["restarted"], 1)
+        self.assertEqual(result["bytes_done"], self.size)
+        self.assertIsNotNone(await self.rig.manager.images.inspect(parse_image_ref(self.ref)))
+
+    async def test_resumes_exhausted(self) -> None:
+        """A backend that never sends another byte: image_transfer_failed after the resumes."""
+        self.rig.manager.images.resume_attempts = 2
+        self.resource.break_once_after = 300_000
+        self.resource.break_after = 0  # the resumes: headers, then the connection ends
+        with self.assertRaises(CommandFailed) as cm:
+            await self.rig.manager.images.transfer(parse_image_ref(self.ref), Recorder())
+        self.assertEqual(cm.exception.error_code, "image_transfer_failed")
+        self.assertIn("at 300000 of", cm.exception.error_message)
+        self.assertIn("2 resumes in a row", cm.exception.error_message)
+        self.assertEqual([r["range"] for r in self.resource.requests], [None] + ["bytes=300000-"] * 2)
+        self.assertIsNone(await self.rig.manager.images.inspect(parse_image_ref(self.ref)))
+
+    async def test_stalled_download(self) -> None:
+        """A silent backend: dropped and resumed; a backend silent every time ends transfer_stalled."""
+        self.rig.manager.images.resume_attempts = 1
+        self.rig.manager.images.stall_sec = 1.0
+        self.resource.stall_after = 256 * 1024
+        with self.assertRaises(CommandFailed) as cm:
+            await self.rig.manager.images.transfer(parse_image_ref(self.ref), Recorder())
+        self.assertEqual(cm.exception.error_code, "transfer_stalled")
+        self.assertEqual([r["range"] for r in self.resource.requests][:2], [None, f"bytes={256 * 1024}-"])
+        self.assertIsNone(await self.rig.manager.images.inspect(parse_image_ref(self.ref)))
+
+    async def test_pin_sent_and_mismatch_is_final(self) -> None:
+        """expect_id/expect_rootfs go in the query; a 409 is server_image_mismatch, asked once."""
+        images = self.rig.manager.images
+        with self.assertRaises(CommandFailed) as cm:
+            await images.transfer(parse_image_ref(self.ref), Recorder(), expect_id="sha256:" + "9" * 64)
+        self.assertEqual(cm.exception.error_code, "server_image_mismatch")
+        self.assertIn("different build", cm.exception.error_message)
+        self.assertEqual(len(self.resource.requests), 1)
+        self.assertIsNone(await images.inspect(parse_image_ref(self.ref)))
+        await images.transfer(parse_image_ref(self.ref), Recorder(), expect_id="sha256:" + "9" * 64,
+                              expect_rootfs=self.rootfs)
+        self.assertEqual(
+            self.resource.requests[-1]["args"],
+            {"image": self.name, "tag": "1", "expect_id": "sha256:" + "9" * 64, "expect_rootfs": self.rootfs},
+        )
+
+    async def test_skipped_when_present(self) -> None:
+        """transfer_from_server of a tag already here: no request; with a pin it must match."""
+        images = self.rig.manager.images
+        ref = parse_image_ref(self.ref)
+        await images.transfer(ref, Recorder())
+        local = await images.inspect(ref)
+        assert local is not None
+        self.assertTrue(local["rootfs_digest"].startswith("sha256:"))
+        self.resource.requests.clear()
+        steps: list[tuple[str, str]] = []
+
+        def progress(phase: str, message: str, **kw: Any) -> None:
+            steps.append((phase, message))
+
+        out = await images.ensure(ref, "transfer_from_server", progress)
+        self.assertTrue(out["transfer_skipped"])
+        out = await images.ensure(ref, "transfer_from_server", progress, expect_rootfs=local["rootfs_digest"])
+        self.assertTrue(out["transfer_skipped"])
+        self.assertEqual(self.resource.requests, [])
+        self.assertIn("already on this node", steps[0][1])
+        # Present, but not the pinned build: transferred, with the pin in the query.
+        self.resource.ids[(self.name, "1")] = (self.image_id, "sha256:" + "c" * 64)
+        out = await images.ensure(ref, "transfer_from_server", progress, expect_rootfs="sha256:" + "c" * 64)
+        self.assertNotIn("transfer_skipped", out)
+        self.assertEqual(self.resource.requests[0]["args"]["expect_rootfs"], "sha256:" + "c" * 64)

@@ -9,6 +9,7 @@ a plain-text C{Internal Server Error} for 500.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -466,11 +467,48 @@ class ImageSaveResource(JsonResource):
         entry = self._backend.images.get(reference)
         if entry is None:
             return json_response(request, 404, {"detail": f"Image {reference} not found."})
-        request.setResponseCode(200)
-        request.setHeader(b"content-type", b"application/x-tar")
-        if entry.image_size is not None:
-            request.setHeader(b"x-image-size", str(entry.image_size).encode("ascii"))
-        d = Deferred.fromCoroutine(self._stream(request, entry))
+        start = 0
+        end: int | None = None
+        if self._backend.image_route_current:
+            expect_id = _query(request, b"expect_id")
+            expect_rootfs = _query(request, b"expect_rootfs")
+            if (expect_id or expect_rootfs) and not (
+                (expect_rootfs and expect_rootfs == entry.rootfs_digest)
+                or (expect_id and expect_id == entry.image_id)
+            ):
+                return json_response(
+                    request,
+                    409,
+                    {"detail": f"This server holds a different build of the runtime image (id "
+                               f"{entry.image_id or 'unknown'}) than the node was asked to run (id "
+                               f"{expect_id or 'unset'}); retrying will not change this."},
+                )
+            if entry.image_id:
+                try:
+                    size = os.path.getsize(entry.tar_path)
+                except OSError:
+                    return json_response(request, 404, {"detail": f"Image {reference} not found."})
+                answer = _byte_range(_header(request, b"range"), size)
+                request.setHeader(b"content-type", b"application/x-tar")
+                request.setHeader(b"accept-ranges", b"bytes")
+                request.setHeader(b"x-image-id", entry.image_id.encode("ascii", "replace"))
+                if answer is None:
+                    request.setResponseCode(416)
+                    request.setHeader(b"content-range", f"bytes */{size}".encode())
+                    return b""
+                start, end, ranged = answer
+                if ranged:
+                    request.setResponseCode(206)
+                    request.setHeader(b"content-range", f"bytes {start}-{end - 1}/{size}".encode())
+                else:
+                    request.setResponseCode(200)
+                request.setHeader(b"content-length", str(end - start).encode())
+        if end is None:
+            request.setResponseCode(200)
+            request.setHeader(b"content-type", b"application/x-tar")
+            if entry.image_size is not None:
+                request.setHeader(b"x-image-size", str(entry.image_size).encode("ascii"))
+        d = Deferred.fromCoroutine(self._stream(request, entry, start, end))
         self._backend.track(d)
 
         def _failed(f: Failure) -> None:
@@ -479,7 +517,9 @@ class ImageSaveResource(JsonResource):
         d.addErrback(_failed)
         return NOT_DONE_YET
 
-    async def _stream(self, request: Request, entry: ImageEntry) -> None:
+    async def _stream(
+        self, request: Request, entry: ImageEntry, start: int = 0, end: int | None = None
+    ) -> None:
         runner = self._backend.runner
         pacer = _Pacer()
         done = request.notifyFinish()
@@ -488,9 +528,14 @@ class ImageSaveResource(JsonResource):
         limit = self._backend.faults.image_abort_after
         sent = 0
         handle = await runner.run(open, entry.tar_path, "rb")
+        if start:
+            await runner.run(handle.seek, start)
+        left = None if end is None else end - start
         try:
             while not pacer.stopped:
                 want = _CHUNK if limit is None else min(_CHUNK, limit - sent)
+                if left is not None:
+                    want = min(want, left - sent)
                 chunk = await runner.run(handle.read, want) if want > 0 else b""
                 if pacer.stopped:
                     return
@@ -511,6 +556,32 @@ class ImageSaveResource(JsonResource):
                 await pacer.ready()
         finally:
             await runner.run(handle.close)
+
+
+def _byte_range(header: str | None, size: int) -> tuple[int, int, bool] | None:
+    """
+    C{(start, end, ranged)}: C{[start, end)} of C{Range: bytes=<start>-[<last>]} within
+    C{size} bytes (the whole file, C{ranged} false, without a usable header), or C{None} for a
+    range that starts past the end (416). Suffix and multiple ranges are answered with the
+    whole file, as a server may.
+    """
+    if not header or not header.strip().lower().startswith("bytes="):
+        return 0, size, False
+    spec = header.strip()[len("bytes="):]
+    if "," in spec:
+        return 0, size, False
+    first, _, last = spec.partition("-")
+    if not first.strip().isdigit():
+        return 0, size, False
+    start = int(first)
+    if start >= size:
+        return None
+    end = size
+    if last.strip().isdigit():
+        end = min(size, int(last) + 1)
+        if end <= start:
+            return None
+    return start, end, True
 
 
 def _decode_path(request: Request) -> list[str]:

@@ -81,12 +81,21 @@ class Faults:
 
 @frozen
 class ImageEntry:
-    """A registered C{docker save} tar."""
+    """
+    A registered C{docker save} tar.
+
+    @ivar image_id: the image's config id (C{sha256:...}); with it the current generation
+        serves the tar as its one-time export (Content-Length, Range, C{X-Image-Id}), without
+        it (no room to export) it streams like the April one.
+    @ivar rootfs_digest: C{sha256:} of the RootFS diff ids joined by newlines (the pin).
+    """
 
     name: str
     tag: str
     tar_path: str
     image_size: int | None
+    image_id: str | None = None
+    rootfs_digest: str | None = None
 
 
 @define
@@ -215,6 +224,11 @@ class DevBackend:
         self._scheme = "http"
         self._interface = "127.0.0.1"
         self._inflight: set[Deferred[Any]] = set()
+        #: The image-save route as the current generation has it (protocol 10.4): C{expect_id}
+        #: / C{expect_rootfs} checked (409), and an entry with an image id served as an export
+        #: (Content-Length, Range, X-Image-Id). C{False}: the April route, which ignores the
+        #: pins and always streams with X-Image-Size.
+        self.image_route_current = True
         #: Runtimes created through L{create_runtime} (the backend's runtime API), by id.
         self.runtime_defs: dict[str, Runtime] = {}
         #: Enrollment requests received (answered or, with C{faults.hang_enroll}, not).
@@ -618,10 +632,19 @@ class DevBackend:
         )
 
     def add_image(
-        self, name: str, tag: str, tar_path: str, image_size: int | None = None
+        self,
+        name: str,
+        tag: str,
+        tar_path: str,
+        image_size: int | None = None,
+        *,
+        image_id: str | None = None,
+        rootfs_digest: str | None = None,
     ) -> None:
         """Register a C{docker save} tar for C{GET .../images/save?image=name&tag=tag}."""
-        self.images[f"{name}:{tag}"] = ImageEntry(name, tag, tar_path, image_size)
+        self.images[f"{name}:{tag}"] = ImageEntry(
+            name, tag, tar_path, image_size, image_id, rootfs_digest
+        )
 
     # -- the runtime API (payloads as the real backend builds them) --------------------------
 

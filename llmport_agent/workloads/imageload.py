@@ -30,7 +30,7 @@ from ..commands.base import CommandFailed
 from .engine import StreamControl
 from .tarfilter import ImageTarFilter, TarRejected
 
-TRANSFER_FAILED = "transfer_failed"
+TRANSFER_FAILED = "image_transfer_failed"
 
 #: At most this many bytes go to the engine in one chunk of the request body.
 BATCH_BYTES = 4 * 1024 * 1024
@@ -189,7 +189,7 @@ def load_thread(
     Thread function: POST the arriving tar, filtered, to the engine's image load. Returns
     C{{"loaded": [...], "error": str, "transport": "socket"|"docker-py"}}.
 
-    @raise CommandFailed: C{transfer_failed} when the filter refuses the archive.
+    @raise CommandFailed: C{image_transfer_failed} when the filter refuses the archive.
     """
     api = client.api
     conn = _raw_connection(api)

@@ -8,38 +8,39 @@ joined when two commands pull the same reference. Registry credentials come from
 payload or profile and go to the engine in the request header only: never to disk, logs,
 progress or error text.
 
-Transfers stream the backend's C{docker save} tar into the engine's image load while it
-arrives (with flow control), report progress against C{X-Image-Size}, and stop the load on
-cancel or failure.
+Transfers (L{imagetransfer}) stream the backend's C{docker save} tar into the engine's image
+load while it arrives (with flow control), resume with C{Range} where the backend serves an
+export, send the image pin when known (C{409}: C{server_image_mismatch}), and stop the load
+on cancel or failure; a transfer of a tag already present (and pinned, when a pin is known)
+is skipped.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlencode
 
 import docker
 from docker.types import CancellableStream
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import ResponseDone
-from twisted.web.http import PotentialDataLoss
 
 from ..commands.base import INVALID_COMMAND, CommandFailed
 from .engine import DockerEngine, EngineError, StreamClosed, StreamControl
-from .imageload import BodySource, SourceError, load_thread
-from .policy import ImageRef, parse_image_ref
-from .tarfilter import ImageTarFilter
+from .imagetransfer import (
+    IMAGE_TRANSFER_FAILED,
+    ImageTransfer,
+)
+from .policy import ImageRef
 
 PULL_FAILED = "pull_failed"
 PULL_STALLED = "pull_stalled"
-TRANSFER_FAILED = "transfer_failed"
-TRANSFER_STALLED = "transfer_stalled"
+# Transfers (protocol 10.4 codes); see imagetransfer.
+TRANSFER_FAILED = IMAGE_TRANSFER_FAILED
 
 #: progress(message, **extra) -> None
 Progress = Callable[..., None]
@@ -205,74 +206,34 @@ class _SharedPull:
         self.progress = PullProgress()
 
 
-class _BodyFeeder(Protocol):
-    """
-    Receives the transfer's body on the reactor and hands it to the loading thread
-    through a L{BodySource}, pausing the download while too much is buffered.
-    """
-
-    def __init__(self, engine: DockerEngine, high_water: int = 16 * 1024 * 1024) -> None:
-        self._engine = engine
-        self.source = BodySource(self._consumedFromThread)
-        self.received = 0
-        self.consumed = 0
-        self.high_water = high_water
-        self.paused = False
-        self.done: Deferred[None] = Deferred()
-        self.on_data: Callable[[], None] = lambda: None
-
-    def _producer(self) -> Any:
-        # The response body's transport is a push producer (pause/resume/stop).
-        return self.transport
-
-    def dataReceived(self, data: bytes) -> None:
-        self.received += len(data)
-        self.source.queue.put(data)
-        self.on_data()
-        if not self.paused and self.received - self.consumed > self.high_water and self.transport:
-            self.paused = True
-            self._producer().pauseProducing()
-
-    def connectionLost(self, reason: Failure = ResponseDone()) -> None:  # type: ignore[assignment]
-        if reason.check(ResponseDone, PotentialDataLoss):
-            self.source.queue.put(BodySource.END)
-            if not self.done.called:
-                self.done.callback(None)
-        else:
-            self.source.queue.put(SourceError(f"the backend connection broke after {self.received} bytes"))
-            if not self.done.called:
-                self.done.errback(reason)
-
-    def _consumedFromThread(self, n: int) -> None:
-        self._engine.callFromThread(self._consumed, n)
-
-    def _consumed(self, n: int) -> None:
-        self.consumed += n
-        if self.paused and self.received - self.consumed < self.high_water // 2 and self.transport:
-            self.paused = False
-            self._producer().resumeProducing()
-
-    def abort(self) -> None:
-        """Stop the download and end the loader's input with an error."""
-        self.source.queue.put(SourceError("image transfer aborted"))
-        if self.transport is not None and not self.done.called:
-            try:
-                self._producer().stopProducing()
-            except Exception:  # noqa: BLE001
-                pass
-
-
 def _inspect_image(client: docker.DockerClient, name: str) -> dict[str, Any] | None:
     try:
         info = client.api.inspect_image(name)
     except docker.errors.NotFound:
         return None
+    layers = [str(x) for x in ((info.get("RootFS") or {}).get("Layers") or [])]
     return {
         "id": info.get("Id", ""),
         "repo_tags": list(info.get("RepoTags") or []),
         "repo_digests": list(info.get("RepoDigests") or []),
         "size": int(info.get("Size") or 0),
+        "rootfs_digest": rootfs_digest(layers) if layers else None,
     }
+
+
+def rootfs_digest(layer_diff_ids: list[str]) -> str:
+    """
+    The content identity llm-port pins an image by (protocol 10.6): C{sha256:} and the
+    SHA-256 of the image's RootFS layer diff ids joined by newlines.
+    """
+    return "sha256:" + hashlib.sha256("\n".join(layer_diff_ids).encode()).hexdigest()
+
+
+def image_matches(local: dict[str, Any], expect_id: str | None, expect_rootfs: str | None) -> bool:
+    """Whether a local image (L{_inspect_image}) is the pinned one: by rootfs digest or id."""
+    if expect_rootfs and local.get("rootfs_digest") == expect_rootfs:
+        return True
+    return bool(expect_id and local.get("id") == expect_id)
 
 
 class ImageManager:
@@ -296,8 +257,12 @@ class ImageManager:
         backend_url: str = "",
         credential: Callable[[], str] | None = None,
         progress_interval: float = 1.0,
+        resume_attempts: int = 8,
+        resume_delay: float = 1.0,
     ) -> None:
         self._reactor = reactor
+        self.resume_attempts = resume_attempts
+        self.resume_delay = resume_delay
         self._engine = engine
         self.stall_sec = stall_sec
         self._http = http
@@ -466,12 +431,23 @@ class ImageManager:
 
     # -- transfer ------------------------------------------------------------------------
 
-    async def transfer(self, ref: ImageRef, progress: Progress) -> dict[str, Any]:
+    async def transfer(
+        self,
+        ref: ImageRef,
+        progress: Progress,
+        *,
+        expect_id: str | None = None,
+        expect_rootfs: str | None = None,
+    ) -> dict[str, Any]:
         """
-        Stream the backend's C{docker save} of C{ref} into the engine's image load.
+        Stream the backend's C{docker save} of C{ref} into the engine's image load, resuming
+        where the backend allows it (see L{imagetransfer}).
 
+        @param expect_id: the image id the node was told to run, when known (query).
+        @param expect_rootfs: its rootfs digest, when known (query).
         @raise CommandFailed: C{invalid_command} for references the backend cannot serve,
-            C{transfer_failed}, C{transfer_stalled}, or C{runtime_error}.
+            C{server_image_mismatch}, C{image_transfer_failed}, C{transfer_stalled}, or
+            C{runtime_error}.
         """
         if self._http is None or not self._backend_url or self._credential is None:
             raise CommandFailed(
@@ -485,162 +461,35 @@ class ImageManager:
                 f"Image {ref.original!r} cannot be transferred from the backend: it serves only "
                 "name:tag references (no digests, no registry ports).",
             )
-        url = (
-            self._backend_url.rstrip("/")
-            + "/api/node-files/images/save?"
-            + urlencode({"image": name, "tag": tag})
+        transfer = ImageTransfer(
+            self._reactor,
+            self._engine,
+            self._http,
+            self._backend_url,
+            self._credential,
+            stall_sec=self.stall_sec,
+            progress_interval=self.progress_interval,
+            resume_attempts=self.resume_attempts,
+            resume_delay=self.resume_delay,
         )
-        token = self._credential()
-        headers = {"Authorization": f"Bearer {token}", "Accept": "application/x-tar"}
-        self.log.info("Transferring image {image} from the backend", image=f"{name}:{tag}")
-        try:
-            response = await self._http.get(url, headers=headers, unbuffered=True, timeout=60)
-        except CancelledError:
-            raise
-        except Exception as exc:
-            raise CommandFailed(
-                TRANSFER_FAILED,
-                _scrub(
-                    f"Transferring {name}:{tag} failed: the backend could not be reached: "
-                    f"{type(exc).__name__}: {exc}",
-                    (token,),
-                ),
-            ) from None
-        if response.code != 200:
-            try:
-                body = (await response.text())[:300]
-            except Exception:  # noqa: BLE001
-                body = ""
-            raise CommandFailed(
-                TRANSFER_FAILED,
-                _scrub(
-                    f"Transferring {name}:{tag} failed: the backend answered HTTP "
-                    f"{response.code}: {' '.join(body.split())}",
-                    (token,),
-                ),
-            )
-        size_header = response.headers.getRawHeaders(b"x-image-size") or []
-        try:
-            total = int(size_header[0]) if size_header else 0
-        except ValueError:
-            total = 0
-
-        feeder = _BodyFeeder(self._engine)
-        control = StreamControl()
-        clock = self._reactor
-        state = {"last_data": clock.seconds(), "last_emit": 0.0, "stalled": False}
-        timer: Any = None
-
-        def extra() -> dict[str, Any]:
-            out: dict[str, Any] = {"bytes_done": feeder.received}
-            if total:
-                out["bytes_total"] = total
-                out["progress_pct"] = min(99, int(feeder.received * 100 / total))
-            return out
-
-        def on_data() -> None:
-            now = clock.seconds()
-            state["last_data"] = now
-            if now - state["last_emit"] >= self.progress_interval:
-                state["last_emit"] = now
-                progress(f"Transferring {name}:{tag} from the backend", **extra())
-
-        feeder.on_data = on_data
-        response.deliverBody(feeder)
-
-        def watchdog() -> None:
-            nonlocal timer
-            if feeder.done.called:
-                timer = None
-                return
-            idle = clock.seconds() - state["last_data"]
-            if idle >= self.stall_sec:
-                state["stalled"] = True
-                feeder.abort()
-                control.close("stalled")
-                timer = None
-                return
-            timer = clock.callLater(max(0.1, self.stall_sec - idle), watchdog)
-
-        timer = clock.callLater(self.stall_sec, watchdog)
-        body_error: list[Failure] = []
-
-        def _bodyFailed(f: Failure) -> None:
-            body_error.append(f)
-            control.close("download failed")
-
-        feeder.done.addErrback(_bodyFailed)
-        # Only the requested tag may come out of the archive (see tarfilter).
-        tar = ImageTarFilter(f"{name}:{tag}", lambda text: parse_image_ref(text).canonical)
-        try:
-            outcome = await self._engine.stream(
-                load_thread, control, feeder.source, tar, what=f"loading image {name}:{tag}"
-            )
-        except CancelledError:
-            feeder.abort()
-            raise
-        except (StreamClosed, EngineError) as exc:
-            feeder.abort()
-            if state["stalled"]:
-                raise CommandFailed(
-                    TRANSFER_STALLED,
-                    f"Transferring {name}:{tag} from the backend made no progress for "
-                    f"{self.stall_sec:g} s and was abandoned after {feeder.received} bytes.",
-                    extra(),
-                ) from None
-            if body_error:
-                raise CommandFailed(
-                    TRANSFER_FAILED,
-                    f"Transferring {name}:{tag} failed: the backend connection broke after "
-                    f"{feeder.received} bytes; nothing was loaded.",
-                    extra(),
-                ) from None
-            if isinstance(exc, EngineError) and exc.unreachable:
-                raise
-            cause = exc.explanation if isinstance(exc, EngineError) else str(exc)
-            raise CommandFailed(
-                TRANSFER_FAILED,
-                f"Transferring {name}:{tag} failed: the engine's image load failed: {cause}",
-                extra(),
-            ) from None
-        except CommandFailed as exc:
-            # The archive was refused (it names other references): the upload was broken off.
-            feeder.abort()
-            self.log.warn("Refused the image archive from the backend: {why}", why=exc.error_message)
-            exc.result.update(extra())
-            raise
-        finally:
-            if timer is not None and timer.active():
-                timer.cancel()
-        if body_error:
-            raise CommandFailed(
-                TRANSFER_FAILED,
-                f"Transferring {name}:{tag} failed: the backend connection broke after "
-                f"{feeder.received} bytes.",
-                extra(),
-            )
-        if outcome["error"]:
-            raise CommandFailed(
-                TRANSFER_FAILED,
-                f"Transferring {name}:{tag} failed: the engine refused the image: "
-                f"{' '.join(str(outcome['error']).split())[:500]}",
-                extra(),
-            )
+        outcome = await transfer.run(
+            name, tag, progress, expect_id=expect_id, expect_rootfs=expect_rootfs
+        )
         image = await self.inspect(ref)
         if image is None:
-            loaded = ", ".join(outcome["loaded"]) or "nothing"
+            loaded = ", ".join(outcome.get("loaded") or []) or "nothing"
             raise CommandFailed(
                 TRANSFER_FAILED,
                 f"Transferring {name}:{tag}: the backend's archive loaded {loaded}, not "
                 f"{name}:{tag}.",
             )
-        final = extra()
-        final["progress_pct"] = 100
-        progress(f"Loaded {name}:{tag} ({feeder.received} bytes)", **final)
+        outcome.pop("loaded", None)
+        progress(f"Loaded {name}:{tag} ({outcome['bytes_done']} bytes)", **outcome)
         self.log.info(
-            "Loaded image {image} from the backend ({size} bytes)", image=f"{name}:{tag}", size=feeder.received
+            "Loaded image {image} from the backend ({size} bytes, resumed {resumed} times)",
+            image=f"{name}:{tag}", size=outcome["bytes_done"], resumed=outcome.get("resumed", 0),
         )
-        return {"image": ref.canonical, "image_id": image["id"], **final}
+        return {"image": ref.canonical, "image_id": image["id"], **outcome}
 
     # -- dispatch ------------------------------------------------------------------------
 
@@ -650,15 +499,39 @@ class ImageManager:
         source: str | None,
         progress: Callable[..., None],
         auth: dict[str, str] | None = None,
+        *,
+        expect_id: str | None = None,
+        expect_rootfs: str | None = None,
     ) -> dict[str, Any]:
         """
         Make C{ref} present per C{image_source}: C{None} uses the local image (pulling it
-        when absent), C{pull_from_registry} pulls, C{transfer_from_server} transfers.
+        when absent), C{pull_from_registry} pulls, C{transfer_from_server} transfers unless
+        the tag is present (and is the pinned image, when C{expect_id}/C{expect_rootfs} say
+        which).
         C{progress(phase, message, **extra)} receives C{pull_image}/C{transfer_image}.
         """
         if source == "transfer_from_server":
+            # Skipped when the tag is already here and is the pinned image, when a pin is known
+            # (protocol 10.4; a multi-GB transfer for an image already present is waste).
+            local = await self.inspect(ref)
+            if local is not None and (
+                not (expect_id or expect_rootfs) or image_matches(local, expect_id, expect_rootfs)
+            ):
+                progress(
+                    "transfer_image",
+                    f"Image {ref.canonical} is already on this node ({local['id'][:19]}); not "
+                    "transferring it again",
+                    progress_pct=100,
+                )
+                return {"image": ref.canonical, "image_id": local["id"], "local": True,
+                        "transfer_skipped": True}
             progress("transfer_image", f"Transferring image {ref.canonical} from the backend")
-            return await self.transfer(ref, lambda msg, **kw: progress("transfer_image", msg, **kw))
+            return await self.transfer(
+                ref,
+                lambda msg, **kw: progress("transfer_image", msg, **kw),
+                expect_id=expect_id,
+                expect_rootfs=expect_rootfs,
+            )
         if source is None:
             local = await self.inspect(ref)
             if local is not None:

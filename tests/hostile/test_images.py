@@ -2,7 +2,7 @@
 Hostile image archives for C{transfer_from_server}: the backend (or whoever sits between it
 and the node) serves a C{docker save} tar that names more than the requested reference, or
 hides a metadata file behind PAX headers, long names or symlinks. The archive may create or
-move no tag but the requested one: it fails with C{transfer_failed} naming what it tried, and
+move no tag but the requested one: it fails with C{image_transfer_failed} naming what it tried, and
 every tag on the host stays where it was.
 
 The first class runs on the real engine (the engine's own tar reader and loader decide what a
@@ -176,7 +176,7 @@ class TransferAttackTests(WorkloadTestBase):
         self.assertEqual(sorted(manifest[0]["RepoTags"]), sorted([f"{self.allowed}:1", f"{self.victim}:prod"]))
         self.serve_tar(self.tar)
         exc = await self.transfer_fails()
-        self.assertEqual(exc.error_code, "transfer_failed")
+        self.assertEqual(exc.error_code, "image_transfer_failed")
         self.assertIn(f"{self.victim}:prod", exc.error_message)
         self.assert_untouched()
 
@@ -251,7 +251,7 @@ class TransferAttackTests(WorkloadTestBase):
                 await self.rig.manager.images.transfer(
                     parse_image_ref(f"{self.allowed}:1"), lambda *a, **k: None)
             except CommandFailed as exc:
-                self.assertEqual(exc.error_code, "transfer_failed")
+                self.assertEqual(exc.error_code, "image_transfer_failed")
             self.assertEqual(image_id(self.env, f"{self.victim}:prod"), self.victim_id)
             self.env.remove_image(f"{self.allowed}:1")
 
