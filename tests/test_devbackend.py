@@ -1098,17 +1098,17 @@ class FilesAndAdminTests(LoopbackMixin, TestCase):
 
     async def test_image_save_april_and_no_export(self) -> None:
         """The April route ignores pins and streams; so does the current one for an image without an id."""
-        await self.start()
+        await self.start(generation="2026-04")
+        self.assertFalse(self.backend.image_route_current)
         cred = (await self.enroll())["credential"]
         path = self._tar(100_000)
         self.backend.add_image("x", "1", path, image_size=99, image_id="sha256:" + "a" * 64)
         self.backend.add_image("noid", "1", path, image_size=99)
-        self.backend.image_route_current = False
         response, body = await self.save(cred, "image=x&tag=1&expect_id=sha256:" + "9" * 64, "bytes=10-")
         self.assertEqual((response.code, len(body)), (200, 100_000))
         self.assertEqual(response.headers.getRawHeaders("x-image-size"), ["99"])
         self.assertIsNone(response.headers.getRawHeaders("x-image-id"))
-        self.backend.image_route_current = True
+        self.backend.image_route_current = True  # the current route, an image it cannot export
         response, body = await self.save(cred, "image=noid&tag=1", "bytes=10-")
         self.assertEqual((response.code, len(body)), (200, 100_000))
         self.assertEqual(response.headers.getRawHeaders("x-image-size"), ["99"])

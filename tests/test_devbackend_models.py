@@ -72,6 +72,17 @@ class ModelAvailabilityTests(SynchronousTestCase):
         [row] = self.rows()
         self.assertEqual((row["status"], row["status_message"]), ("failed", "no snapshot directory"))
 
+    def test_april_reads_nothing(self) -> None:
+        """The April generation reads nothing of sync_model (protocol 4): no availability kept."""
+        self.state = BackendState(self.clock, generation="2026-04")
+        token = self.state.mint_token()["token"]
+        self.node = self.state.enroll(token, "node-a", "10.0.0.5", {}, "1.0", "127.0.0.1")["node_id"]
+        cid = self.sync()
+        self.frame(type="command_progress", command_id=cid, message="x", progress_pct=5)
+        self.frame(type="command_result", command_id=cid, success=True, result={"root_path": "/x"})
+        self.assertEqual(self.rows(), [])
+        self.assertEqual(self.state.commands[cid].status, "succeeded")
+
     def test_progress_without_percentage_is_noted(self) -> None:
         cid = self.sync()
         self.frame(type="command_progress", command_id=cid, message="working")

@@ -284,3 +284,16 @@ class ModelSyncFlowTests(AgentTestCase):
         for key in ("synced", "model_id", "hf_repo_id", "model_dir_name", "cache_root", "files_synced"):
             self.assertIn(key, rec["result"])
         self.assertEqual(backend.anomalies(node_id), [])
+
+    async def test_sync_model_against_april(self) -> None:
+        """The April backend reads nothing of sync_model: the same result, no availability kept."""
+        backend = await self.start_backend(generation="2026-04")
+        agent = self.start_agent(backend)
+        node_id = await self.wait_connected(backend, agent)
+        manifest = backend.models.add_model("m3", "org/april", {"config.json": b"{}"}, commit="d" * 40)
+        cmd = backend.issue_command(node_id, "sync_model", {"model_sync": manifest})
+        await backend.wait_for(lambda: backend.command(cmd["id"])["status"] in TERMINAL, 30)
+        rec = backend.command(cmd["id"])
+        self.assertEqual(rec["status"], "succeeded", rec.get("error_message"))
+        self.assertEqual(rec["result"]["revision"], "d" * 40)
+        self.assertEqual(backend.model_availability(node_id), [])

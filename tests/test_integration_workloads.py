@@ -254,3 +254,47 @@ class ImageTransferFlowTests(_WorkloadBase):
             await ensureDeferred(agent.workloads.images.transfer(
                 parse_image_ref(f"{name}:1"), lambda *a, **k: None, expect_id="sha256:" + "0" * 64))
         self.assertEqual(cm.exception.error_code, "server_image_mismatch")
+
+
+    async def test_transfer_from_april_is_not_resumed(self) -> None:
+        """
+        The April route streams (X-Image-Size, no Content-Length, pins ignored): a cut
+        connection fails the deploy with image_transfer_failed, nothing is loaded, and it
+        was not asked again with a Range.
+        """
+        import uuid
+
+        from tests.support.docker_env import BUSYBOX
+
+        env = require_docker()
+        backend = await self.start_backend(generation="2026-04")
+        agent = self.start_agent(backend, docker_host=env.host, WORKLOAD_NETWORK="host",
+                                 READINESS_TIMEOUT_SEC="30", STOP_GRACE_SEC="2")
+        node_id = await self.wait_connected(backend, agent)
+        await backend.wait_for(lambda: agent.engine.available, 20)
+        name = f"llmport/e2e-{uuid.uuid4().hex[:6]}"
+        api = env.client().api
+        api.tag(BUSYBOX, name, "1")
+        image_id = api.inspect_image(f"{name}:1")["Id"]
+        path = self.mktemp()
+        with open(path, "wb") as f:
+            for chunk in api.get_image(f"{name}:1"):
+                f.write(chunk)
+        api.remove_image(f"{name}:1")
+        backend.add_image(name, "1", path, image_id=image_id)
+        backend.faults.image_abort_after = 200_000
+        payload = httpd_payload(image=f"{name}:1", image_source="transfer_from_server")
+        self.addCleanup(self._remove, backend, node_id, payload)
+        self.addCleanup(env.remove_image, f"{name}:1")
+        deploy = backend.issue_command(node_id, "deploy_workload", payload)
+        rec = await self.done(backend, deploy["id"])
+        self.assertEqual(rec["status"], "failed")
+        self.assertEqual(rec["error_code"], "image_transfer_failed")
+        self.assertIn("broke after", rec["error_message"])
+        messages = [e["payload"].get("message", "") for e in backend.timeline(deploy["id"])
+                    if e["event_type"] == "progress"]
+        self.assertFalse(any("resuming" in m for m in messages))
+        import docker
+
+        with self.assertRaises(docker.errors.ImageNotFound):
+            api.inspect_image(f"{name}:1")

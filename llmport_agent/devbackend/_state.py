@@ -438,7 +438,8 @@ class BackendState:
         self.anomalies: dict[str, list[str]] = {}
         self.sessions: dict[str, dict[str, Any]] = {}
         #: Per node, per model id: the model's availability on the node, as the current
-        #: backend keeps it from C{sync_model} progress and results (protocol 10.4).
+        #: backend keeps it from C{sync_model} progress and results (protocol 10.4); the
+        #: April generation keeps none.
         self.model_availability: dict[str, dict[str, dict[str, Any]]] = {}
         self._order = 0
 
@@ -1135,7 +1136,7 @@ class BackendState:
                 "ts": stamp,
             }
         )
-        if record.command_type == "sync_model":
+        if record.command_type == "sync_model" and self.current:
             self._model_sync_progress(node, record, frame)
 
     def _on_result(self, node: NodeRecord, frame: Mapping[str, Any]) -> None:
@@ -1195,7 +1196,8 @@ class BackendState:
             }
         )
         self._runtime_on_result(node, record, success, result, error_message)
-        if record.command_type == "sync_model":
+        if record.command_type == "sync_model" and self.current:
+            # Read by the current generation only (the April one reads nothing of sync_model).
             self._model_sync_result(node, record, success, result, error_code, error_message)
 
     # -- model availability (the current backend reads sync_model, protocol 10.4) ------------

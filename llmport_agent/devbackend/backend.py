@@ -226,9 +226,9 @@ class DevBackend:
         self._inflight: set[Deferred[Any]] = set()
         #: The image-save route as the current generation has it (protocol 10.4): C{expect_id}
         #: / C{expect_rootfs} checked (409), and an entry with an image id served as an export
-        #: (Content-Length, Range, X-Image-Id). C{False}: the April route, which ignores the
-        #: pins and always streams with X-Image-Size.
-        self.image_route_current = True
+        #: (Content-Length, Range, X-Image-Id). C{False} (the April generation): the route
+        #: ignores the pins and always streams with X-Image-Size.
+        self.image_route_current = generation == GENERATION_CURRENT
         #: Runtimes created through L{create_runtime} (the backend's runtime API), by id.
         self.runtime_defs: dict[str, Runtime] = {}
         #: Enrollment requests received (answered or, with C{faults.hang_enroll}, not).
