@@ -87,6 +87,20 @@ class _Reader:
                 self.header = b""
 
 
+class _Closer:
+    """Ends a read blocked in another thread: C{shutdown} wakes it (a bare C{close} does not)."""
+
+    def __init__(self, raw: socket.socket) -> None:
+        self._raw = raw
+
+    def close(self) -> None:
+        try:
+            self._raw.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._raw.close()
+
+
 def _raw_socket(sock: Any) -> socket.socket:
     raw = getattr(sock, "_sock", sock)
     return raw  # type: ignore[no-any-return]
@@ -132,7 +146,7 @@ def exec_in(
     sock = api.exec_start(exec_id, socket=True)
     raw = _raw_socket(sock)
     if control is not None:
-        control.attach(raw)  # a cancelled command closes the socket: the read ends at once
+        control.attach(_Closer(raw))  # a cancelled command shuts the socket: the read ends at once
     reader = _Reader(limit)
     deadline = time.monotonic() + timeout
     timed_out = False
@@ -166,6 +180,8 @@ def exec_in(
                 raw.close()
             except Exception:  # noqa: BLE001
                 pass
+    if control is not None:
+        control.check()  # closed from the reactor side (the command was cancelled)
     code: int | None = None
     if not timed_out:
         for _ in range(50):
