@@ -180,6 +180,11 @@ class HelperAnswerTests(SynchronousTestCase):
         self.assertEqual([n["state"] for n in out["nodes"]], ["ALIVE", "DEAD"])
         self.assertEqual(out["available_gpus"], 16.0)
         self.assertEqual(out["version_mismatch"], {"expected": "2.59.0", "observed": "2.58.0"})
+        stopped = helpercli.cluster_status({"alive": False, "version": "2.58.0", "nodes": [{"node_id": "x"}],
+                                            "error": "ConnectionError: no cluster"}, None)
+        self.assertEqual((stopped["alive"], stopped["version"], stopped["num_nodes"], stopped["nodes"]),
+                         (False, None, 0, []))
+        self.assertIn("no cluster", stopped["detail"])
         dead = helpercli.cluster_status(None, None)
         self.assertEqual((dead["alive"], dead["version"], dead["num_nodes"], dead["nodes"]), (False, None, 0, []))
 

@@ -98,7 +98,8 @@ def cluster_status(doc: dict[str, Any] | None, expected_version: str | None) -> 
         "head_address": _str_or_none(doc.get("head_address") or doc.get("cluster_address")),
     }
     if not alive:
-        out["version"] = out["ray_version"] = version
+        # What the backend reads as a dead cluster (protocol 10.6).
+        out.update(version=None, ray_version=None, num_nodes=0, nodes=[])
         if doc.get("error"):
             out["detail"] = str(doc["error"])[:500]
     if expected_version and version and version != expected_version:
