@@ -198,6 +198,18 @@ class HelperAnswerTests(SynchronousTestCase):
         self.assertIn("no serve instance", none["detail"].lower())
 
 
+class MetricsTargetTests(SynchronousTestCase):
+    def test_discovery_file(self) -> None:
+        text = json.dumps([{"labels": {"job": "ray"}, "targets": ["127.0.0.2:44217", "127.0.0.3:8089"]},
+                           {"targets": ["evil host:1", "x:99999", 7, "a" * 400 + ":1"]}, "junk"])
+        out = helpercli.metrics_targets(text)
+        self.assertTrue(out["enabled"])
+        self.assertEqual([t["url"] for t in out["targets"]],
+                         ["http://127.0.0.2:44217/metrics", "http://127.0.0.3:8089/metrics"])
+        self.assertEqual(helpercli.metrics_targets("not json"), {"enabled": False, "targets": []})
+        self.assertEqual(helpercli.metrics_targets(""), {"enabled": False, "targets": []})
+
+
 class ExecReaderTests(SynchronousTestCase):
     def frame(self, kind: int, data: bytes) -> bytes:
         return struct.pack(">BxxxL", kind, len(data)) + data

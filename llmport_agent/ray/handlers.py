@@ -563,6 +563,9 @@ class RayManager:
         if _bool(payload, "include_serve", True) and status["alive"]:
             _, serve_doc = await self._helper(snap["name"], ["serve-status"])
             status["serve"] = helpercli.serve_status(serve_doc, None)
+        if _bool(payload, "include_metrics", False) and status["alive"]:
+            found = await self.exec(snap["name"], ["cat", helpercli.METRICS_DISCOVERY_FILE])
+            status["metrics"] = helpercli.metrics_targets(found.out if found.exit_code == 0 else "")
         if _bool(payload, "include_state", False):
             status["state"] = {"available": False, "detail": "the state API is not offered by the runtime helper"}
         status["runtime"] = "container"

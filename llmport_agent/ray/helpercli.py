@@ -13,6 +13,7 @@ The first JSON object on stdout is the answer. Pure: no I/O.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 HELPER = "llm-port-ray-runtime"
@@ -143,3 +144,27 @@ def serve_status(doc: dict[str, Any] | None, app_name: str | None) -> dict[str, 
         "apps": apps,
         "detail": str(detail)[:1000] if detail else None,
     }
+
+
+#: Ray's own list of its Prometheus exporters (file_sd format), inside the container.
+METRICS_DISCOVERY_FILE = "/tmp/ray/prom_metrics_service_discovery.json"
+_TARGET_RE = re.compile(r"^([A-Za-z0-9.:\[\]-]{1,255}):([0-9]{1,5})$")
+
+
+def metrics_targets(text: str) -> dict[str, Any]:
+    """C{get_ray_status.metrics} from Ray's discovery file: {enabled, targets [{address, port, url}]}."""
+    try:
+        groups = json.loads(text) if text.strip() else []
+    except ValueError:
+        groups = []
+    targets: list[dict[str, Any]] = []
+    for group in groups[:64] if isinstance(groups, list) else []:
+        entries = group.get("targets") if isinstance(group, dict) else None
+        for entry in entries[:256] if isinstance(entries, list) else []:
+            m = _TARGET_RE.match(str(entry)[:300])
+            if m is None or not 0 < int(m.group(2)) < 65536:
+                continue
+            address, port = m.group(1), int(m.group(2))
+            targets.append({"node_id": None, "address": address, "port": port,
+                            "url": f"http://{address}:{port}/metrics"})
+    return {"enabled": bool(targets), "targets": targets[:1024]}
