@@ -88,3 +88,28 @@ class ModelAvailabilityTests(SynchronousTestCase):
         self.frame(type="command_progress", command_id=cid, message="working")
         self.assertEqual(self.rows()[0]["progress"], 0.0)
         self.assertTrue(any("without progress_pct" in n for n in self.state.anomalies[self.node]))
+
+
+class RemoveSetsStoppedTests(SynchronousTestCase):
+    """protocol 10.4: a successful remove_workload sets the runtime stopped (current only)."""
+
+    def run_remove(self, generation: str) -> str:
+        clock = Clock()
+        clock.advance(1_700_000_000)
+        state = BackendState(clock, generation=generation)
+        token = state.mint_token()["token"]
+        node = state.enroll(token, "node-a", "10.0.0.5", {}, "1.0", "127.0.0.1")["node_id"]
+        rid = "6f1c3f5e-8a51-4c51-9a43-0d8c3f7a1b22"
+        deploy = state.issue_command(node, "deploy_workload", {"runtime_id": rid})
+        state.apply_frame(node, {"type": "command_result", "command_id": deploy["id"], "success": True,
+                                 "result": {"endpoint_url": "http://127.0.0.1:9001"}})
+        self.assertEqual(state.runtimes[rid].status, "running")
+        remove = state.issue_command(node, "remove_workload", {"runtime_id": rid})
+        state.apply_frame(node, {"type": "command_result", "command_id": remove["id"], "success": True})
+        return state.runtimes[rid].status
+
+    def test_current(self) -> None:
+        self.assertEqual(self.run_remove("current"), "stopped")
+
+    def test_april(self) -> None:
+        self.assertEqual(self.run_remove("2026-04"), "running")

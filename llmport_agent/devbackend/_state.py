@@ -1299,6 +1299,10 @@ class BackendState:
             self._set_runtime(runtime, "running")
         elif record.command_type == "stop_workload":
             self._set_runtime(runtime, "stopped")
+        elif record.command_type == "remove_workload" and self.current:
+            # protocol 10.4: the current backend sets a removed runtime stopped (and takes it
+            # off the gateway); the April one changes nothing visible.
+            self._set_runtime(runtime, "stopped")
 
     def _on_event_batch(self, node: NodeRecord, frame: Mapping[str, Any]) -> None:
         events = frame.get("events")
