@@ -362,3 +362,12 @@ class RayHandlerTests(TestCase):
         _c, r = await self.do("start_ray_head", self.head())
         self.assertFalse(r["already_running"])  # not a head address: started (again) instead
         self.assertEqual(r["head_address"], "10.0.0.1:6379")
+
+    async def test_nvidia_gpus_refused_on_podman(self) -> None:
+        self.engine.kind = "podman"  # type: ignore[attr-defined]
+        bundle = self.bundle(requirements={"gpus": "all"})
+        err = await self.fails("ensure_runtime_image", {"runtime_bundle": bundle, "ensure_container": True})
+        self.assertEqual(err.error_code, "gpu_unavailable")
+        self.assertEqual(self.engine.created, [])
+        _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        self.assertTrue(r["created"])  # without GPUs Podman is fine

@@ -33,6 +33,7 @@ from ..commands.base import (
     HandlerSpec,
 )
 from ..workloads.engine import DockerEngine, StreamClosed, StreamControl
+from ..workloads.gpus import GPU_UNAVAILABLE
 from ..workloads.images import ImageManager
 from ..workloads.policy import AllowEntry, PolicyError, parse_port
 from . import container as rc
@@ -262,6 +263,13 @@ class RayManager:
                 return {"container": bundle.name, "created": False, "running": True}
             self.log.info("Recreating the Ray runtime container {name}: {reason}", name=bundle.name, reason=reason)
             await self.engine.call(rc.remove, snap["id"], what=f"removing {bundle.name}")
+        if bundle.gpus is not None and bundle.accelerator_vendor == "nvidia" and getattr(self.engine, "kind", "docker") == "podman":
+            raise CommandFailed(
+                GPU_UNAVAILABLE,
+                f"The Ray runtime bundle asks for NVIDIA GPUs ({bundle.gpus}), which this node's Podman "
+                "engine cannot give (its Docker-compatible API ignores GPU device requests: Ray would start "
+                "without GPUs). Run the Ray runtime on Docker with the NVIDIA Container Toolkit.",
+            )
         await self._pool.run(ensure_dir, token_dir)
         args = rc.create_args(bundle, image_id, token_dir, self.settings.agent_id)
         snap = await self.engine.call(rc.create_and_start, args, what=f"creating {bundle.name}")
