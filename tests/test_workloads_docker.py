@@ -275,6 +275,25 @@ class LifecycleTests(WorkloadTestBase):
         self.assertFalse(result["stopped"])
         self.assertIn("nothing to stop", result["message"])
 
+    async def test_stop_after_container_gone(self) -> None:
+        """
+        protocol 10.4: stop_workload succeeds when the container is already gone (removed
+        behind the agent's back, or an exited one), and so does remove_workload afterwards.
+        """
+        payload = httpd_payload()
+        await self.rig.run("deploy_workload", payload)
+        [c] = self.env.managed_containers(payload["runtime_id"])
+        c.remove(force=True)
+        _, result = await self.rig.run("stop_workload", ids_of(payload))
+        self.assertFalse(result["stopped"])
+        self.assertIn("nothing to stop", result["message"])
+        _, removed = await self.rig.run("remove_workload", ids_of(payload))
+        self.assertEqual(removed["removed"], 0)
+        exited = httpd_payload(script="echo bye")
+        _, exc = await self.failure("deploy_workload", exited)  # exits during startup
+        _, result = await self.rig.run("stop_workload", ids_of(exited))
+        self.assertEqual((result["stopped"], result["was_running"]), (True, False))
+
     async def test_start_port_taken(self) -> None:
         """Starting a stopped workload whose recorded port is now held fails with port_conflict."""
         payload = httpd_payload()
