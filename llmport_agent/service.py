@@ -896,7 +896,7 @@ class AgentService(MultiService):
             try:
                 from llmport_agent.workloads.diagnostics import engine_diagnostics
 
-                out["engine"] = await engine_diagnostics(self.engine, self.health.states()
+                out["engine"] = await engine_diagnostics(self.engine, self.config.agent_id, self.health.states()
                                                          if hasattr(self.health, "states") else None)
             except Exception as e:
                 out["engine"] = {"error": f"{type(e).__name__}: {e}"}

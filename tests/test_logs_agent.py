@@ -128,7 +128,7 @@ class ShippingTestCase(TestCase):
         return await self.agent(**env)
 
     def container(self, script: str) -> Any:
-        c = run_managed(self.docker.client(), script, prefix="e2e")
+        c = run_managed(self.docker.client(), script, prefix="e2e", agent_id="n1")
         self.addCleanup(lambda: self.docker.client().containers.get(c.id).remove(force=True))
         return c
 

@@ -37,8 +37,13 @@ from llmport_agent.logs.docker_logs import (
 from llmport_agent.logs.testing import protocol_label_problem
 from llmport_agent.testing import SynchronousRunner
 from llmport_agent.workloads.engine import StreamClosed
-from llmport_agent.workloads.spec import LABEL_MANAGED, LABEL_RUNTIME_ID, MANAGED_VALUE
-from tests.support.logs import TOKEN, RecordingSink, engine_lines, run_managed
+from llmport_agent.workloads.spec import (
+    LABEL_AGENT_ID,
+    LABEL_MANAGED,
+    LABEL_RUNTIME_ID,
+    MANAGED_VALUE,
+)
+from tests.support.logs import TEST_AGENT_ID, TOKEN, RecordingSink, engine_lines, run_managed
 
 HOST = "10.1.2.3"
 T0 = 1_700_000_000_000_000_000
@@ -211,11 +216,13 @@ class FakeEngine:
     def checkNow(self) -> None:
         self.checks += 1
 
-    def add(self, name: str, state: str = "running", created: float = 1_700_000_000) -> str:
+    def add(self, name: str, state: str = "running", created: float = 1_700_000_000,
+            agent_id: str = TEST_AGENT_ID) -> str:
         cid = uuid.uuid4().hex * 2
         self.api.rows.append({"Id": cid, "Names": [f"/{name}"], "State": state, "Status": "",
                               "Created": int(created),
-                              "Labels": {LABEL_MANAGED: MANAGED_VALUE, LABEL_RUNTIME_ID: f"rt-{name}"}})
+                              "Labels": {LABEL_MANAGED: MANAGED_VALUE, LABEL_RUNTIME_ID: f"rt-{name}",
+                                         LABEL_AGENT_ID: agent_id}})
         return cid
 
 
@@ -252,7 +259,7 @@ class SchedulerTests(SynchronousTestCase):
         self.streams = FakeStreams()
         self.state_dir = state_dir or self.mktemp()
         source = ContainerLogSource(
-            self.clock, self.engine, self.sink, lambda: HOST, runner=SynchronousRunner(),
+            self.clock, self.engine, self.sink, lambda: HOST, agent_id=TEST_AGENT_ID, runner=SynchronousRunner(),
             streams=streams, stream_pool=self.streams, state_dir=self.state_dir,
             secrets=lambda: [TOKEN], wallclock=self.clock.seconds, **kw,
         )
@@ -327,7 +334,8 @@ class SchedulerTests(SynchronousTestCase):
         (events_args, _), = self.streams.events()
         on_event = events_args[2]
         cid = uuid.uuid4().hex * 2
-        attrs = {"name": "quick", LABEL_RUNTIME_ID: "rt-q"}
+        attrs = {"name": "quick", LABEL_RUNTIME_ID: "rt-q", LABEL_MANAGED: MANAGED_VALUE,
+                 LABEL_AGENT_ID: TEST_AGENT_ID}
         on_event({"Action": "start", "id": cid, "Actor": {"ID": cid, "Attributes": attrs}})
         args, d = self.streams.follow_of(cid)
         self.lines_for(cid, (T0, "printed"), (T0 + 1, "and exited"))
@@ -442,6 +450,26 @@ class SchedulerTests(SynchronousTestCase):
         self.assertEqual(self.streams.follow_of(old)[0][4], format_since((1_700_000_000 - 6 * 3600) * 10**9))
         self.assertIsNone(self.streams.follow_of(new)[0][4])
 
+    def test_another_agents_containers_are_not_shipped(self) -> None:
+        """
+        Containers labelled managed by ANOTHER agent (or forging the managed label) get no
+        stream, whether found by the list or announced by an event (issue 21: they were
+        shipped to this node's Loki).
+        """
+        self.engine = FakeEngine()
+        self.engine.add("theirs", agent_id="another-node")
+        ours = self.engine.add("ours")
+        self.make()
+        self.assertEqual([a[2] for a, _ in self.streams.follows()], [ours])
+        (events_args, _), = self.streams.events()
+        on_event = events_args[2]
+        for attrs in ({"name": "ev", LABEL_RUNTIME_ID: "rt-e", LABEL_MANAGED: MANAGED_VALUE,
+                       LABEL_AGENT_ID: "another-node"},
+                      {"name": "ev2", LABEL_RUNTIME_ID: "rt-e", LABEL_MANAGED: MANAGED_VALUE}):
+            cid = uuid.uuid4().hex * 2
+            on_event({"Action": "start", "id": cid, "Actor": {"ID": cid, "Attributes": attrs}})
+            self.assertEqual([a[2] for a, _ in self.streams.follows()], [ours])
+
     def test_the_periodic_list_finds_containers_events_missed(self) -> None:
         """A container that appears without an event gets its stream at the next list."""
         self.engine = FakeEngine()
@@ -528,7 +556,7 @@ class RealEngineTests(TestCase):
         http, http_pool = loki_http_client(self.reactor)
         shipper = LokiShipper(self.reactor, http, self.url, batch_size=100, flush_interval=5, runner=pool)
         engine = DockerEngine(self.reactor, environ={"DOCKER_HOST": self.env.host}, probe_max=1.0)
-        source = ContainerLogSource(self.reactor, engine, shipper, lambda: HOST, runner=pool,
+        source = ContainerLogSource(self.reactor, engine, shipper, lambda: HOST, agent_id=TEST_AGENT_ID, runner=pool,
                                     streams=streams, environ={"DOCKER_HOST": self.env.host},
                                     state_dir=self.state_dir, secrets=lambda: [TOKEN],
                                     reconcile_interval=5, **kw)

@@ -216,7 +216,7 @@ class DeployTests(WorkloadTestBase):
         """Diagnostics list the engine, its runtimes, managed containers and their images as objects."""
         payload = httpd_payload()
         await self.rig.run("deploy_workload", payload)
-        diag = await engine_diagnostics(self.rig.engine)
+        diag = await engine_diagnostics(self.rig.engine, self.rig.settings.agent_id)
         self.assertTrue(diag["available"])
         self.assertIn("runc", diag["runtimes"])
         self.assertFalse(diag["nvidia_runtime"])

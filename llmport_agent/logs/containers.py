@@ -63,8 +63,9 @@ from llmport_agent.logs.loki import ILogSink, RoomWaiter
 from llmport_agent.logs.redact import Redactor
 from llmport_agent.storage import atomic_write
 from llmport_agent.threads import BlockingRunner, PoolService
+from llmport_agent.workloads.containers import is_owned, list_owned_rows
 from llmport_agent.workloads.engine import StreamClosed, StreamControl
-from llmport_agent.workloads.spec import LABEL_MANAGED, LABEL_RUNTIME_ID, MANAGED_VALUE
+from llmport_agent.workloads.spec import LABEL_RUNTIME_ID
 
 __all__ = [
     "CONTAINER_JOB",
@@ -179,11 +180,13 @@ def parse_state(raw: bytes) -> dict[str, tuple[str, Position]]:
     return out
 
 
-def list_for_logs(client: Any) -> list[dict[str, Any]]:
-    """Thread function: the managed containers (one engine call): id, name, state, labels, created."""
-    rows = client.api.containers(all=True, filters={"label": f"{LABEL_MANAGED}={MANAGED_VALUE}"})
+def list_for_logs(client: Any, agent_id: str) -> list[dict[str, Any]]:
+    """
+    Thread function: the containers this agent owns (one engine call; another agent's are left
+    out): id, name, state, labels, created.
+    """
     out = []
-    for row in rows:
+    for row in list_owned_rows(client, agent_id):
         created = row.get("Created")
         out.append({
             "id": str(row["Id"]),
@@ -241,6 +244,7 @@ class ContainerLogSource(Service):
         sink: ILogSink,
         host: Callable[[], str],
         *,
+        agent_id: str,
         runner: BlockingRunner,
         streams: int = 16,
         environ: Mapping[str, str] | None = None,
@@ -264,6 +268,7 @@ class ContainerLogSource(Service):
         self.setName("container-logs")
         self._reactor = reactor
         self._engine = engine
+        self._agent_id = agent_id
         self._sink = sink
         self._host = host
         self._runner = runner
@@ -538,6 +543,8 @@ class ContainerLogSource(Service):
         if c is None:
             if action not in _START_EVENTS and action != "create":
                 return
+            if not is_owned(attrs, self._agent_id):
+                return  # another agent's container (or one forging the managed label)
             name = str(attrs.get("name") or cid[:12])
             c = _Container(cid, name, str(attrs.get(LABEL_RUNTIME_ID) or ""))
             c.created = self._wallclock()
@@ -594,7 +601,7 @@ class ContainerLogSource(Service):
 
     async def _reconcile(self) -> None:
         try:
-            rows = await self._engine.call(list_for_logs, what="list managed containers for logs")
+            rows = await self._engine.call(list_for_logs, self._agent_id, what="list managed containers for logs")
         except Exception as e:
             message = str(getattr(e, "error_message", None) or e)
             if self._error is None:

@@ -125,7 +125,7 @@ def build_log_shipping(
     containers = None
     if engine is not None:
         containers = ContainerLogSource(
-            reactor, engine, shipper, host, runner=pool, streams=c.loki_container_streams,
+            reactor, engine, shipper, host, agent_id=c.agent_id, runner=pool, streams=c.loki_container_streams,
             environ=docker_environ, secrets=all_secrets, state_dir=state_dir,
         )
     ray_serve = RayServeLogSource(

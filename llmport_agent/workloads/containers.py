@@ -221,14 +221,18 @@ def find_runtime_light(
     return best
 
 
-def list_managed(client: docker.DockerClient, adopted: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+def list_owned_rows(
+    client: docker.DockerClient, agent_id: str, adopted: Mapping[str, str] | None = None
+) -> list[dict[str, Any]]:
     """
-    Summaries (one engine call, and one more for adopted containers) of every container this
-    agent manages: id, name, state, status text, labels, exit code parsed from the status,
-    health from the status. An adopted container (no labels of its own) is listed with its
-    runtime id and name as labels, and C{adopted: True}.
+    The engine's list rows of every container this agent owns: the engine filters on the
+    managed label, then each row's labels go through L{is_owned} (another agent's containers,
+    or ones forging the managed label, are left out); plus (one more call) the containers
+    adopted from the original agent (C{adopted}: full id -> runtime id), which have no labels
+    of their own: they are listed with their runtime id and name as labels and C{_adopted}.
     """
     rows = client.api.containers(all=True, filters={"label": f"{LABEL_MANAGED}={MANAGED_VALUE}"})
+    rows = [row for row in rows if is_owned(dict(row.get("Labels") or {}), agent_id)]
     extra: list[dict[str, Any]] = []
     if adopted:
         seen = {row["Id"] for row in rows}
@@ -241,8 +245,19 @@ def list_managed(client: docker.DockerClient, adopted: Mapping[str, str] | None 
                     row["Labels"] = {LABEL_RUNTIME_ID: adopted[row["Id"]], LABEL_NAME: name}
                     row["_adopted"] = True
                     extra.append(row)
+    return [*rows, *extra]
+
+
+def list_managed(
+    client: docker.DockerClient, agent_id: str, adopted: Mapping[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """
+    Summaries of every container this agent manages (L{list_owned_rows}): id, name, state,
+    status text, labels, exit code parsed from the status, health from the status, and
+    C{adopted: True} for an adopted one.
+    """
     out = []
-    for row in [*rows, *extra]:
+    for row in list_owned_rows(client, agent_id, adopted):
         status = str(row.get("Status", ""))
         m = _EXITED_RE.search(status)
         health = None

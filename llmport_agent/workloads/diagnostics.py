@@ -15,18 +15,16 @@ from .engine import DockerEngine, EngineError
 from .spec import (
     LABEL_CONTAINER_PORT,
     LABEL_HOST_PORT,
-    LABEL_MANAGED,
     LABEL_PROVIDER,
     LABEL_RUNTIME_ID,
-    MANAGED_VALUE,
 )
 
 
-def _collect(client: docker.DockerClient) -> dict[str, Any]:
+def _collect(client: docker.DockerClient, agent_id: str) -> dict[str, Any]:
     api = client.api
     version = api.version()
     info = api.info()
-    rows = api.containers(all=True, filters={"label": f"{LABEL_MANAGED}={MANAGED_VALUE}"})
+    rows = ops.list_owned_rows(client, agent_id)
     containers = []
     image_ids: dict[str, list[str]] = {}
     for row in rows:
@@ -95,7 +93,7 @@ def _collect(client: docker.DockerClient) -> dict[str, Any]:
 
 
 async def engine_diagnostics(
-    engine: DockerEngine, health_states: dict[str, dict[str, Any]] | None = None
+    engine: DockerEngine, agent_id: str, health_states: dict[str, dict[str, Any]] | None = None
 ) -> dict[str, Any]:
     """
     The engine section of C{collect_diagnostics}. Never raises for an engine problem:
@@ -108,7 +106,7 @@ async def engine_diagnostics(
         "engine_calls": engine.calls,
     }
     try:
-        out.update(await engine.call(_collect, what="collecting engine diagnostics"))
+        out.update(await engine.call(_collect, agent_id, what="collecting engine diagnostics"))
         out["available"] = True
     except EngineError as exc:
         out["available"] = engine.available

@@ -321,7 +321,8 @@ class WorkloadManager:
                 )
 
     async def _reserved_ports(self, runtime_id: str) -> set[int]:
-        rows = await self.engine.call(ops.list_managed, await self._adopted(), what="listing managed workloads")
+        rows = await self.engine.call(ops.list_managed, self.settings.agent_id, await self._adopted(),
+                                      what="listing managed workloads")
         ports: set[int] = set(self._claimed)
         for row in rows:
             labels = row["labels"]

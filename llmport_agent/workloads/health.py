@@ -300,7 +300,7 @@ class HealthWatcher(Service):
             return
         attributes = (event.get("Actor") or {}).get("Attributes") or {}
         runtime_id = attributes.get(LABEL_RUNTIME_ID)
-        if not runtime_id:
+        if not runtime_id or not ops.is_owned(attributes, self._settings.agent_id):
             return
         canonical = attributes.get(LABEL_NAME)
         if canonical and attributes.get("name") and attributes.get("name") != canonical:
@@ -538,7 +538,8 @@ class HealthWatcher(Service):
             raise
 
     async def _sweep(self, *, force: bool) -> list[dict[str, Any]]:
-        rows = await self._engine.call(ops.list_managed, self._adopted(), what="listing managed workloads")
+        rows = await self._engine.call(ops.list_managed, self._settings.agent_id, self._adopted(),
+                                       what="listing managed workloads")
         sent: list[dict[str, Any]] = []
         seen: set[str] = set()
         for row in rows:

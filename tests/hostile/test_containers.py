@@ -28,7 +28,7 @@ from tests.support.rig import WorkloadTestBase, httpd_payload, ids_of
 SECRET = "PASSWORD=hunter2-" + uuid.uuid4().hex[:8]
 
 
-class ForeignContainerTests(WorkloadTestBase):
+class _ForeignBase(WorkloadTestBase):
     timeout = 120
 
     def foreign(self, *, labels: dict[str, str] | None = None, start: bool = True, name: str | None = None) -> Any:
@@ -65,6 +65,8 @@ class ForeignContainerTests(WorkloadTestBase):
         self.assertFalse(result["found"])
         self.assertIn("No managed container", result["logs"])
 
+
+class ForeignContainerTests(_ForeignBase):
     async def test_logs_of_an_unmanaged_container_by_name(self) -> None:
         """fetch_container_logs naming a database container must not return its output."""
         db = self.foreign()
@@ -146,3 +148,33 @@ class ForeignContainerTests(WorkloadTestBase):
         _, again = await self.rig.run("remove_workload", ids)
         self.assertEqual(again["removed"], 0)
         self.assertEqual(self.env.managed_containers(payload["runtime_id"]), [])
+
+
+class AnotherAgentsContainerTests(_ForeignBase):
+    """
+    Every place that selects containers checks this agent's id (issue 21: the Loki follow
+    streams shipped another agent's containers): the health sweep, the host-port reservation,
+    diagnostics, the managed list.
+    """
+
+    health = True
+
+    async def test_not_reported_reserved_or_listed(self) -> None:
+        from llmport_agent.workloads import containers as ops
+        from llmport_agent.workloads.diagnostics import engine_diagnostics
+        from llmport_agent.workloads.spec import LABEL_HOST_PORT
+
+        rid = str(uuid.uuid4())
+        name = f"llm-port-{uuid.uuid4().hex[:8]}"
+        labels = dict(self.lookalike_labels(rid, name), **{LABEL_HOST_PORT: "18123"})
+        self.foreign(labels=labels, name=name)
+        agent_id = self.rig.settings.agent_id
+        rows = await self.rig.engine.call(ops.list_managed, agent_id)
+        self.assertNotIn(name, [r["name"] for r in rows])
+        diag = await engine_diagnostics(self.rig.engine, agent_id)
+        self.assertNotIn(name, [c["name"] for c in diag["managed_containers"]])
+        self.assertNotIn(18123, await self.rig.manager._reserved_ports(str(uuid.uuid4())))
+        assert self.rig.watcher is not None
+        announced = await self.rig.watcher.announce_all()
+        self.assertNotIn(rid, [e.get("runtime_id") for e in announced])
+        self.assertNotIn(rid, [e["payload"].get("runtime_id") for e in self.rig.health_events])

@@ -14,16 +14,24 @@ from zope.interface import implementer
 from llmport_agent.logs.encoding import Entry
 from llmport_agent.logs.loki import ILogSink
 
+#: The agent id the log tests run their sources with (containers of others are not read).
+TEST_AGENT_ID = "logs-test-agent"
 
-def run_managed(client: Any, script: str, prefix: str = "logs", **kw: Any) -> Any:
-    """A busybox container running C{script}, labelled as one this agent manages."""
-    from llmport_agent.workloads.spec import LABEL_MANAGED, LABEL_RUNTIME_ID, MANAGED_VALUE
+
+def run_managed(client: Any, script: str, prefix: str = "logs", agent_id: str = TEST_AGENT_ID, **kw: Any) -> Any:
+    """A busybox container running C{script}, labelled as one the agent C{agent_id} manages."""
+    from llmport_agent.workloads.spec import (
+        LABEL_AGENT_ID,
+        LABEL_MANAGED,
+        LABEL_RUNTIME_ID,
+        MANAGED_VALUE,
+    )
     from tests.support.docker_env import BUSYBOX
 
     runtime_id = str(uuid.uuid4())
     return client.containers.run(
         BUSYBOX, ["sh", "-c", script], name=f"{prefix}-{runtime_id[:8]}",
-        labels={LABEL_MANAGED: MANAGED_VALUE, LABEL_RUNTIME_ID: runtime_id},
+        labels={LABEL_MANAGED: MANAGED_VALUE, LABEL_RUNTIME_ID: runtime_id, LABEL_AGENT_ID: agent_id},
         network_mode="none", detach=True, **kw,
     )
 
