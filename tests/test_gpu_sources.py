@@ -505,3 +505,30 @@ class ToolRunnerTests(SynchronousTestCase):
         self.assertLess(time.monotonic() - start, 5)
         self.assertIn("did not finish within 0.2 s", slow.error)
         self.assertIn("not installed", run_tool(["llmport-no-such-tool"], 1).error)
+
+    def test_output_is_bounded_while_it_is_read(self) -> None:
+        """
+        A tool printing far more than the bound (here 256 MiB against 1 MiB) is stopped there:
+        the runner never holds more than the bound (before, it buffered everything, and a tool
+        printing 1.5 GB took the agent to 2.4 GB RSS). Measured in a fresh interpreter.
+        """
+        import subprocess
+        import sys
+
+        script = (
+            "import resource, sys\n"
+            "from llmport_agent.inventory.tools import run_tool\n"
+            "r = run_tool(['sh', '-c', 'head -c 268435456 /dev/zero; echo done >&2'], 60, max_output=1 << 20)\n"
+            "print(r.error)\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        )
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=root), cwd=root)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        error, maxrss_kib = done.stdout.strip().splitlines()
+        self.assertIn("printed more than 1048576 bytes", error)
+        self.assertLess(int(maxrss_kib), 120 * 1024)
+        tail = run_tool(["sh", "-c", "head -c 100000 /dev/zero | tr '\\0' e >&2; echo ok"], 30)
+        self.assertEqual((tail.returncode, tail.stdout), (0, "ok\n"))
+        self.assertEqual(len(tail.stderr), 4096)

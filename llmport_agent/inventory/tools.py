@@ -3,16 +3,22 @@
 
 from __future__ import annotations
 
+import os
+import selectors
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 
 from attrs import frozen
 
 __all__ = ["MAX_OUTPUT", "ToolResult", "ToolRunner", "run_tool"]
 
-#: The most output read from a tool (bytes); more is cut (and the parse then fails clearly).
+#: The most output read from a tool (bytes); a tool printing more is stopped (one clear error).
 MAX_OUTPUT = 8 * 1024 * 1024
+#: The end of a tool's stderr kept (bytes).
+STDERR_TAIL = 4096
+_READ = 64 * 1024
 
 
 @frozen
@@ -31,23 +37,68 @@ class ToolResult:
 ToolRunner = Callable[[Sequence[str], float], ToolResult]
 
 
-def run_tool(argv: Sequence[str], timeout: float) -> ToolResult:
-    """Run C{argv} (blocking; call it off the reactor), killing it after C{timeout} seconds."""
+def run_tool(argv: Sequence[str], timeout: float, max_output: int = MAX_OUTPUT) -> ToolResult:
+    """
+    Run C{argv} (blocking; call it off the reactor), killing it after C{timeout} seconds.
+
+    Its output is read as it comes, never more than C{max_output} bytes of stdout and the last
+    L{STDERR_TAIL} bytes of stderr held: a tool printing more than C{max_output} is killed at
+    that point and answered as an error (a tool printing gigabytes costs bounded memory).
+    """
     exe = shutil.which(argv[0])
     if exe is None:
         return ToolResult(-1, "", "", f"{argv[0]} is not installed (not on PATH)")
     try:
-        done = subprocess.run(
+        proc = subprocess.Popen(
             [exe, *argv[1:]],
-            capture_output=True,
-            timeout=timeout,
             stdin=subprocess.DEVNULL,
-            check=False,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
-    except subprocess.TimeoutExpired:
-        return ToolResult(-1, "", "", f"{argv[0]} did not finish within {timeout:g} s")
     except OSError as e:
         return ToolResult(-1, "", "", f"{argv[0]} could not be started: {e.strerror or e}")
-    out = done.stdout[:MAX_OUTPUT].decode("utf-8", "replace")
-    err = done.stderr[-4096:].decode("utf-8", "replace")
-    return ToolResult(done.returncode, out, err)
+    out, err = bytearray(), bytearray()
+    problem = ""
+    deadline = time.monotonic() + timeout
+    try:
+        with selectors.DefaultSelector() as sel:
+            assert proc.stdout is not None and proc.stderr is not None
+            sel.register(proc.stdout, selectors.EVENT_READ, out)
+            sel.register(proc.stderr, selectors.EVENT_READ, err)
+            while sel.get_map() and not problem:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    problem = f"{argv[0]} did not finish within {timeout:g} s"
+                    break
+                for key, _ in sel.select(left):
+                    data = os.read(key.fd, _READ)
+                    if not data:
+                        sel.unregister(key.fileobj)
+                    elif key.data is out:
+                        out += data
+                        if len(out) > max_output:
+                            problem = (f"{argv[0]} printed more than {max_output} bytes; it was "
+                                       "stopped and its output ignored")
+                            break
+                    else:
+                        err += data
+                        del err[:-STDERR_TAIL]
+        if problem:
+            proc.kill()
+        try:
+            returncode = proc.wait(max(0.0, deadline - time.monotonic()) if not problem else 5.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            problem = problem or f"{argv[0]} did not finish within {timeout:g} s"
+            returncode = -1
+    finally:
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+    if problem:
+        return ToolResult(-1, "", "", problem)
+    return ToolResult(returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
