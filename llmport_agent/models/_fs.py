@@ -19,7 +19,7 @@ Layout of one model directory (a HuggingFace hub cache repo folder)::
     <store>/<model_dir_name>/blobs/<hash>.progress   which byte ranges of the .part are written
     <store>/<model_dir_name>/refs/<name>             commit id, no trailing newline
     <store>/<model_dir_name>/snapshots/<commit>/...  relative symlinks into ../../blobs
-    <store>/<model_dir_name>/.llmport-verified.json  what was verified: {hash: size, mtime_ns}
+    <store>/<model_dir_name>/.llmport-verified.json  what was verified: {hash: size, mtime, inode, ctime}
     <store>/<model_dir_name>/.llmport-tmp/           snapshot trees and refs being built
 """
 
@@ -47,7 +47,7 @@ PART_SUFFIX = ".part"
 PROGRESS_SUFFIX = ".progress"
 SUBDIRS = ("blobs", "refs", "snapshots", TMP_DIR)
 _READ_SIZE = 8 * 1024 * 1024
-_RECORD_VERSION = 1
+_RECORD_VERSION = 2  # 1 held size and mtime only: a rewrite in place restoring the mtime fooled it
 _PROGRESS_VERSION = 1
 _MAX_PROGRESS_BYTES = 256 * 1024
 _MAX_PROGRESS_RANGES = 4096
@@ -57,6 +57,16 @@ _MAX_FOREIGN_LISTED = 20
 #: a progress record (ranged downloads, per-range resume); smaller ones are appended to and
 #: resume by size (the syncer passes two segments).
 TRACK_MIN_SIZE = 64 * 1024 * 1024
+
+#: What the verification record keeps of a verified blob: size, mtime, inode and ctime (ns).
+#: A rewrite in place changes the ctime (which no program can set back), a replacement the
+#: inode: either makes the blob be verified (hashed) again.
+Stamp = tuple[int, int, int, int]
+_STAMP_FIELDS = ("size", "mtime_ns", "ino", "ctime_ns")
+
+
+def stamp_of(st: os.stat_result) -> Stamp:
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
 log = Logger(namespace="llmport_agent.models.store")
 
@@ -188,10 +198,11 @@ def _read_own_file(model: ModelDir, dir_fd: int, name: str, rel: str, limit: int
         return None
 
 
-def load_record(model: ModelDir) -> dict[str, tuple[int, int]]:
+def load_record(model: ModelDir) -> dict[str, Stamp]:
     """
-    Read C{.llmport-verified.json}: C{{hash: (size, mtime_ns)}} of blobs already verified.
-    A missing or damaged file is an empty record (everything gets verified again).
+    Read C{.llmport-verified.json}: C{{hash: stamp}} (L{Stamp}) of blobs already verified.
+    A missing, damaged or older-version file is an empty record (everything gets verified
+    again).
     """
     raw = _read_own_file(model, model.fd, VERIFIED_FILE, VERIFIED_FILE, _MAX_RECORD_BYTES)
     if raw is None:
@@ -205,23 +216,22 @@ def load_record(model: ModelDir) -> dict[str, tuple[int, int]]:
     blobs = data.get("blobs")
     if not isinstance(blobs, dict):
         return {}
-    out: dict[str, tuple[int, int]] = {}
+    out: dict[str, Stamp] = {}
     for name, entry in blobs.items():
         if (
             isinstance(name, str)
             and isinstance(entry, dict)
-            and type(entry.get("size")) is int
-            and type(entry.get("mtime_ns")) is int
+            and all(type(entry.get(f)) is int for f in _STAMP_FIELDS)
         ):
-            out[name] = (entry["size"], entry["mtime_ns"])
+            out[name] = (entry["size"], entry["mtime_ns"], entry["ino"], entry["ctime_ns"])
     return out
 
 
-def save_record(model: ModelDir, record: Mapping[str, tuple[int, int]]) -> None:
+def save_record(model: ModelDir, record: Mapping[str, Stamp]) -> None:
     """Write the verification record atomically (temporary file, fsync, rename)."""
     payload = {
         "version": _RECORD_VERSION,
-        "blobs": {k: {"size": s, "mtime_ns": m} for k, (s, m) in sorted(record.items())},
+        "blobs": {k: dict(zip(_STAMP_FIELDS, v, strict=True)) for k, v in sorted(record.items())},
     }
     data = json.dumps(payload, separators=(",", ":")).encode()
     safefs.atomic_write_at(model.fd, VERIFIED_FILE, data, 0o644, tmp_dir_fd=model.tmp)
@@ -235,7 +245,7 @@ class BlobSurvey:
     """
     What the disk holds for one blob.
 
-    @ivar state: C{"reuse"} (present, size and mtime recorded as verified), C{"verify"}
+    @ivar state: C{"reuse"} (present, its L{Stamp} recorded as verified), C{"verify"}
         (present with the right size but not recorded) or C{"fetch"} (missing).
     @ivar part_done: bytes of a partial download that are already written (for C{"fetch"}).
     @ivar part_allocated: disk space the partial download already holds.
@@ -258,7 +268,7 @@ def _clear_foreign(model: ModelDir, dir_fd: int, name: str, rel: str,
 def survey_blobs(
     model: ModelDir,
     blobs: Iterable[BlobSpec],
-    record: Mapping[str, tuple[int, int]],
+    record: Mapping[str, Stamp],
     track_min: int = TRACK_MIN_SIZE,
 ) -> list[BlobSurvey]:
     """
@@ -273,7 +283,7 @@ def survey_blobs(
         st = safefs.lstat_at(model.blobs, blob.hash)
         if st is not None:
             if stat.S_ISREG(st.st_mode) and st.st_size == blob.size:
-                if record.get(blob.hash) == (st.st_size, st.st_mtime_ns):
+                if record.get(blob.hash) == stamp_of(st):
                     out.append(BlobSurvey(blob, "reuse", mtime_ns=st.st_mtime_ns))
                 else:
                     out.append(BlobSurvey(blob, "verify"))
@@ -335,36 +345,36 @@ def hash_fd(fd: int, start: int, end: int, hasher: Any) -> int:
     return pos - start
 
 
-def verify_blob(model: ModelDir, blob: BlobSpec) -> tuple[bool, int]:
+def verify_blob(model: ModelDir, blob: BlobSpec) -> tuple[bool, Stamp | None]:
     """
     Check a present blob that is not in the record: its size, and its sha256 where its name
     is one. A mismatching file is removed.
 
-    @return: C{(ok, mtime_ns)}.
+    @return: C{(ok, stamp)}: the stamp of the file that was hashed (its descriptor's).
     """
     rel = f"blobs/{blob.hash}"
     try:
         fd, st = safefs.open_file_at(model.blobs, blob.hash, where=rel)
     except FileNotFoundError:
-        return False, 0
+        return False, None
     except safefs.NotRegularFile:
         lst = safefs.lstat_at(model.blobs, blob.hash)
         if lst is not None:
             _clear_foreign(model, model.blobs, blob.hash, rel, lst)
-        return False, 0
+        return False, None
     try:
         ok = st.st_size == blob.size
         expected = blob.sha256
         if ok and expected is not None:
             h = hashlib.sha256()
             ok = hash_fd(fd, 0, blob.size, h) == blob.size and h.hexdigest() == expected
-        mtime_ns = os.fstat(fd).st_mtime_ns
+        stamp = stamp_of(os.fstat(fd))
     finally:
         os.close(fd)
     if not ok:
         safefs.remove_entry(model.blobs, blob.hash, where=rel)
-        return False, 0
-    return True, mtime_ns
+        return False, None
+    return True, stamp
 
 
 # --- per-range progress of a partial download ---------------------------------------------------
@@ -646,12 +656,17 @@ def close_reader(part: PartFile) -> None:
         os.close(fd)
 
 
-def finish_part(part: PartFile, digest: str | None) -> tuple[bool, str, int]:
+def finish_part(part: PartFile, digest: str | None) -> tuple[bool, str, Stamp | None]:
     """
     Check the complete part file (size, and C{digest} against the sha256 name), fsync it
     (once), and rename it to its blob name. A mismatching file is removed.
 
-    @return: C{(ok, what_was_found, mtime_ns)}; C{what_was_found} describes a mismatch.
+    The rename is by name, and a workload can swap the C{.part} name for something else
+    between the check (on the descriptor) and the rename: so the entry now at the blob's name
+    must be the very file that was checked (same device and inode, a regular file). If it is
+    not, it is removed (and reported) and the blob counts as failed.
+
+    @return: C{(ok, what_was_found, stamp)}; C{what_was_found} describes a mismatch.
     """
     fd = part.fd
     assert fd is not None, "part file is closed"
@@ -666,7 +681,7 @@ def finish_part(part: PartFile, digest: str | None) -> tuple[bool, str, int]:
         problem = f"sha256 {digest}"
     if problem:
         discard_part(part)
-        return False, problem, 0
+        return False, problem, None
     os.fsync(fd)
     for _ in range(3):
         try:
@@ -681,11 +696,18 @@ def finish_part(part: PartFile, digest: str | None) -> tuple[bool, str, int]:
     else:
         raise OSError(errno.EEXIST, "a directory keeps appearing", model.full(f"blobs/{blob.hash}"))
     safefs.fsync_fd(model.blobs)
-    mtime_ns = os.fstat(fd).st_mtime_ns
+    mine = os.fstat(fd)
+    placed = safefs.lstat_at(model.blobs, blob.hash)
     _drop_progress(model, blob)
     part.fd = None
     os.close(fd)
-    return True, "", mtime_ns
+    if placed is None or not stat.S_ISREG(placed.st_mode) or (
+        (placed.st_dev, placed.st_ino) != (mine.st_dev, mine.st_ino)
+    ):
+        if placed is not None:
+            _clear_foreign(model, model.blobs, blob.hash, f"blobs/{blob.hash}", placed)
+        return False, "another file: the download's name was swapped while it was moved into place", None
+    return True, "", stamp_of(placed)
 
 
 def discard_part(part: PartFile) -> None:

@@ -5,7 +5,7 @@ L{ModelSyncer.sync} takes a C{model_sync} object (protocol 4.3), validates its m
 (inline, or fetched from the backend), and makes C{MODEL_STORE/<model_dir_name>/} a valid
 hub cache:
 
- 1. survey the blobs by C{stat} alone; blobs recorded as verified (same size and mtime) in
+ 1. survey the blobs by C{stat} alone; blobs recorded as verified (same size, mtime, inode and ctime) in
     C{.llmport-verified.json} are reused without hashing;
  2. check the free disk against what is still missing;
  3. verify present-but-unrecorded blobs and download missing ones, several at once, each
@@ -179,7 +179,7 @@ class _Run:
     manifest: Manifest
     model: _fs.ModelDir
     progress: _Progress
-    record: dict[str, tuple[int, int]]
+    record: dict[str, _fs.Stamp]
     jobs: FileJobs
     record_changed: bool = False
     fetched_count: int = 0
@@ -205,8 +205,10 @@ class _Run:
     def label(self) -> str:
         return self.manifest.hf_repo_id or self.manifest.model_id
 
-    def remember(self, blob: BlobSpec, mtime_ns: int) -> None:
-        self.record[blob.hash] = (blob.size, mtime_ns)
+    def remember(self, blob: BlobSpec, stamp: _fs.Stamp | None) -> None:
+        if stamp is None:
+            return
+        self.record[blob.hash] = stamp
         self.record_changed = True
 
     def forget(self, blob: BlobSpec) -> None:
@@ -678,9 +680,9 @@ class ModelSyncer:
         await run_together(worker() for _ in range(min(self._concurrency, len(queue))))
 
     async def _verify_or_fetch(self, run: _Run, blob: BlobSpec) -> None:
-        ok, mtime_ns = await run.jobs.run(_fs.verify_blob, run.model, blob)
+        ok, stamp = await run.jobs.run(_fs.verify_blob, run.model, blob)
         if ok:
-            run.remember(blob, mtime_ns)
+            run.remember(blob, stamp)
             run.verified_count += 1
             run.verified_bytes += blob.size
             return
@@ -818,7 +820,7 @@ class ModelSyncer:
                 ok = await transfer.run()
                 run.connections_used = max(run.connections_used, transfer.connections_used)
                 if ok:
-                    run.remember(blob, transfer.mtime_ns)
+                    run.remember(blob, transfer.stamp)
                     run.fetched_count += 1
                     run.fetched_bytes += blob.size
                     run.progress.files_done += 1

@@ -210,7 +210,7 @@ class BlobTransfer:
         self._gate: list[Deferred[None]] = []
         self._waiting = 0
         self.found = ""
-        self.mtime_ns = 0
+        self.stamp: _fs.Stamp | None = None
         self.connections_used = 1
         syncer_ = self._syncer
         learned = run.learned_connections
@@ -386,11 +386,11 @@ class BlobTransfer:
             digest = await self._hasher.run(_fs.digest_of, self._part)
             if self._write_error is not None:
                 self._write_error.raiseException()
-            ok, found, mtime_ns = await self._writer.run(_fs.finish_part, self._part, digest)
+            ok, found, stamp = await self._writer.run(_fs.finish_part, self._part, digest)
         finally:
             self._release_held()
         self.found = found
-        self.mtime_ns = mtime_ns
+        self.stamp = stamp
         return ok
 
     def _count_start_over(self, reason: str) -> None:

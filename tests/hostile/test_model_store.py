@@ -493,3 +493,88 @@ class UnfixablePlantTests(TestCase):
         self.assertEqual(cm.exception.error_code, "storage_error")
         self.assertIn(top, cm.exception.error_message)
         self.assertEqual(cm.exception.result["path"], top)
+
+
+class BlobIdentityTests(TestCase):
+    """
+    A workload that writes the store can rewrite a verified blob in place (restoring its
+    mtime), or swap a download's `.part` name for a link just before it is moved into place.
+    Neither may end in a blob that does not match its hash being taken as verified.
+    """
+
+    timeout = 60
+
+    def setUp(self) -> None:
+        root = os.path.abspath(self.mktemp())
+        self.store = os.path.join(root, "store")
+        os.makedirs(self.store)
+        self.sentinel = make_sentinel(root)
+        self.before = tree_state(self.sentinel)
+        self.rig = _StoreRig(self, self.store)
+        self.manifest = self.rig.manifests["files"]
+        self.blob = os.path.join(self.store, self.rig.plant_path("files", "blobs/{big}"))
+
+    async def sync(self) -> dict[str, Any]:
+        return await self.rig.syncer.sync(self.manifest, lambda *a, **k: None)
+
+    async def test_rewrite_in_place_with_the_mtime_restored(self) -> None:
+        """
+        Before: the record held size and mtime only, the next sync reused the rewritten blob
+        and its snapshot served other content under the blob's hash.
+        """
+        await self.sync()
+        st = os.stat(self.blob)
+        with open(self.blob, "r+b") as f:
+            f.write(b"\0" * 4096)  # same size, other content
+        os.utime(self.blob, ns=(st.st_atime_ns, st.st_mtime_ns))
+        self.assertEqual(os.stat(self.blob).st_mtime_ns, st.st_mtime_ns)
+        await self.sync()
+        _PlantedStoreChecks.assertValidModel(self, "files", self.manifest)  # type: ignore[arg-type]
+
+    async def test_a_replacement_file_with_every_time_restored(self) -> None:
+        """A new file (another inode) put in the blob's place is verified again, not reused."""
+        await self.sync()
+        st = os.stat(self.blob)
+        with open(self.blob + ".evil", "wb") as f:
+            f.write(b"\0" * st.st_size)
+        os.utime(self.blob + ".evil", ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(self.blob + ".evil", self.blob)
+        await self.sync()
+        _PlantedStoreChecks.assertValidModel(self, "files", self.manifest)  # type: ignore[arg-type]
+
+    async def test_part_swapped_for_a_link_before_the_rename(self) -> None:
+        """
+        The `.part` name is replaced by a symlink to a host file between the agent's check of
+        the download (on its descriptor) and its rename: before, the link became the blob and
+        the sync said succeeded. Now the link is removed and reported, the sync does not
+        report a verified blob that is a link, the host file is untouched, and the next sync
+        puts the right blob in place.
+        """
+        from llmport_agent.models import _fs
+
+        part = self.blob + ".part"
+        victim = os.path.join(self.sentinel, "victim-blob.txt")
+        real_fsync = _fs.os.fsync
+        swapped: list[str] = []
+
+        def fsync(fd: int) -> None:
+            real_fsync(fd)
+            if not swapped and os.path.lexists(part) and os.path.samestat(os.fstat(fd), os.lstat(part)):
+                os.rename(part, part + ".moved")
+                os.symlink(victim, part)
+                swapped.append(part)
+
+        self.patch(_fs.os, "fsync", fsync)
+        try:
+            result: dict[str, Any] | None = await self.sync()
+        except CommandFailed as exc:
+            result = None
+            self.assertIn("swapped", exc.error_message)
+        self.assertEqual(swapped, [part])
+        self.assertFalse(os.path.islink(self.blob), "the swapped link became the blob")
+        if result is not None:
+            self.assertIn(self.blob, " ".join(result["removed_foreign"]))
+        self.assertEqual(tree_state(self.sentinel), self.before)
+        self.patch(_fs.os, "fsync", real_fsync)
+        await self.sync()
+        _PlantedStoreChecks.assertValidModel(self, "files", self.manifest)  # type: ignore[arg-type]
