@@ -459,6 +459,42 @@ class CountersTests(SynchronousTestCase):
         self.source.check_health()
         self.assertEqual(states(self.source)[2], HEALTHY)
 
+    def test_timeout_from_a_health_field_fails_closed(self) -> None:
+        """
+        NVML_ERROR_TIMEOUT from remapped rows is an error, not "not supported": the GPU is
+        unhealthy until the query answers (fail closed; the planted bug treated it as benign).
+        """
+        self.fake.fail("nvmlDeviceGetRemappedRows", pynvml.NVML_ERROR_TIMEOUT, device=4)
+        self.source.check_health()
+        h4 = self.source.health()[4]
+        self.assertEqual(h4.state, UNHEALTHY)
+        self.assertIn("remapped_rows", " ".join(h4.reasons))
+        self.assertEqual(self.source.snapshot().count, 7)
+        self.fake.clear_failures()
+        self.source.check_health()
+        self.assertEqual(states(self.source)[4], HEALTHY)
+
+    def test_unhealthy_gpu_with_memory_is_left_out_of_the_sums(self) -> None:
+        """
+        A GPU made unhealthy by its ECC counters still reports its memory (unlike a lost one,
+        whose memory reads 0): used, free and total VRAM must leave it out all the same, or the
+        backend would place models on it.
+        """
+        self.g5.ecc_counts[(UNC, VOL)] = 3
+        self.g5.ecc_counts[(UNC, AGG)] = 3
+        self.g5.memory_used = 7 * 1024**3
+        self.source.check_health()
+        d = self.source.snapshot().to_dict()
+        gpu5 = d["devices"][5]
+        self.assertEqual(gpu5["health"], "unhealthy")
+        self.assertGreater(gpu5["memory_used_bytes"], 0)
+        self.assertGreater(gpu5["memory_free_bytes"], 0)
+        others = [x for x in d["devices"] if x["index"] != 5]
+        self.assertEqual(d["count"], 7)
+        self.assertEqual(d["used_vram_bytes"], sum(x["memory_used_bytes"] for x in others))
+        self.assertEqual(d["free_vram_bytes"], sum(x["memory_free_bytes"] for x in others))
+        self.assertEqual(d["total_vram_bytes"], sum(x["memory_total_bytes"] for x in others))
+
     def test_not_supported_after_a_verdict_keeps_it(self) -> None:
         self.g5.remapped_rows = (0, 1, 1, 0)
         self.source.check_health()
