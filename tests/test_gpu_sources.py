@@ -516,11 +516,11 @@ class ToolRunnerTests(SynchronousTestCase):
         import sys
 
         script = (
-            "import resource, sys\n"
             "from llmport_agent.inventory.tools import run_tool\n"
             "r = run_tool(['sh', '-c', 'head -c 268435456 /dev/zero; echo done >&2'], 60, max_output=1 << 20)\n"
             "print(r.error)\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+            # VmHWM: this interpreter's own peak (ru_maxrss would include a forking parent's).
+            "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0])\n"
         )
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
