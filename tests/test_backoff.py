@@ -46,3 +46,35 @@ class BackoffTests(SynchronousTestCase):
         self.assertEqual(counter.failures, 5)
         counter.opened_for(31)
         self.assertEqual(counter.failures, 0)
+
+
+class DefaultJitterTests(SynchronousTestCase):
+    """
+    The log readers build their backoff without a random source: the class default must be a
+    real one (a planted constant survived: every backoff test injects its own), or a fleet of
+    agents whose journald or engine restarted would retry in lockstep.
+    """
+
+    def assertSpread(self, backoff: Backoff) -> None:  # noqa: N802
+        delays = {backoff.delay(20) for _ in range(50)}
+        self.assertGreater(len(delays), 25, sorted(delays)[:5])
+        self.assertTrue(all(backoff.low <= d <= backoff.high for d in delays))
+
+    def test_the_class_default_draws_at_random(self) -> None:
+        self.assertSpread(Backoff(1.0, 60.0))
+
+    def test_the_log_readers_defaults(self) -> None:
+        from twisted.internet.task import Clock
+
+        from llmport_agent.logs.containers import ContainerLogSource
+        from llmport_agent.logs.journald import JournaldSource
+        from llmport_agent.testing import SynchronousRunner
+        from tests.support.logs import RecordingSink
+
+        journald = JournaldSource(Clock(), RecordingSink(), lambda: {}, SynchronousRunner(),
+                                  state_dir=self.mktemp())
+        self.assertSpread(journald._backoff)
+        containers = ContainerLogSource(Clock(), object(), RecordingSink(), lambda: "h",  # type: ignore[arg-type]
+                                        agent_id="a", runner=SynchronousRunner(), stream_pool=object(),
+                                        client_factory=lambda: None)
+        self.assertSpread(containers._backoff)

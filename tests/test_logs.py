@@ -633,6 +633,25 @@ class LokiConfigTests(SynchronousTestCase):
         config = load_config(self.env(LOKI_SPOOL_MAX_MB="0", LOKI_USERNAME="u", LOKI_PASSWORD="pw-secret-1"), {})
         self.assertEqual(config.loki_spool_max_mb, 0)
 
+    def test_the_wiring_builds_the_spool_with_the_configured_bound(self) -> None:
+        """
+        LOKI_SPOOL_MAX_MB is mebibytes in the spool the agent builds (a planted `<< 30` or
+        `<< 10` survived: the one test reading the built bound needed journald). No daemon
+        needed: the shipping is built, not started.
+        """
+        from llmport_agent.config import load_config
+        from llmport_agent.logs.wiring import build_log_shipping
+
+        for mb, want in (("5", 5 * 1024 * 1024), ("256", 256 * 1024 * 1024), ("0", None)):
+            state = os.path.abspath(self.mktemp())
+            config = load_config(self.env(LOKI_URL="http://127.0.0.1:3100", LOKI_SPOOL_MAX_MB=mb,
+                                          STATE_PATH=f"{state}/s.json"), {})
+            shipping = build_log_shipping(_global_reactor, config, state_dir=state, host=lambda: "h",
+                                          secrets=lambda: [])
+            spool = shipping.shipper._spool
+            self.assertEqual(None if spool is None else spool.max_bytes, want, mb)
+            self.addCleanup(shipping.http_pool.closeCachedConnections)
+
     def test_secrets_are_masked(self) -> None:
         """config and diagnostics show that a Loki password or token is set, never its value."""
         from llmport_agent.config import load_config

@@ -177,6 +177,26 @@ class JournalBoundTests(SynchronousTestCase):
         self.assertEqual(len(again.undelivered()), 30)
         self.assertEqual(len(again.unfinished()), 110)
 
+    def test_reload_with_large_unconfirmed_results_keeps_delivered_within_the_bound(self) -> None:
+        """
+        After a reload, only delivered records count towards the byte bound: finished but
+        unconfirmed results (here 5 x 30 KB, far over the bound) must not push the few small
+        delivered records out (a planted bug indexed them at replay and lost that bookkeeping).
+        """
+        j = self.journal(max_records=5000, max_bytes=16 * 1024)
+        delivered = self.fill(j, "delivered", 10, DELIVERED)
+        self.now[0] += 1
+        self.fill(j, "finished", 5, FINISHED, {"logs": "z" * 30_000})
+        for cid in delivered:
+            self.assertIsNotNone(j.get(cid), cid)
+        again = CommandJournal(SynchronousRunner(), j.path, lambda: self.now[0], max_records=5000,
+                               max_bytes=16 * 1024)
+        self.successResultOf(again.load())
+        for cid in delivered:
+            self.assertIsNotNone(again.get(cid), f"{cid} pruned after the reload")
+        self.assertEqual(again.delivered_bytes, j.delivered_bytes)
+        self.assertEqual(len(again.undelivered()), 5)
+
     def test_reopened_record_is_not_pruned(self) -> None:
         """A delivered record the backend lists again is finished (undelivered) again: it stays."""
         j = self.journal(max_records=5)
