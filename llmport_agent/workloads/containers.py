@@ -26,6 +26,39 @@ from .spec import (
 
 _EXITED_RE = re.compile(r"\((-?\d+)\)")
 
+#: The raw log bytes C{fetch_container_logs} keeps from the engine (the newest; the answer is
+#: cut further to C{LOGS_MAX_BYTES}).
+RAW_LOGS_MAX = 8 * 1024 * 1024
+#: At most this much of a log is read from the engine for one answer (a container can print
+#: a single line of gigabytes: its C{tail} is that whole line).
+LOG_READ_CAP = 64 * 1024 * 1024
+
+
+def read_logs(client: docker.DockerClient, ident: str, max_bytes: int, **kwargs: Any) -> bytes:
+    """
+    A container's logs (C{docker logs} options in C{kwargs}), read as a stream: at most the
+    last C{max_bytes} are held, and reading stops after L{LOG_READ_CAP} bytes. Raises
+    C{NotFound} when the container is gone.
+    """
+    stream = client.api.logs(ident, stream=True, follow=False, **kwargs)
+    if isinstance(stream, (bytes, bytearray)):  # a stand-in engine answering whole
+        return bytes(stream[-max_bytes:])
+    kept = bytearray()
+    total = 0
+    try:
+        for chunk in stream:
+            kept += chunk
+            total += len(chunk)
+            if len(kept) > 2 * max_bytes:
+                del kept[: len(kept) - max_bytes]
+            if total >= LOG_READ_CAP:
+                break
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+    return bytes(kept[-max_bytes:])
+
 
 def _int(value: Any, default: int = 0) -> int:
     try:
@@ -352,20 +385,18 @@ def rename(client: docker.DockerClient, ident: str, name: str) -> None:
 def logs(client: docker.DockerClient, ident: str, tail: int) -> bytes | None:
     """The last C{tail} lines (stdout and stderr, with timestamps), or C{None} if gone."""
     try:
-        out = client.api.logs(ident, stdout=True, stderr=True, timestamps=True, tail=tail)
+        return read_logs(client, ident, RAW_LOGS_MAX, stdout=True, stderr=True, timestamps=True, tail=tail)
     except NotFound:
         return None
-    return out if isinstance(out, bytes) else bytes(out)
 
 
 def log_tail(client: docker.DockerClient, ident: str, tail: int, max_bytes: int = 256 * 1024) -> str:
     """The last C{tail} lines (stdout and stderr, no timestamps) as text, at most C{max_bytes}."""
     try:
-        out = client.api.logs(ident, stdout=True, stderr=True, timestamps=False, tail=tail)
+        raw = read_logs(client, ident, max_bytes, stdout=True, stderr=True, timestamps=False, tail=tail)
     except NotFound:
         return ""
-    raw = out if isinstance(out, bytes) else bytes(out)
-    return raw[-max_bytes:].decode("utf-8", "replace")
+    return raw.decode("utf-8", "replace")
 
 
 def exit_info(client: docker.DockerClient, ident: str, tail: int = 20) -> dict[str, Any] | None:
@@ -380,7 +411,7 @@ def exit_info(client: docker.DockerClient, ident: str, tail: int = 20) -> dict[s
         return None
     text = b""
     try:
-        text = client.api.logs(ident, stdout=True, stderr=True, timestamps=False, tail=tail) or b""
+        text = read_logs(client, ident, 16 * 1024, stdout=True, stderr=True, timestamps=False, tail=tail)
     except NotFound:
         pass
     return {

@@ -20,7 +20,7 @@ from typing import Any
 import docker
 from docker.errors import APIError, NotFound
 
-from .containers import snapshot
+from .containers import read_logs, snapshot
 
 #: Exit code reported when the engine no longer knows it (the container ran again and its
 #: C{die} event has left the engine's event buffer).
@@ -114,13 +114,14 @@ def exit_info(client: docker.DockerClient, ident: str, tail: int = 20) -> dict[s
         kwargs: dict[str, Any] = {"stdout": True, "stderr": True, "timestamps": False, "tail": tail}
         if until is not None:
             kwargs["until"] = until
-        text = client.api.logs(snap["id"], **kwargs) or b""
+        text = read_logs(client, snap["id"], 16 * 1024, **kwargs)
     except NotFound:
         pass
     except (APIError, docker.errors.InvalidVersion):
         # An engine older than API 1.35 has no `until`: the newest lines, then.
         try:
-            text = client.api.logs(snap["id"], stdout=True, stderr=True, timestamps=False, tail=tail) or b""
+            text = read_logs(client, snap["id"], 16 * 1024, stdout=True, stderr=True, timestamps=False,
+                             tail=tail)
         except NotFound:
             pass
     return {

@@ -14,6 +14,8 @@ import time
 import uuid
 from typing import Any
 
+from twisted.trial.unittest import SynchronousTestCase
+
 from llmport_agent.commands.base import CONTAINER_NOT_OWNED, RUNTIME_ERROR
 from llmport_agent.workloads.spec import (
     LABEL_AGENT_ID,
@@ -178,3 +180,39 @@ class AnotherAgentsContainerTests(_ForeignBase):
         announced = await self.rig.watcher.announce_all()
         self.assertNotIn(rid, [e.get("runtime_id") for e in announced])
         self.assertNotIn(rid, [e["payload"].get("runtime_id") for e in self.rig.health_events])
+
+
+class BoundedLogReadTests(SynchronousTestCase):
+    """
+    Logs are read from the engine as a stream with a bound (a container's `tail` can be one
+    line of gigabytes on a log driver that does not split lines): at most the newest
+    `max_bytes` are held, and reading stops at LOG_READ_CAP.
+    """
+
+    def test_an_endless_log_is_read_with_a_bound(self) -> None:
+        from llmport_agent.workloads import containers as ops
+
+        consumed = [0]
+        closed = []
+
+        class Stream:
+            def __iter__(self) -> Any:
+                while True:
+                    consumed[0] += 1
+                    yield b"x" * (1 << 20)
+
+            def close(self) -> None:
+                closed.append(True)
+
+        class API:
+            def logs(self, ident: str, **kwargs: Any) -> Stream:
+                self.kwargs = kwargs
+                return Stream()
+
+        client = type("Client", (), {"api": API()})()
+        out = ops.read_logs(client, "c", 4096, stdout=True, tail=200)
+        self.assertEqual(out, b"x" * 4096)
+        self.assertLessEqual(consumed[0], ops.LOG_READ_CAP // (1 << 20) + 1)
+        self.assertEqual(closed, [True])
+        self.assertEqual(client.api.kwargs["stream"], True)
+        self.assertLessEqual(len(ops.logs(client, "c", 200) or b""), ops.RAW_LOGS_MAX)
