@@ -18,7 +18,6 @@ import gzip
 import json
 import os
 import random
-import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -97,9 +96,10 @@ class ShippingTestCase(TestCase):
 
     def setUp(self) -> None:
         from tests.support.docker_env import require_docker
+        from tests.support.packages import require_package
 
-        if not os.access(JOURNAL_REMOTE, os.X_OK) or shutil.which("journalctl") is None:
-            raise self.skipTest("systemd-journal-remote and journalctl are needed (Debian systemd-journal-remote)")
+        require_package("systemd-journal-remote", JOURNAL_REMOTE)
+        require_package("systemd", "journalctl")
         self.docker = require_docker()
         self.loki = FakeLoki(check_labels=True, require_gzip=True)
         port = reactor.listenTCP(0, Site(self.loki), interface="127.0.0.1")

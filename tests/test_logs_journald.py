@@ -418,10 +418,10 @@ class RealJournalTests(TestCase):
     timeout = 60
 
     def setUp(self) -> None:
-        if not os.access(JOURNAL_REMOTE, os.X_OK):
-            raise self.skipTest(f"{JOURNAL_REMOTE} is not installed (Debian systemd-journal-remote)")
-        if shutil.which("journalctl") is None:
-            raise self.skipTest("journalctl is not installed")
+        from tests.support.packages import require_package
+
+        require_package("systemd-journal-remote", JOURNAL_REMOTE)
+        require_package("systemd", "journalctl")
         self.journal_dir = os.path.abspath(self.mktemp())
         os.makedirs(self.journal_dir)
         self.state_dir = os.path.abspath(self.mktemp())

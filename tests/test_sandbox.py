@@ -36,9 +36,10 @@ def sandbox_available() -> None:
     if os.geteuid() != 0:
         reason = "needs root (mount namespace, capability bounding set)"
     elif shutil.which("systemd-analyze") is None:
-        reason = "systemd-analyze is not installed"
+        reason = "needs Debian package systemd (systemd-analyze is missing): sudo apt-get install systemd"
     elif subprocess.run([SYSTEM_PYTHON, "-c", "import seccomp"], capture_output=True).returncode != 0:
-        reason = "Debian's python3-seccomp is not installed"
+        reason = ("needs Debian package python3-seccomp (import seccomp failed): "
+                  "sudo apt-get install python3-seccomp")
     if reason:
         if os.environ.get("CI") == "true":
             raise AssertionError(reason)

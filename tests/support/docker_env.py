@@ -399,9 +399,10 @@ def require_docker() -> DockerEnv:
     if os.geteuid() != 0:
         _env_error = "the Docker test engine needs root (dockerd)"
     elif shutil.which("dockerd") is None:
-        _env_error = "dockerd is not installed (Debian package docker.io)"
+        _env_error = "needs Debian package docker.io (dockerd is missing): sudo apt-get install docker.io"
     elif shutil.which("busybox") is None:
-        _env_error = "busybox is not installed (Debian package busybox-static)"
+        _env_error = ("needs Debian package busybox-static (busybox is missing): "
+                      "sudo apt-get install busybox-static")
     if _env_error is not None:
         _unavailable(_env_error)
     env = DockerEnv()
@@ -426,7 +427,8 @@ def require_registry() -> Registry:
     if _registry_error is not None:
         _unavailable(_registry_error)
     if shutil.which("docker-registry") is None:
-        _registry_error = "docker-registry is not installed (Debian package docker-registry)"
+        _registry_error = ("needs Debian package docker-registry (docker-registry is missing): "
+                           "sudo apt-get install docker-registry")
         _unavailable(_registry_error)
     registry = Registry(env)
     try:
