@@ -554,3 +554,23 @@ class AprilBackendTests(AgentTestCase):
         findings = await diagnose(reactor, ctx, [("credential", C.check_credential)])
         self.assertIn("stream: HTTP 403", one(self, findings, "credential", FAIL).detail)
         await deferLater(reactor, 0.1, lambda: None)
+
+
+class EngineAccessTests(SynchronousTestCase):
+    def test_permission_denied_names_the_docker_group(self) -> None:
+        """
+        docker-py wraps the socket's EACCES (as a non-root user outside the docker group meets
+        it; root here cannot be refused): the finding names the docker group.
+        """
+        try:
+            try:
+                raise PermissionError(13, "Permission denied")
+            except PermissionError as inner:
+                raise ConnectionError("('Connection aborted.', PermissionError(13, 'Permission denied'))") from inner
+        except ConnectionError as e:
+            found = C._engine_failure("unix:///var/run/docker.sock", e)
+        self.assertEqual(found.status, FAIL)
+        self.assertIn("permission denied", found.detail)
+        self.assertIn("docker group", found.fix)
+        other = C._engine_failure("unix:///x.sock", ConnectionError("Connection refused"))
+        self.assertIn("systemctl start docker", other.fix)
