@@ -368,12 +368,20 @@ class UpdateTests(WorkloadTestBase):
         _, v1 = await self.rig.run("deploy_workload", payload)
         bad = dict(
             payload,
-            provider_config=dict(payload["provider_config"], command=["sh", "-c", "echo broken >&2; exit 7"]),
+            provider_config=dict(
+                payload["provider_config"],
+                command=["sh", "-c", "i=0; while [ $i -lt 300 ]; do echo loading part $i of 300 >&2; "
+                         "i=$((i+1)); done; echo broken >&2; exit 7"],
+            ),
         )
         ctx, exc = await self.failure("update_workload", bad)
         self.assertEqual(exc.error_code, "container_exited")
         self.assertIn("rolled back", exc.error_message)
         self.assertIn("exit code 7", exc.error_message)
+        # The log lines end the message, within the backend's 2000 characters (protocol 10.4).
+        self.assertTrue(exc.error_message.startswith(f"Update of {v1['container_name']} failed and was rolled back"))
+        self.assertTrue(exc.error_message.endswith("loading part 299 of 300\nbroken"), exc.error_message[-200:])
+        self.assertLessEqual(len(exc.error_message), 2000)
         self.assertTrue(exc.result["rolled_back"])
         self.assertEqual(exc.result["endpoint_url"], v1["endpoint_url"])
         [c] = self.env.managed_containers(payload["runtime_id"])

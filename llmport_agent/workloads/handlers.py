@@ -42,6 +42,7 @@ from .ports import PORT_CONFLICT, choose_host_port, port_is_free
 from .readiness import (
     LOG_TAIL_LINES,
     ContainerExit,
+    ReadinessFailed,
     make_treq_probe,
     probe_url,
     wait_ready,
@@ -184,6 +185,16 @@ def merge_log_lines(raw: bytes, max_bytes: int) -> tuple[str, int, bool]:
     if truncated:
         text = f"[... older output truncated to the last {max_bytes} bytes ...]\n" + text
     return text, len(out), truncated
+
+
+def _with_cause(cause: CommandFailed, before: str, after: str = "") -> str:
+    """
+    C{before + cause + after}; a readiness failure's log lines stay at the end and the whole
+    within its bound (protocol 10.4: the backend keeps 2000 characters).
+    """
+    if isinstance(cause, ReadinessFailed):
+        return cause.reworded(f"{before}{cause.summary}{after}")
+    return f"{before}{cause.error_message}{after}"
 
 
 def _port_error(exc: EngineError) -> CommandFailed:
@@ -854,17 +865,23 @@ class WorkloadManager:
         except CommandFailed as rb:
             return CommandFailed(
                 cause.error_code,
-                f"Update of {spec.container_name} failed: {cause.error_message} Rolling back "
-                f"also failed: {rb.error_message}",
+                _with_cause(
+                    cause,
+                    f"Update of {spec.container_name} failed: ",
+                    f" Rolling back also failed: {rb.error_message}",
+                ),
                 {**cause.result, "rolled_back": False},
             )
         state = f"is running again at {url}" if url else "is back (it was not running before)"
         ctx.progress("rollback", f"Rolled back: the previous container {state}", endpoint_url=url)
         return CommandFailed(
             cause.error_code,
-            f"Update of {spec.container_name} failed and was rolled back: the previous container "
-            f"(image {old['labels'].get(LABEL_IMAGE) or old['image']}) {state}. "
-            f"Cause: {cause.error_message}",
+            _with_cause(
+                cause,
+                f"Update of {spec.container_name} failed and was rolled back: the previous "
+                f"container (image {old['labels'].get(LABEL_IMAGE) or old['image']}) {state}. "
+                "Cause: ",
+            ),
             {**cause.result, "rolled_back": True, "endpoint_url": url},
         )
 

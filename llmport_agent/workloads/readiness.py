@@ -117,8 +117,25 @@ def with_log_tail(head: str, logs: str, *, limit: int = MESSAGE_LIMIT, lines: in
     return head + _TAIL_HEADER + body
 
 
-def describe_exit(container_name: str, exit_info: ContainerExit) -> str:
-    """One readable sentence (plus log tail) for a container that exited during startup."""
+class ReadinessFailed(CommandFailed):
+    """
+    C{readiness_timeout} or C{container_exited}: the message is L{with_log_tail} of a sentence
+    and the container's last log lines, kept apart (C{summary}, C{logs}) so that a caller that
+    says more (an update's rollback) can build a message of its own within the same bound.
+    """
+
+    def __init__(self, error_code: str, summary: str, logs: str, result: dict[str, Any]) -> None:
+        super().__init__(error_code, with_log_tail(summary, logs), result)
+        self.summary = summary
+        self.logs = logs
+
+    def reworded(self, summary: str) -> str:
+        """C{summary} (which should include L{summary}) followed by the same log lines, bounded."""
+        return with_log_tail(summary, self.logs)
+
+
+def exit_summary(container_name: str, exit_info: ContainerExit) -> str:
+    """The sentence for a container that exited during startup (without its log lines)."""
     code = str(exit_info.exit_code) if exit_info.exit_code >= 0 else "unknown"
     text = (
         f"Container {container_name} stopped while starting up "
@@ -130,7 +147,12 @@ def describe_exit(container_name: str, exit_info: ContainerExit) -> str:
     if exit_info.error:
         text += f": {exit_info.error}"
     text += "."
-    return with_log_tail(text, exit_info.logs_tail)
+    return text
+
+
+def describe_exit(container_name: str, exit_info: ContainerExit) -> str:
+    """One readable sentence, then the bounded log tail, for a container that exited during startup."""
+    return with_log_tail(exit_summary(container_name, exit_info), exit_info.logs_tail)
 
 
 async def wait_ready(
@@ -173,9 +195,10 @@ async def wait_ready(
             last_problem = f"HTTP {status}"
         exited = await check_exit()
         if exited is not None:
-            raise CommandFailed(
+            raise ReadinessFailed(
                 CONTAINER_EXITED,
-                describe_exit(container_name, exited),
+                exit_summary(container_name, exited),
+                exited.logs_tail,
                 {"exit_code": exited.exit_code, "status": exited.status},
             )
         now = reactor.seconds()
@@ -189,14 +212,12 @@ async def wait_ready(
                     raise
                 except Exception as exc:  # noqa: BLE001 - the timeout is the failure to report
                     log.info("Could not read the logs of {name}: {why}", name=container_name, why=exc)
-            raise CommandFailed(
+            raise ReadinessFailed(
                 READINESS_TIMEOUT,
-                with_log_tail(
-                    f"Container {container_name} did not become ready within {timeout:g} s "
-                    f"({url} last gave: {last_problem}). The container was left running for "
-                    "inspection.",
-                    logs,
-                ),
+                f"Container {container_name} did not become ready within {timeout:g} s "
+                f"({url} last gave: {last_problem}). The container was left running for "
+                "inspection.",
+                logs,
                 {"elapsed_sec": round(elapsed, 1)},
             )
         if now - last_progress >= progress_every:
