@@ -1,6 +1,7 @@
 """
 fetch_container_logs for a Ray Serve app (protocol 10.4), against the real test engine: a plain
-busybox container named C{llm-port-ray-runtime} stands in for the Ray runtime container and
+busybox container named C{llm-port-ray-runtime} (with the labels the agent gives its Ray runtime
+container) stands in for it and
 holds replica log files under C{/tmp/ray/session_latest/logs/serve/} (C{session_latest} a
 symlink, as Ray makes it). Also the C{tail} rule: an integer clamped to 10..200.
 """
@@ -16,14 +17,18 @@ from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmport_agent.commands.base import INVALID_COMMAND, CommandFailed
+from llmport_agent.ray.container import LABEL_RAY, RAY_VALUE
 from llmport_agent.workloads.handlers import parse_tail
 from llmport_agent.workloads.servelogs import RAY_CONTAINER, parse_replica, serve_app_name
+from llmport_agent.workloads.spec import LABEL_AGENT_ID
 
 from .support.docker_env import BUSYBOX
 from .support.rig import WorkloadTestBase, httpd_payload, ids_of
 
 APP = "llmport-" + str(uuid.UUID(int=7))
 BIG = "llmport-" + str(uuid.UUID(int=9))
+#: The Ray runtime container's labels as the agent (rig agent id "test-node") creates it.
+OURS = {LABEL_RAY: RAY_VALUE, LABEL_AGENT_ID: "test-node"}
 LOGDIR = "/tmp/ray/session_2026-12-02_10-00-00_000000_1/logs/serve"
 
 
@@ -79,7 +84,7 @@ class TailRuleTests(SynchronousTestCase):
 class ServeLogsTests(WorkloadTestBase):
     """Replica logs inside the Ray runtime container come first."""
 
-    async def ray_container(self) -> Any:
+    async def ray_container(self, labels: dict[str, str] | None = None) -> Any:
         fd, secret = tempfile.mkstemp(prefix="llmport-host-only-")
         os.write(fd, b"HOST-ONLY-SECRET\n")
         os.close(fd)
@@ -87,7 +92,8 @@ class ServeLogsTests(WorkloadTestBase):
 
         def run() -> Any:
             return self.env.client().containers.run(
-                BUSYBOX, ["sh", "-c", _script(secret)], name=RAY_CONTAINER, detach=True, network_mode="none"
+                BUSYBOX, ["sh", "-c", _script(secret)], name=RAY_CONTAINER, detach=True, network_mode="none",
+                labels=OURS if labels is None else labels,
             )
 
         container = await deferToThread(run)
@@ -163,6 +169,15 @@ class ServeLogsTests(WorkloadTestBase):
         self.assertEqual(result["source"], "ray_serve")
         self.assertLess(len(result["logs"]), 140 * 1024)
         self.assertGreater(result["logs"].count("x"), 100 * 1024)
+
+    async def test_foreign_container_not_entered(self) -> None:
+        """A container of that name without this agent's Ray labels is never exec'd into."""
+        for labels in ({}, {LABEL_RAY: RAY_VALUE, LABEL_AGENT_ID: "another-node"}):
+            self.env.remove_all_containers()
+            await self.ray_container(labels)
+            _, result = await self.rig.run("fetch_container_logs", self.logs_payload())
+            self.assertNotIn("=====", result["logs"])
+            self.assertIn("no Ray Serve replica logs", result["logs"])
 
     async def test_without_ray_container(self) -> None:
         _, result = await self.rig.run("fetch_container_logs", self.logs_payload())

@@ -1014,6 +1014,7 @@ class WorkloadManager:
                     replica,
                     tail,
                     self.settings.logs_max_bytes,
+                    self.settings.agent_id,
                     what=f"reading the Serve replica logs of {app}",
                 )
             except EngineError as exc:

@@ -9,6 +9,7 @@ runtime's name names such an app, the newest of those files (at most L{MAX_FILES
 last C{tail} lines, headed C{===== <file> =====}) are the answer; the caller falls back to
 container logs when there are none.
 
+The container must be this agent's (the Ray runtime's labels): nothing is run in another one.
 The files are read inside the container, through the engine (an exec of C{sh}): paths and
 symlinks resolve in the container's own file system, never on the host. The app name and
 replica id reach the shell as positional arguments (never spliced into the script), are
@@ -27,6 +28,7 @@ from typing import Any
 
 import docker
 
+from ..ray.container import is_ours
 from .containers import by_exact_name
 
 #: The Ray runtime container (protocol 10.6).
@@ -96,15 +98,17 @@ def read_serve_logs(
     replica: str | None,
     tail: int,
     max_bytes: int,
+    agent_id: str,
     deadline_sec: float = 6.0,
 ) -> dict[str, Any] | None:
     """
     Thread function: the replica logs of C{app} inside L{RAY_CONTAINER}, or C{None} when that
-    container is not running or holds no matching file. Returns C{{"logs", "files",
-    "truncated", "container_name"}}.
+    container is not running, is not this agent's (its Ray labels, L{is_ours}: nothing is run
+    in a container the agent does not own) or holds no matching file. Returns C{{"logs",
+    "files", "truncated", "container_name"}}.
     """
     snap = by_exact_name(client, RAY_CONTAINER)
-    if snap is None or not snap["running"]:
+    if snap is None or not snap["running"] or not is_ours(snap, agent_id):
         return None
     api = client.api
     created = api.exec_create(
