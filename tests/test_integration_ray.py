@@ -71,8 +71,12 @@ class RayClusterTests(AgentTestCase):
         self.addCleanup(globalLogPublisher.removeObserver, observe)
 
     def _cleanup_containers(self) -> None:
+        # The test engines are private to this run: a leftover of that name from another test
+        # (a stand-in) goes too.
         for env in (self.env_a, self.env_b):
             for c in env.client().containers.list(all=True, filters={"label": "io.llmport.ray-runtime"}):
+                c.remove(force=True)
+            for c in env.client().containers.list(all=True, filters={"name": "^/llm-port-ray-runtime$"}):
                 c.remove(force=True)
 
     async def start_node(self, backend: Any, env: Any, name: str, store: str) -> tuple[Any, str, str]:
@@ -93,6 +97,7 @@ class RayClusterTests(AgentTestCase):
         return dict(backend.command(cmd["id"]))
 
     async def test_two_node_cluster_serve_app_and_teardown(self) -> None:
+        self._cleanup_containers()
         info_a = await self._in_thread(import_ray_image, self.env_a, self.tar)
         await self._in_thread(import_ray_image, self.env_b, self.tar)
         self.addCleanup(self._cleanup_containers)
