@@ -263,6 +263,11 @@ class AgentService(MultiService):
             from llmport_agent.ray.handlers import ray_handler_specs
 
             registry.update(ray_handler_specs(self.ray))
+        else:
+            from llmport_agent.ray.handlers import no_ray_status_spec
+
+            # Without the Docker executor there is no Ray here: the probe still gets its answer.
+            registry["get_ray_status"] = no_ray_status_spec()
         self.pipeline = CommandPipeline(
             reactor,
             self.session,

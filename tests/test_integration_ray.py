@@ -236,3 +236,16 @@ class RayClusterTests(AgentTestCase):
 
         return deferToThread(fn, *args)
 
+
+
+class NoDockerTests(AgentTestCase):
+    async def test_get_ray_status_without_the_docker_executor(self) -> None:
+        """An agent without the Docker executor still answers the probe: no Ray, alive false."""
+        backend = await self.start_backend()
+        agent = self.start_agent(backend)
+        node_id = await self.wait_connected(backend, agent)
+        cmd = backend.issue_command(node_id, "get_ray_status", {})
+        await backend.wait_for(lambda: backend.command(cmd["id"])["status"] in TERMINAL, 20)
+        rec = backend.command(cmd["id"])
+        self.assertEqual(rec["status"], "succeeded", rec.get("error_message"))
+        self.assertEqual((rec["result"]["alive"], rec["result"]["num_nodes"], rec["result"]["nodes"]), (False, 0, []))

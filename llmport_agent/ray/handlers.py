@@ -706,3 +706,12 @@ def ray_handler_specs(manager: RayManager) -> dict[str, HandlerSpec]:
         "delete_serve_app": HandlerSpec(m.delete_serve_app, "runtime", True, 300.0),
         "describe_ray_cluster": HandlerSpec(m.describe_ray_cluster, "read", True, 120.0, keep_result=False),
     }
+
+
+def no_ray_status_spec() -> HandlerSpec:
+    """C{get_ray_status} on an agent without the Docker executor: no Ray, C{alive: false}."""
+
+    async def status(ctx: CommandContext) -> dict[str, Any]:
+        return helpercli.dead_cluster(detail="this agent runs without the Docker executor: no Ray runtime here")
+
+    return HandlerSpec(status, "read", True, 10.0, keep_result=False)
