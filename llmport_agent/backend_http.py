@@ -16,9 +16,10 @@ from urllib.parse import quote
 import treq
 from attrs import frozen
 from treq.client import HTTPClient
-from twisted.internet.defer import CancelledError, TimeoutError
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.logger import Logger
 
+from llmport_agent.httpbody import BodyTooLarge, read_body
 from llmport_agent.tls import describe_connection_error, innermost_error
 
 ENROLL_PATH = "/api/admin/system/nodes/enroll"
@@ -27,6 +28,8 @@ TOKEN_PATH = "/api/admin/system/nodes/enrollment-tokens"
 SECRETS_PATH = "/api/admin/system/nodes/secrets/"
 #: The most bytes read of a cluster token answer.
 SECRET_BODY_LIMIT = 64 * 1024
+#: The most bytes read of any other answer of the backend (enrollment, join, whoami).
+BODY_LIMIT = 1024 * 1024
 JOIN_PATH = "/api/admin/system/nodes/join-requests"
 WHOAMI_PATH = "/api/node-files/whoami"
 LOG_SINK_PATH = "/api/node-files/log-sink"
@@ -134,14 +137,16 @@ class BackendHTTP:
             kwargs["data"] = json.dumps(body).encode()
             kwargs["headers"] = {**headers, "Content-Type": "application/json"}
         try:
-            d = self._http.request(method, self.url(path), **kwargs)
+            d = self._http.request(method, self.url(path), unbuffered=True, **kwargs)
             d.addTimeout(timeout, self._reactor)
             response = await d
-            body_d = response.content()
+            body_d = Deferred.fromCoroutine(read_body(response, BODY_LIMIT))
             body_d.addTimeout(timeout, self._reactor)
             content = await body_d
         except (TimeoutError, CancelledError):
             raise Transient(f"{method} {path}: no answer within {timeout:g} s") from None
+        except BodyTooLarge as e:
+            raise Transient(f"{method} {path}: {e}") from None
         except Exception as e:  # network errors of every kind
             raise Transient(f"{method} {path}: {describe_network_error(e, self.client_cert)}") from None
         return response.code, content

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import unicodedata
 from collections.abc import Callable, Mapping
@@ -361,11 +360,12 @@ class Installer:
         exe = self.sys.which("systemctl")
         if exe is None:
             return 127, "systemctl not found"
-        try:
-            done = subprocess.run([exe, *args], capture_output=True, text=True, timeout=SYSTEMCTL_TIMEOUT,
-                                  env=dict(self.sys.environ))
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return 1, f"{type(e).__name__}: {e}"
+        # Bounded reads of its output (inventory.tools.run_tool), like every subprocess's.
+        from llmport_agent.inventory.tools import run_tool
+
+        done = run_tool([exe, *args], SYSTEMCTL_TIMEOUT, max_output=1 << 20, env=self.sys.environ)
+        if done.error:
+            return 1, done.error
         text = (done.stderr or done.stdout or "").strip().splitlines()
         return done.returncode, (text[-1] if text else f"exit status {done.returncode}")
 
@@ -593,10 +593,11 @@ class Installer:
         exe = self.sys.which("systemctl")
         if exe is None:
             return {}
-        try:
-            done = subprocess.run([exe, "show", UNIT_NAME, "--property=" + props], capture_output=True,
-                                  text=True, timeout=30, env=dict(self.sys.environ))
-        except (OSError, subprocess.TimeoutExpired):
+        from llmport_agent.inventory.tools import run_tool
+
+        done = run_tool([exe, "show", UNIT_NAME, "--property=" + props], 30, max_output=1 << 20,
+                        env=self.sys.environ)
+        if done.error:
             return {}
         out: dict[str, str] = {}
         for line in done.stdout.splitlines():

@@ -70,6 +70,15 @@ class EnrollTests(SynchronousTestCase):
         self.failureResultOf(self.enroll(FakeBackend(200, b"<html>")), Transient)
 
 
+    def test_an_oversized_answer_is_transient_and_not_kept(self) -> None:
+        """An answer above BODY_LIMIT is refused (one line), not buffered whole."""
+        from llmport_agent.backend_http import BODY_LIMIT
+
+        big = b'{"node_id": "' + b"n" * (BODY_LIMIT + 10) + b'"}'
+        f = self.failureResultOf(self.enroll(FakeBackend(200, big)), Transient)
+        self.assertIn(f"larger than {BODY_LIMIT} bytes", str(f.value))
+
+
 class RotateTests(SynchronousTestCase):
     def rotate(self, backend: FakeBackend) -> Deferred[Any]:
         return call(self, backend, lambda c: c.rotate(CRED, 5))

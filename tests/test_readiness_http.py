@@ -14,6 +14,7 @@ from typing import Any
 from treq.client import HTTPClient
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
+from twisted.internet.protocol import Factory, Protocol
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.resource import Resource
@@ -120,3 +121,47 @@ class ReadinessStatusTests(TestCase):
         self.assertEqual(failure.error_code, READINESS_TIMEOUT)
         self.assertIn("ConnectionRefused", failure.error_message)
         del port
+
+
+class _Endless(Protocol):
+    """A health endpoint (raw HTTP/1.1) answering 200 with a body that never ends."""
+
+    sent = 0
+
+    def dataReceived(self, data: bytes) -> None:  # noqa: N802
+        if b"\r\n\r\n" in data and not self.sent:
+            self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+            self.transport.registerProducer(self, False)
+
+    def resumeProducing(self) -> None:  # noqa: N802
+        while self.sent < 512 * 1024 * 1024 and not self.transport.disconnecting:
+            chunk = b"x" * (1 << 20)
+            self.transport.write(chunk)
+            type(self).sent += len(chunk)
+            self.factory.sent = type(self).sent
+            return
+
+    def pauseProducing(self) -> None:  # noqa: N802
+        pass
+
+    def stopProducing(self) -> None:  # noqa: N802
+        pass
+
+
+class EndlessBodyTests(TestCase):
+    """A workload's health endpoint answering 200 with an endless body: ready, at bounded cost."""
+
+    timeout = 30
+
+    async def test_endless_answer_is_read_with_a_bound(self) -> None:
+        factory = Factory.forProtocol(_Endless)
+        factory.sent = 0  # type: ignore[attr-defined]
+        port = reactor.listenTCP(0, factory, interface="127.0.0.1")  # type: ignore[attr-defined]
+        self.addCleanup(port.stopListening)
+        pool = HTTPConnectionPool(reactor, persistent=False)
+        self.addCleanup(pool.closeCachedConnections)
+        probe = make_treq_probe(HTTPClient(Agent(reactor, pool=pool)), timeout=10)
+        code = await probe(f"http://127.0.0.1:{port.getHost().port}/health")
+        self.assertEqual(code, 200)
+        # Before, treq buffered the body until the timeout (gigabytes on loopback).
+        self.assertLess(_Endless.sent, 64 * 1024 * 1024)

@@ -8,7 +8,7 @@ import selectors
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from attrs import frozen
 
@@ -37,7 +37,9 @@ class ToolResult:
 ToolRunner = Callable[[Sequence[str], float], ToolResult]
 
 
-def run_tool(argv: Sequence[str], timeout: float, max_output: int = MAX_OUTPUT) -> ToolResult:
+def run_tool(
+    argv: Sequence[str], timeout: float, max_output: int = MAX_OUTPUT, env: Mapping[str, str] | None = None
+) -> ToolResult:
     """
     Run C{argv} (blocking; call it off the reactor), killing it after C{timeout} seconds.
 
@@ -54,6 +56,7 @@ def run_tool(argv: Sequence[str], timeout: float, max_output: int = MAX_OUTPUT) 
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            env=None if env is None else dict(env),
         )
     except OSError as e:
         return ToolResult(-1, "", "", f"{argv[0]} could not be started: {e.strerror or e}")

@@ -61,6 +61,7 @@ from zope.interface import Interface, implementer
 
 from llmport_agent import VERSION
 from llmport_agent.backoff import Backoff
+from llmport_agent.httpbody import read_prefix
 from llmport_agent.logs.auth import LokiAuth
 from llmport_agent.logs.encoding import (
     ENTRY_OVERHEAD,
@@ -88,6 +89,8 @@ PUSH_PATH = "/loki/api/v1/push"
 
 #: Lines longer than this many characters are cut (Loki's default line limit is 256 KB).
 MAX_LINE_CHARS = 64 * 1024
+#: The most bytes of Loki's answer to a push read (its error text).
+LOKI_ANSWER_LIMIT = 64 * 1024
 
 #: Batches with more raw bytes than this are encoded on the worker pool (below it, inline
 #: encoding takes well under a millisecond).
@@ -1164,8 +1167,8 @@ class LokiShipper(Service):
         basic = self.auth.basic()
         if basic is not None:
             kwargs["auth"] = basic
-        response = await self._http.post(self._url, **kwargs)
-        content = await response.content()
+        response = await self._http.post(self._url, unbuffered=True, **kwargs)
+        content = await read_prefix(response, LOKI_ANSWER_LIMIT)
         values = response.headers.getRawHeaders(b"retry-after") or []
         after = values[0].decode("latin-1") if values else None
         return int(response.code), bytes(content), after

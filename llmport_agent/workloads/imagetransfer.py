@@ -33,6 +33,7 @@ from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 
 from ..commands.base import CommandFailed
+from ..httpbody import read_prefix
 from .engine import DockerEngine, EngineError, StreamClosed, StreamControl
 from .imageload import BodySource, SourceError, load_thread
 from .policy import parse_image_ref
@@ -253,8 +254,8 @@ class ImageTransfer:
         """The failure for an answer other than the ones we can use."""
         body = ""
         try:
-            raw = await response.content()
-            body = raw[:_ERROR_BODY].decode("utf-8", "replace")
+            raw = await read_prefix(response, _ERROR_BODY)
+            body = raw.decode("utf-8", "replace")
         except Exception:  # noqa: BLE001
             pass
         detail = body
@@ -575,6 +576,6 @@ def _raise_restart(response: Any) -> Any:
 
 async def _discard(response: Any) -> None:
     try:
-        await response.content()
+        await read_prefix(response, _ERROR_BODY)
     except Exception:  # noqa: BLE001
         pass

@@ -19,6 +19,7 @@ from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
 from ..commands.base import CommandFailed
+from ..httpbody import drop_body
 
 READINESS_TIMEOUT = "readiness_timeout"
 CONTAINER_EXITED = "container_exited"
@@ -60,12 +61,15 @@ def make_treq_probe(http: Any, timeout: float = 5.0) -> Callable[[str], Deferred
     """
 
     async def _probe(url: str) -> int:
-        response = await http.get(url, timeout=timeout, allow_redirects=False)
+        # Unbuffered, and the body is not read (the connection is closed): the endpoint is the
+        # workload's, and an endless answer (or one that never comes) must cost the agent nothing.
+        response = await http.get(url, timeout=timeout, allow_redirects=False, unbuffered=True)
+        code = int(response.code)
         try:
-            await response.content()
+            drop_body(response)
         except Exception:  # noqa: BLE001 - the status is what counts
             pass
-        return int(response.code)
+        return code
 
     def probe(url: str) -> Deferred[int]:
         return Deferred.fromCoroutine(_probe(url))
