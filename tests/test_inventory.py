@@ -461,6 +461,32 @@ class CollectorTests(SynchronousTestCase):
             engine_facts=lambda: self.engine,
         )
 
+    def test_unhealthy_gpu_left_out_of_the_utilisation_sums(self) -> None:
+        """
+        A GPU unhealthy by its ECC counters still reports memory: the utilisation's
+        gpu_free_vram_bytes and gpu_used_vram_bytes leave it out, as the snapshot does (a
+        planted bug summing every device survived: the only test used a lost GPU reading 0).
+        """
+        import pynvml
+
+        source = NVMLGPUSource(self.fake)
+        collector = InventoryCollector(self.clock, self.runner, source, state_dir=self.state_dir,
+                                       model_store=os.path.join(self.state_dir, "models"),
+                                       engine_facts=lambda: self.engine)
+        self.successResultOf(Deferred.fromCoroutine(collector.collect()))
+        g5 = self.fake.gpus[5]
+        g5.ecc_counts[(pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)] = 2
+        g5.ecc_counts[(pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_AGGREGATE_ECC)] = 2
+        g5.memory_used = 9 * 1024**3
+        source.check_health()
+        util = self.successResultOf(Deferred.fromCoroutine(collector.collect())).utilization
+        devices = util["gpu"]["devices"]
+        self.assertEqual(devices[5]["health"], "unhealthy")
+        self.assertGreater(devices[5]["memory_free_bytes"], 0)
+        others = [d for d in devices if d["index"] != 5]
+        self.assertEqual(util["gpu_free_vram_bytes"], sum(d["memory_free_bytes"] for d in others))
+        self.assertEqual(util["gpu_used_vram_bytes"], sum(d["memory_used_bytes"] for d in others))
+
     def test_inventory_shape(self) -> None:
         """Every 5.2 field is present with its type; GPU snapshot and caps included."""
         report = self.successResultOf(Deferred.fromCoroutine(self.collector.collect()))
