@@ -186,7 +186,6 @@ class BackendStateTests(SynchronousTestCase):
             {"type": "heartbeat", "status": "s" * 65},
             {"type": "heartbeat", "status": 5},
             {"type": "heartbeat", "version": "v" * 65},
-            {"type": "command_result", "command_id": "nope"},
             {"type": "event_batch", "events": [{"event_type": "e" * 129}]},
             {"type": "event_batch", "events": [{"event_type": "a", "severity": "s" * 33}]},
             {"type": "event_batch", "events": [{"event_type": "a", "correlation_id": "c" * 129}]},
@@ -194,6 +193,14 @@ class BackendStateTests(SynchronousTestCase):
         ]
         for frame in bad_frames:
             self.assertRaises(FrameRejected, self.state.apply_frame, node_id, frame)
+        # 2026-04: a command id that is not a UUID fails the handler too (the current
+        # generation skips the frame: tests.test_devbackend_generations).
+        april = BackendState(self.clock, generation="2026-04")
+        token = april.mint_token()["token"]
+        april_node = april.enroll(token, "node-a", "10.0.0.5", {}, "1.0", "127.0.0.1")["node_id"]
+        self.assertRaises(
+            FrameRejected, april.apply_frame, april_node, {"type": "command_result", "command_id": "nope"}
+        )
         cmd = self.state.issue_command(node_id, "t", {})
         self.assertRaises(
             FrameRejected,

@@ -116,6 +116,19 @@ class CancelTests(SynchronousTestCase):
         self.assertEqual(state.commands[cmd["id"]].status, "queued")
 
 
+class CommandIdTests(SynchronousTestCase):
+    def test_current_skips_a_frame_with_a_bad_command_id(self) -> None:
+        """Current: a command_* frame without a UUID command_id is skipped (no dispatch pass), noted; 2026-04 drops."""
+        state, _clock, node_id = _state()
+        for value in ("nope", None, 5):
+            frame = {"type": "command_ack", "command_id": value}
+            self.assertIs(state.apply_frame(node_id, frame), False)
+        self.assertEqual(len(state.anomalies[node_id]), 3)
+        self.assertIn("not a UUID", state.anomalies[node_id][0])
+        self.assertIn("without command_id", state.anomalies[node_id][1])
+        self.assertIs(state.apply_frame(node_id, {"type": "heartbeat"}), True)
+
+
 class RedispatchTests(SynchronousTestCase):
     def test_overdue_rule(self) -> None:
         """Acked: overdue after timeout_sec since the ack; running: after twice it; null means 900 s."""
@@ -435,6 +448,26 @@ class PushTests(LoopbackMixin, TestCase):
         self.assertEqual(self.backend.node(node_id)["status"], "healthy")  # type: ignore[index]
         cost = self.backend.costs(node_id)
         self.assertEqual((cost["offset_writes"], cost["dispatch_queries"]), (0, 1))
+
+    async def test_bad_command_id_frame_gets_no_reply(self) -> None:
+        """Current: a command_ack with a non-UUID id is skipped: no dispatch pass, no drop, no cost of a query."""
+        await self.start()
+        self.allow_anomalies("not a UUID", "the test sends one on purpose")
+        reply = await self.enroll()
+        node_id = reply["node_id"]
+        client = await self.open_stream(reply["credential"])
+        self.backend.issue_command(node_id, "collect_diagnostics", {})
+        await client.wait_messages(lambda m: len(m) >= 2)  # pushed; still dispatched
+        client.send({"type": "command_ack", "command_id": "nope"})
+        await self.backend.wait_for(lambda: len(self.backend.frames(node_id)) == 1)
+        for _ in range(2):
+            await client.barrier()
+        self.assertEqual([m["type"] for m in client.messages], ["hello_ack", "commands"])
+        self.assertEqual(self.backend.connection_count(node_id), 1)
+        self.assertEqual(self.backend.costs(node_id)["dispatch_queries"], 0)
+        client.send({"type": "heartbeat"})  # any other frame: the dispatch pass lists it again
+        await client.wait_messages(lambda m: len(m) >= 3)
+        self.assertEqual(client.messages[2]["type"], "commands")
 
     async def test_wake_while_offline_is_served_after_hello_ack(self) -> None:
         """Current: queued while no stream is open -> in hello_ack, then once more in a commands frame."""

@@ -114,6 +114,10 @@ class FrameRejected(Exception):
     """The real backend's stream handler would fail on this frame and drop the connection."""
 
 
+class _SkipFrame(Exception):
+    """The current backend's handler skips the rest of this frame, its dispatch pass included."""
+
+
 def _obj(value: object) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
@@ -1012,13 +1016,16 @@ class BackendState:
 
     # -- inbound frames ---------------------------------------------------------------------
 
-    def apply_frame(self, node_id: str, frame: Mapping[str, Any]) -> None:
+    def apply_frame(self, node_id: str, frame: Mapping[str, Any]) -> bool:
         """
         Process one accepted frame (protocol 3.2 table). Unknown types are ignored.
 
+        @return: whether the backend runs its dispatch pass after the frame: always, except
+            on the current generation for a C{command_*} frame whose C{command_id} is missing
+            or not a UUID (its handler skips the frame and the pass).
         @raise FrameRejected: where the real backend's handler would fail (a value too long
-            for its column, a wrong type where a string column is written, a command id
-            that is not a UUID); nothing of the frame is applied then.
+            for its column, a wrong type where a string column is written, on 2026-04 a
+            command id that is not a UUID); nothing of the frame is applied then.
         """
         node = self.nodes.get(node_id)
         if node is None:
@@ -1034,7 +1041,11 @@ class BackendState:
             "event_batch": self._on_event_batch,
         }.get(kind) if isinstance(kind, str) else None
         if handler is not None:
-            handler(node, frame)
+            try:
+                handler(node, frame)
+            except _SkipFrame:
+                return False
+        return True
 
     def _on_heartbeat(self, node: NodeRecord, frame: Mapping[str, Any]) -> None:
         status = frame.get("status", "healthy")
@@ -1073,7 +1084,17 @@ class BackendState:
     def _command_of(self, node: NodeRecord, frame_type: str, frame: Mapping[str, Any]) -> (
         CommandRecord | None
     ):
-        cid = _command_uuid(frame_type, frame.get("command_id"))
+        cid: str | None
+        if self.current:
+            raw = frame.get("command_id")
+            try:
+                cid = str(uuid.UUID(str(raw)))
+            except ValueError:
+                what = "without command_id" if raw is None else "with a command_id that is not a UUID"
+                self.note(node.id, f"{frame_type} {what} ignored (no dispatch pass)")
+                raise _SkipFrame() from None
+        else:
+            cid = _command_uuid(frame_type, frame.get("command_id"))
         if cid is None:
             self.note(node.id, f"{frame_type} without command_id ignored")
             return None

@@ -208,12 +208,14 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
             cost.offset_writes += 1
             state.session_offset_accepted(self.session_id)
         state.record_frame(node_id, frame, accepted=True)
-        state.apply_frame(node_id, frame)
-        cost.dispatch_queries += 1
+        dispatch = state.apply_frame(node_id, frame)
+        if dispatch:
+            cost.dispatch_queries += 1
         hook = self.backend.frame_hook
         if hook is not None:
             hook(node_id, frame)
-        self._dispatch(node_id)
+        if dispatch:
+            self._dispatch(node_id)
 
     # -- idle timeout -----------------------------------------------------------------------
 
