@@ -249,6 +249,7 @@ def main() -> None:
     begin_logging("ERROR")
     import txaio
 
+    txaio.use_twisted()
     txaio.set_global_log_level("error")  # autobahn's ping/pong notes are not figures
     status = {"code": 1}
 

@@ -125,13 +125,14 @@ async def _demo(
         begin_logging("WARN" if not args.verbose else "INFO")
     started = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="llmport-demo-")
-    backend = DevBackend(reactor)
+    # The current generation (protocol 10): commands are pushed, overdue ones re-dispatched.
+    backend = DevBackend(reactor, generation="current")
     agent: AgentService | None = None
     problems: list[str] = []
     try:
         await backend.listen(0, "127.0.0.1")
         say(f"llmport-agent {VERSION} demo")
-        say(f"[backend] stand-in backend listening on {backend.url}")
+        say(f"[backend] stand-in backend ({backend.generation} generation) listening on {backend.url}")
         token = backend.mint_token("demo")
         say(f"[backend] minted a one-time enrollment token (expires {token['expires_at']})")
         config = load_config(
