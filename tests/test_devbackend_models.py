@@ -113,3 +113,39 @@ class RemoveSetsStoppedTests(SynchronousTestCase):
 
     def test_april(self) -> None:
         self.assertEqual(self.run_remove("2026-04"), "running")
+
+
+class ImageIdentityTests(SynchronousTestCase):
+    """The stand-in's command line reads an image's id and rootfs digest from its docker save tar."""
+
+    def tar(self, members: dict[str, bytes]) -> str:
+        import io
+        import tarfile
+
+        path = self.mktemp()
+        with tarfile.open(path, "w") as tar:
+            for name, data in members.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        return path
+
+    def test_identity(self) -> None:
+        import hashlib
+        import json
+
+        from llmport_agent.devbackend.imagetar import image_identity
+
+        config = json.dumps({"rootfs": {"type": "layers", "diff_ids": ["sha256:" + "1" * 64, "sha256:" + "2" * 64]}}).encode()
+        cid = hashlib.sha256(config).hexdigest()
+        path = self.tar({f"{cid}.json": config, "manifest.json": json.dumps([{"Config": f"{cid}.json"}]).encode()})
+        rootfs = "sha256:" + hashlib.sha256(("sha256:" + "1" * 64 + "\nsha256:" + "2" * 64).encode()).hexdigest()
+        self.assertEqual(image_identity(path), ("sha256:" + cid, rootfs))
+        oci = self.tar({f"blobs/sha256/{cid}": config, "manifest.json": json.dumps([{"Config": f"blobs/sha256/{cid}"}]).encode()})
+        self.assertEqual(image_identity(oci), ("sha256:" + cid, rootfs))
+        for bad in ({"x": b"y"}, {"manifest.json": b"{}"}, {"manifest.json": b"[{\"Config\": \"missing.json\"}]"}):
+            self.assertEqual(image_identity(self.tar(bad)), (None, None))
+        junk = self.mktemp()
+        with open(junk, "wb") as f:
+            f.write(b"not a tar at all" * 100)
+        self.assertEqual(image_identity(junk), (None, None))

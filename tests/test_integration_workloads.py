@@ -229,7 +229,13 @@ class ImageTransferFlowTests(_WorkloadBase):
         with open(path, "wb") as f:
             for chunk in api.get_image(f"{name}:1"):
                 f.write(chunk)
+        layers = api.inspect_image(f"{name}:1")["RootFS"]["Layers"]
         api.remove_image(f"{name}:1")
+        from llmport_agent.devbackend.imagetar import image_identity
+        from llmport_agent.workloads.images import rootfs_digest
+
+        # The identity the stand-in's command line reads from a tar is the engine's own.
+        self.assertEqual(image_identity(path), (image_id, rootfs_digest(layers)))
         backend.add_image(name, "1", path, image_id=image_id)
         backend.faults.image_abort_after = 200_000
         payload = httpd_payload(image=f"{name}:1", image_source="transfer_from_server")

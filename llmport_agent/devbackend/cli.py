@@ -210,8 +210,12 @@ def main(argv: list[str]) -> int:
         reaper_scale=args.reaper_scale,
         log_sink_url=args.log_sink_url,
     )
+    from .imagetar import image_identity
+
     for name, tag, path in args.image:
-        backend.add_image(name, tag, path, image_size=None)
+        # With its id the current generation serves the tar as an export (Range, X-Image-Id).
+        image_id, rootfs = image_identity(path)
+        backend.add_image(name, tag, path, image_size=None, image_id=image_id, rootfs_digest=rootfs)
 
     def join_requested(row: Any) -> None:
         print(f"join request {row.code} from agent id {row.agent_id} ({row.source_ip}); approve: "
