@@ -631,6 +631,22 @@ class RealEngineTests(TestCase):
         self.assertEqual(len(self.shipped(container)), 100_000)
         self.assertLess(printed, 10)  # generous: about 1-2 s on this machine
 
+    async def test_another_agents_container_is_not_shipped(self) -> None:
+        """
+        On a shared engine, a container labelled managed by ANOTHER agent (started before and
+        after the source) ships nothing to this node's Loki; ours ships everything.
+        """
+        theirs_before = self.run_container("echo theirs-before; sleep 2", agent_id="another-node")
+        await self.start()
+        theirs_after = self.run_container("echo theirs-after; sleep 2", agent_id="another-node")
+        ours = self.run_container("echo ours; sleep 1")
+        await self.until(lambda: self.env.client().containers.get(ours.id).status == "exited", 30,
+                         "our container to finish")
+        await self.assert_all_shipped_once(ours)
+        await deferLater(self.reactor, 1.0, lambda: None)
+        self.assertEqual(self.shipped(theirs_before), [])
+        self.assertEqual(self.shipped(theirs_after), [])
+
     async def test_a_container_that_prints_and_exits_within_a_second_is_shipped(self) -> None:
         """Started and gone before a poll could have seen it: its lines arrive anyway."""
         source = await self.start()
