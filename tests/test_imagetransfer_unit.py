@@ -27,6 +27,16 @@ class Answer:
     def content(self) -> Deferred[bytes]:
         return succeed(self._body)
 
+    def deliverBody(self, protocol: Any) -> None:
+        """The body at once, then its end (as twisted's Response delivers it)."""
+        from twisted.python.failure import Failure
+        from twisted.web.client import ResponseDone
+
+        protocol.makeConnection(None)
+        if self._body:
+            protocol.dataReceived(self._body)
+        protocol.connectionLost(Failure(ResponseDone()))
+
 
 def transfer() -> ImageTransfer:
     return ImageTransfer(None, None, None, "http://b.invalid", lambda: "secret-credential", stall_sec=60)  # type: ignore[arg-type]
@@ -72,11 +82,11 @@ class ResumeAnswerTests(SynchronousTestCase):
 
     def test_409_is_final(self) -> None:
         f = self.failureResultOf(
-            self.answer(Answer(409, {}, b'{"detail": "This server holds a different build (secret-credential)."}')),
+            self.answer(Answer(409, {}, b'{"detail": "This server holds another build (id X; secret-credential)."}')),
             CommandFailed,
         )
         self.assertEqual(f.value.error_code, "server_image_mismatch")
-        self.assertIn("different build", f.value.error_message)
+        self.assertIn("This server holds another build (id X; ***).", f.value.error_message)
         self.assertNotIn("secret-credential", f.value.error_message)
 
     def test_other_status_fails(self) -> None:
