@@ -188,3 +188,10 @@ class SyncModelResultTests(SynchronousTestCase):
         bad["refs"] = [{"name": "main", "commit": C3}]
         _, d = self.run_handler({"model_sync": bad})
         self.assertEqual(self.failureResultOf(d, CommandFailed).value.error_code, "snapshot_missing")
+
+    def test_download_from_hf_is_refused(self) -> None:
+        """sync_model of a download_from_hf model: refused (a READY claim for nothing copied)."""
+        _, d = self.run_handler({"model_sync": {"source": "download_from_hf", "hf_repo_id": "org/x"}})
+        exc = self.failureResultOf(d, CommandFailed).value
+        self.assertEqual(exc.error_code, "invalid_command")
+        self.assertIn("downloaded by the workload's container", exc.error_message)

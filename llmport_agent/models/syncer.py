@@ -387,6 +387,15 @@ class ModelSyncer:
         if not isinstance(model_sync, Mapping):
             raise CommandFailed(INVALID_COMMAND, "model_sync must be an object.")
         source = model_sync.get("source")
+        if source == SOURCE_DOWNLOAD_FROM_HF and report:
+            # The current backend marks a model READY on a successful sync_model: a model this
+            # node did not copy must not be reported so (the original agent refuses it too).
+            raise CommandFailed(
+                INVALID_COMMAND,
+                "sync_model copies a model from the backend (model_sync.source "
+                f"'{SOURCE_SYNC_FROM_SERVER}' with its manifest); a '{SOURCE_DOWNLOAD_FROM_HF}' "
+                "model is downloaded by the workload's container when it is deployed.",
+            )
         if source == SOURCE_DOWNLOAD_FROM_HF:
             return {
                 "source": source,
