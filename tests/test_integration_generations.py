@@ -153,6 +153,30 @@ class IdleTests(_Base):
         self.assertIn("poll", kinds)
 
 
+class RememberTests(_Base):
+    async def test_push_remembered_across_an_agent_restart(self) -> None:
+        """Push proven, the agent restarts on the same state: push from its first connect, no poll at all."""
+        backend, agent, node_id, _ = await self.agent_for(GENERATION_CURRENT)
+        await self.quiet(agent, 3.5)
+        cmd = backend.issue_command(node_id, "refresh_inventory", {})
+        await self.status(backend, cmd["id"], "succeeded")
+        self.assertEqual(agent.session.dispatch.mode, PUSH)
+        await backend.wait_for(lambda: agent.state.get("dispatch", {}).get("mode") == PUSH, 10)
+        await agent.stopService()
+        mark = len(backend.frames(node_id))
+        again = self.start_agent(backend, state_dir=agent.state_dir, token=False,  # type: ignore[attr-defined]
+                                 COMMAND_POLL_ACTIVE_WINDOW_SEC="600", HEARTBEAT_INTERVAL_SEC="1")
+        await self.wait_connected(backend, again)
+        self.assertEqual(again.session.dispatch.mode, PUSH)
+        self.assertIn("remembered", again.session.dispatch.reason)
+        await deferLater(reactor, 3.0, lambda: None)  # would be 2 s polls in the active window
+        self.assertEqual(self.polls(backend, node_id, mark), 0)
+        issued = reactor.seconds()
+        cmd = backend.issue_command(node_id, "refresh_inventory", {})
+        await self.status(backend, cmd["id"], "succeeded")
+        self.assertLess(reactor.seconds() - issued, 2.0)
+
+
 class RedispatchTests(_Base):
     async def test_redispatched_running_command_executed_once(self) -> None:
         """

@@ -12,10 +12,10 @@ arriving when the agent has sent nothing for longer than L{DispatchDetector.wind
 of L{PUSH_SILENCE_MIN} and L{REPLY_MARGIN} times the slowest C{hello_ack} this process has seen
 (from the upgrade to C{hello_ack} the backend does the work of several frames: a session row, the
 pending-commands query, the profile, a commit). An April backend could only produce such a frame
-by answering a frame of ours later than several times its slowest measured reply, and never
-while the agent polls fast (a poll goes every C{COMMAND_POLL_INTERVAL_SEC}, 2 s, shorter than the
-window); a frame listing only commands already seen (the backend listing them again until our
-ack reaches it) proves nothing.
+by answering a frame of ours later than several times its slowest measured reply, and, at the
+default settings, never while the agent polls fast (a poll every 2 s is never silent as long as
+the window); a frame listing only commands already seen (the backend listing them again until
+our ack reaches it) proves nothing.
 
 B{Evidence against push}: a command seen for the first time in a frame that arrives within
 L{DispatchDetector.answer_bound} of a frame of ours, where that frame of ours followed a silence

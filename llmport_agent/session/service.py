@@ -236,16 +236,6 @@ class SessionService(Service):
         self._rotating = False
         self._enrolling = False
         self.dispatch = DispatchDetector(self._reactor.seconds, self._dispatch_changed)
-        remembered = state.get("dispatch")
-        if (
-            isinstance(remembered, dict)
-            and remembered.get("backend") == token_fingerprint(config.backend_url)
-            and remembered.get("mode") == PUSH
-        ):
-            self.dispatch.restore(
-                PUSH, "remembered: the backend at this URL pushed commands before (polling resumes "
-                "at the first sign that it answers frames instead)",
-            )
         self._dispatch_said = False
         #: What the failed attempt was, said with the retry delay (L{_say_retry}).
         self._retry_note: tuple[LogLevel | None, str, dict[str, Any]] | None = None
@@ -304,6 +294,7 @@ class SessionService(Service):
     def startService(self) -> None:
         super().startService()
         self._stopping = False
+        self._restore_dispatch_mode()
         self._starting = Deferred.fromCoroutine(self._start())
         self._starting.addErrback(
             lambda f: self.log.failure("The backend session could not start", failure=f)
@@ -909,6 +900,20 @@ class SessionService(Service):
             self._schedule_poll(since=self._reactor.seconds())
 
     # -- dispatch mode (protocol 10.1) ---------------------------------------------------
+
+    def _restore_dispatch_mode(self) -> None:
+        """The mode remembered in the state file for this backend URL (loaded by now)."""
+        remembered = self.state.get("dispatch")
+        if (
+            isinstance(remembered, dict)
+            and remembered.get("backend") == token_fingerprint(self.config.backend_url)
+            and remembered.get("mode") == PUSH
+            and self.stats.opens == 0
+        ):
+            self.dispatch.restore(
+                PUSH, "remembered: the backend at this URL pushed commands before (polling resumes "
+                "at the first sign that it answers frames instead)",
+            )
 
     def _say_dispatch_mode(self) -> None:
         if self.dispatch.push:
