@@ -129,6 +129,64 @@ class CommandIdTests(SynchronousTestCase):
         self.assertIs(state.apply_frame(node_id, {"type": "heartbeat"}), True)
 
 
+class FieldsReadTests(SynchronousTestCase):
+    def test_current_heartbeat_and_event_batch_are_read_leniently(self) -> None:
+        """Current: status str()-ed, a non-string version left out, advertise_host stripped; events
+        not a list or not objects left out, event_type defaulting to type then "event"."""
+        state, _clock, node_id = _state()
+        state.apply_frame(node_id, {"type": "heartbeat", "status": 5, "version": 7,
+                                    "advertise_host": " 10.1.2.3 "})
+        node = state.nodes[node_id]
+        self.assertEqual((node.status, node.version, node.host), ("5", "1.0", "10.1.2.3"))
+        state.apply_frame(node_id, {"type": "heartbeat", "status": ""})
+        self.assertEqual(node.status, "healthy")
+        state.apply_frame(node_id, {"type": "event_batch", "events": "nope"})
+        state.apply_frame(node_id, {"type": "event_batch", "events": [
+            "junk", {"type": "custom.kind", "severity": None}, {"payload": {}}]})
+        self.assertEqual(
+            [(e["event_type"], e["severity"]) for e in state.events[node_id]],
+            [("custom.kind", "info"), ("event", "info")],
+        )
+        self.assertEqual(len(state.anomalies[node_id]), 2)  # the non-list and the non-object
+
+    def test_health_running_waits_for_the_provisioning_command(self) -> None:
+        """Current: workload.health.running does not promote a starting runtime while its deploy is in flight."""
+        for generation, promoted in ((GENERATION_CURRENT, False), (GENERATION_APRIL, True)):
+            state, _clock, node_id = _state(generation)
+            cmd = state.issue_command(node_id, "deploy_workload", {"runtime_id": "rt-5"})
+            state.take_dispatch(node_id)
+            _frame(state, node_id, "command_ack", cmd["id"])
+            event = {"event_type": "workload.health.running",
+                     "payload": {"runtime_id": "rt-5", "endpoint_url": "http://h:1"}}
+            state.apply_frame(node_id, {"type": "event_batch", "events": [event]})
+            self.assertEqual(state.runtimes["rt-5"].status == "running", promoted, generation)
+            _frame(state, node_id, "command_result", cmd["id"], success=False, error_message="x")
+            state.apply_frame(node_id, {"type": "event_batch", "events": [event]})
+            self.assertEqual(state.runtimes["rt-5"].status, "running", generation)  # from error: promoted
+
+
+class RuntimeEffectTests(SynchronousTestCase):
+    def test_current_failure_text_and_kept_endpoint(self) -> None:
+        """Current: a failure without a message shows its code (2000 characters at most); a success without an endpoint keeps the old one."""
+        for generation in (GENERATION_CURRENT, GENERATION_APRIL):
+            state, _clock, node_id = _state(generation)
+            state.add_runtime("rt-7", node_id, status="running", endpoint_url="http://10.0.0.5:9")
+            start = state.issue_command(node_id, "start_workload", {"runtime_id": "rt-7"})
+            _frame(state, node_id, "command_result", start["id"], success=True, result={})
+            kept = state.runtimes["rt-7"].endpoint_url
+            self.assertEqual(kept, "http://10.0.0.5:9" if generation == GENERATION_CURRENT else None)
+            logs = state.issue_command(node_id, "fetch_container_logs", {"runtime_id": "rt-7"})
+            _frame(state, node_id, "command_result", logs["id"], success=False, error_code="runtime_error")
+            message = state.runtimes["rt-7"].error_message
+            self.assertEqual(message, "runtime_error" if generation == GENERATION_CURRENT else None)
+            again = state.issue_command(node_id, "fetch_container_logs", {"runtime_id": "rt-7"})
+            _frame(state, node_id, "command_result", again["id"], success=False, error_message="x" * 5000)
+            self.assertEqual(
+                len(state.runtimes["rt-7"].error_message or ""),
+                2000 if generation == GENERATION_CURRENT else 5000,
+            )
+
+
 class RedispatchTests(SynchronousTestCase):
     def test_overdue_rule(self) -> None:
         """Acked: overdue after timeout_sec since the ack; running: after twice it; null means 900 s."""

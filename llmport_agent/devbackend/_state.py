@@ -1049,13 +1049,22 @@ class BackendState:
 
     def _on_heartbeat(self, node: NodeRecord, frame: Mapping[str, Any]) -> None:
         status = frame.get("status", "healthy")
+        version = frame.get("version")
+        advertise = frame.get("advertise_host")
+        if self.current:
+            # The current handler: str(status or "healthy"); a version that is not a string
+            # is left out; advertise_host stripped before the IP check.
+            status = str(status or "healthy")
+            if not isinstance(version, str):
+                version = None
+            if isinstance(advertise, str):
+                advertise = advertise.strip()
         if status is None:
             status = "healthy"
         status = _db_str("heartbeat", "status", status, STATUS_MAX)
-        version = _db_str("heartbeat", "version", frame.get("version"), VERSION_MAX)
+        version = _db_str("heartbeat", "version", version, VERSION_MAX)
         assert status is not None
         capabilities = frame.get("capabilities")
-        advertise = frame.get("advertise_host")
         self._set_node_status(node, status)
         if isinstance(capabilities, dict):
             node.capabilities = copy.deepcopy(capabilities)
@@ -1310,13 +1319,21 @@ class BackendState:
         if runtime is None:
             return
         if not success:
+            if self.current:
+                # The current backend keeps the first 2000 characters, falling back to the
+                # error code.
+                error_message = str(error_message or record.error_code or "Command failed")[:2000]
             self._set_runtime(runtime, "error", error_message=error_message)
             return
         if record.command_type in _ENDPOINT_TYPES:
             endpoint = result.get("endpoint_url") if isinstance(result, dict) else None
             if endpoint is None:
                 self.note(node.id, f"successful {record.command_type} without result.endpoint_url")
-            runtime.endpoint_url = rewrite_endpoint(endpoint, node.host)
+            if not self.current:
+                runtime.endpoint_url = rewrite_endpoint(endpoint, node.host)
+            elif isinstance(endpoint, str) and endpoint.strip():
+                # The current backend keeps the endpoint it had when none is reported.
+                runtime.endpoint_url = rewrite_endpoint(endpoint.strip(), node.host)
             self._set_runtime(runtime, "running")
         elif record.command_type == "stop_workload":
             self._set_runtime(runtime, "stopped")
@@ -1330,16 +1347,33 @@ class BackendState:
         if events is None:
             return
         if not isinstance(events, list):
+            if self.current:
+                # The current handler reads only a list; anything else stores nothing.
+                self.note(node.id, "event_batch.events is not a list: nothing stored")
+                return
             raise FrameRejected("event_batch.events is not a list")
         checked = []
         for index, event in enumerate(events):
             where = f"event_batch.events[{index}]"
             if not isinstance(event, dict):
+                if self.current:
+                    self.note(node.id, f"{where} is not an object: left out")
+                    continue
                 raise FrameRejected(f"{where} is not an object")
-            event_type = _db_str(where, "event_type", event.get("event_type"), EVENT_TYPE_MAX)
+            if self.current:
+                # str(event_type or type or "event"), str(severity or "info").
+                raw_type = event.get("event_type") or event.get("type") or "event"
+                event_type = _db_str(where, "event_type", str(raw_type), EVENT_TYPE_MAX)
+                severity = _db_str(
+                    where, "severity", str(event.get("severity") or "info"), SEVERITY_MAX
+                )
+            else:
+                event_type = _db_str(where, "event_type", event.get("event_type"), EVENT_TYPE_MAX)
+                severity = _db_str(
+                    where, "severity", event.get("severity", "info"), SEVERITY_MAX
+                )
             if event_type is None:
                 raise FrameRejected(f"{where}.event_type is missing")
-            severity = _db_str(where, "severity", event.get("severity", "info"), SEVERITY_MAX)
             correlation_id = _db_str(
                 where, "correlation_id", event.get("correlation_id"), CORRELATION_ID_MAX
             )
@@ -1360,6 +1394,18 @@ class BackendState:
             if event_type.startswith("workload.health."):
                 self._on_health(node, event_type, payload)
 
+    def _runtime_command_in_flight(self, runtime: RuntimeRecord) -> bool:
+        """An in-flight deploy/start/restart/update of the runtime's node for it (or for none)."""
+        if runtime.node_id is None:
+            return False
+        for record in self._in_flight(runtime.node_id):
+            if record.command_type not in _DEPLOY_PAYLOAD_TYPES:
+                continue
+            rid = record.payload.get("runtime_id") if isinstance(record.payload, dict) else None
+            if rid is None or rid == runtime.id:
+                return True
+        return False
+
     def _on_health(self, node: NodeRecord, event_type: str, payload: Any) -> None:
         """Section 6: reconcile a runtime from a C{workload.health.*} event."""
         runtime = self._runtime_for(payload)
@@ -1368,6 +1414,14 @@ class BackendState:
         assert isinstance(payload, dict)
         kind = event_type[len("workload.health.") :]
         if kind == "running":
+            if (
+                self.current
+                and runtime.status in ("starting", "creating")
+                and self._runtime_command_in_flight(runtime)
+            ):
+                # The current backend leaves a runtime being provisioned to its command's
+                # result (a container can run before it is ready).
+                return
             if runtime.status in ("error", "starting", "creating"):
                 runtime.endpoint_url = rewrite_endpoint(payload.get("endpoint_url"), node.host)
                 self._set_runtime(runtime, "running")
