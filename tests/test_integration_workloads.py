@@ -43,7 +43,13 @@ class _WorkloadBase(AgentTestCase):
         return backend, agent, node_id
 
     async def done(self, backend: Any, cid: str, timeout: float = 60) -> dict[str, Any]:
-        await backend.wait_for(lambda: backend.command(cid)["status"] in TERMINAL, timeout)
+        """The command once the agent answered it (the current backend's own node_stream_lost
+        failure, when the agent's stream dropped, is not the answer)."""
+        await backend.wait_for(
+            lambda: backend.command(cid)["status"] in TERMINAL
+            and any(e["event_type"] == "result" for e in backend.timeline(cid)),
+            timeout,
+        )
         return backend.command(cid)
 
     async def _remove(self, backend: Any, node_id: str, payload: dict[str, Any]) -> None:
