@@ -441,6 +441,8 @@ class BackendState:
         self.frames: dict[str, list[dict[str, Any]]] = {}
         self.anomalies: dict[str, list[str]] = {}
         self.sessions: dict[str, dict[str, Any]] = {}
+        # Per node, the ids of its sessions whose row is still open (closed_at None).
+        self._open_sessions: dict[str, set[str]] = {}
         #: Per node, per model id: the model's availability on the node, as the current
         #: backend keeps it from C{sync_model} progress and results (protocol 10.4); the
         #: April generation keeps none.
@@ -886,10 +888,12 @@ class BackendState:
     def _close_stale_sessions(self) -> None:
         cutoff = self.now() - SESSION_STALE_SEC * self.reaper_scale
         affected = set()
-        for session in self.sessions.values():
-            if session["closed_at"] is None and session["last_heartbeat"] < cutoff:
-                session["closed_at"] = self.now_iso()
-                affected.add(session["node_id"])
+        for node_id, open_ids in list(self._open_sessions.items()):
+            for session_id in list(open_ids):
+                session = self.sessions[session_id]
+                if session["last_heartbeat"] < cutoff:
+                    self._close_session_row(session)
+                    affected.add(node_id)
         for node_id in sorted(affected):
             if not self._has_open_session(node_id):
                 node = self.nodes.get(node_id)
@@ -962,6 +966,7 @@ class BackendState:
             # whose seq passes the check (not by frames without seq).
             "last_heartbeat": self.now(),
         }
+        self._open_sessions.setdefault(node_id, set()).add(session_id)
         return session_id
 
     def session_offset_accepted(self, session_id: str | None) -> None:
@@ -971,9 +976,15 @@ class BackendState:
             session["last_heartbeat"] = self.now()
 
     def _has_open_session(self, node_id: str) -> bool:
-        return any(
-            s["node_id"] == node_id and s["closed_at"] is None for s in self.sessions.values()
-        )
+        return bool(self._open_sessions.get(node_id))
+
+    def _close_session_row(self, session: dict[str, Any]) -> None:
+        session["closed_at"] = self.now_iso()
+        open_ids = self._open_sessions.get(session["node_id"])
+        if open_ids is not None:
+            open_ids.discard(session["id"])
+            if not open_ids:
+                del self._open_sessions[session["node_id"]]
 
     def session_closed(self, session_id: str, last: bool) -> None:
         """
@@ -985,7 +996,7 @@ class BackendState:
         session = self.sessions.get(session_id)
         if session is None:
             return
-        session["closed_at"] = self.now_iso()
+        self._close_session_row(session)
         if self.current:
             last = not self._has_open_session(session["node_id"])
         if not last:
