@@ -536,3 +536,46 @@ class EarlyPortConflictTests(WorkloadTestBase):
         self.assertNotIn("remove_stale", [f["phase"] for f in ctx.frames])
         _, logs = await self.rig.run("fetch_container_logs", ids_of(first))
         self.assertTrue(logs["found"])
+
+
+class RestartedExitLogsTests(WorkloadTestBase):
+    """The log lines of a container's real last exit, after its restart policy restarted it."""
+
+    async def test_lines_before_the_exit_after_a_chatty_restart(self) -> None:
+        """
+        The first run writes 300 lines and exits 7; the restarted run writes 300 more and stays
+        up. The exit's lines are the first run's last ones (the engine's own tail-then-until
+        would give none), at most 200.
+        """
+        from llmport_agent.workloads import exits
+
+        script = (
+            "if [ -f /tmp/ran ]; then i=0; while [ $i -lt 300 ]; do echo second $i; i=$((i+1)); done; "
+            "exec sleep 600; fi; touch /tmp/ran; i=0; while [ $i -lt 300 ]; do echo first $i; "
+            "i=$((i+1)); done; exit 7"
+        )
+
+        def run() -> Any:
+            return self.env.client().containers.run(
+                BUSYBOX, ["sh", "-c", script], detach=True, network_mode="none",
+                restart_policy={"Name": "unless-stopped"},
+            )
+
+        container = await deferToThread(run)
+
+        def second_run_done() -> bool:
+            container.reload()
+            return (container.attrs["RestartCount"] >= 1 and container.status == "running"
+                    and b"second 299" in container.logs())
+
+        for _ in range(200):
+            if await deferToThread(second_run_done):
+                break
+            await deferLater(reactor, 0.05, lambda: None)
+        else:
+            self.fail("the container did not restart and write its second run")
+        info = await self.rig.engine.call(exits.exit_info, container.id, 200)
+        assert info is not None
+        self.assertEqual(info["exit_code"], 7)
+        lines = info["logs"].splitlines()
+        self.assertEqual(lines, [f"first {i}" for i in range(100, 300)])

@@ -113,8 +113,14 @@ def exit_info(client: docker.DockerClient, ident: str, tail: int = 20) -> dict[s
     try:
         kwargs: dict[str, Any] = {"stdout": True, "stderr": True, "timestamps": False, "tail": tail}
         if until is not None:
+            # The engine takes the last `tail` lines first and drops those after `until` next:
+            # a restarted container that already wrote that many lines would give none. Read
+            # up to the exit instead (bounded by read_logs) and keep the last lines here.
+            del kwargs["tail"]
             kwargs["until"] = until
         text = read_logs(client, snap["id"], 16 * 1024, **kwargs)
+        if until is not None:
+            text = b"\n".join(text.splitlines()[-tail:]) if tail > 0 else b""
     except NotFound:
         pass
     except (APIError, docker.errors.InvalidVersion):
