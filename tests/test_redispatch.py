@@ -181,3 +181,20 @@ class RedispatchTests(SynchronousTestCase):
         self.assertEqual(kinds[:3], ["command_ack", "command_progress", "command_result"])
         self.assertEqual(set(kinds[3:]), {"command_result"})
         self.assertEqual(len(h.calls), 1)
+
+    def test_same_id_many_times_answered_once(self) -> None:
+        """A hello_ack listing one running command 10 000 times: one ack, one progress, one log line."""
+        from twisted.logger import globalLogPublisher
+
+        logged: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(logged.append)
+        self.addCleanup(globalLogPublisher.removeObserver, logged.append)
+        h = Harness(self)
+        c = command("gated", {"runtime_id": "r"})
+        h.deliver(c)
+        before = len(h.frames_for(c["id"]))
+        self.reconnect(h, *([again(c)] * 10_000))
+        frames = h.frames_for(c["id"])[before:]
+        self.assertEqual([f["type"] for f in frames], ["command_progress", "command_ack", "command_progress"])
+        self.assertEqual(len([e for e in logged if "re-dispatched" in str(e.get("log_format", ""))]), 1)
+        self.assertEqual(len(h.calls), 1)

@@ -488,9 +488,11 @@ class CommandPipeline(Service):
                 # node_stream_lost).
                 self._send_result(known)
             return
+        first_here = known.id not in self._acked_here
         if redispatched or not known.acked:
             self._send_ack(known)
-        if redispatched:
+        if redispatched and first_here:
+            # Once per connection: a frame listing the same id many times is answered once.
             ka = self._keepalives.get(known.id)
             if ka is not None:
                 ka.send_now()
