@@ -1,5 +1,6 @@
 """
-Command path figures, agent and stand-in backend on loopback (one process, real sockets).
+Command path figures, agent and stand-in backend on loopback (one process, real sockets), the
+backend of the April 2026 generation (commands in reply to a frame: the polling path).
 
  1. pickup latency: the backend issues a command, the agent acks it (200 commands, spaced out),
     at default settings (poll every 2 s);
@@ -50,7 +51,9 @@ def hash_file(path: str) -> str:
 
 async def run(reactor: Any, args: argparse.Namespace) -> None:
     tmp = tempfile.mkdtemp(prefix="bench-cmd-")
-    backend = DevBackend(reactor)
+    # The April 2026 generation: these figures are the polling path (bench_generations
+    # measures pushed pickup against the current one).
+    backend = DevBackend(reactor, generation="2026-04")
     await backend.listen(0, "127.0.0.1")
 
     def make_agent(name: str, **env: str) -> AgentService:

@@ -1,6 +1,7 @@
 """
 Fleet simulation: several hundred real agents (AgentService instances, many per process, over
-real loopback sockets) against the stand-in backend in its own process.
+real loopback sockets) against the stand-in backend in its own process, of the April 2026
+generation (commands in reply to a frame: the polling path this bench measures).
 
 Prints:
 - idle cost per node, from the stand-in's cost counters (protocol 3.2 figures: 4.4 ms of backend
@@ -54,7 +55,9 @@ def run_backend(port: int) -> None:
     from llmport_agent.devbackend import DevBackend
 
     r: Any = reactor
-    backend = DevBackend(r, keep_frames=False)
+    # The April 2026 generation: this bench measures the polling path (bench_generations
+    # compares it with the current, pushing one).
+    backend = DevBackend(r, keep_frames=False, generation="2026-04")
     opens: dict[str, list[float]] = {}
     first_heartbeat: dict[str, float] = {}
     acked: dict[str, Deferred[float]] = {}
