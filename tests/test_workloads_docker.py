@@ -82,7 +82,8 @@ class DeployTests(WorkloadTestBase):
 
     async def test_never_ready(self) -> None:
         """A workload that never answers fails with readiness_timeout and is left running."""
-        self.rig.manager.settings = self.rig.settings = _with(self.rig.settings, readiness_timeout_sec=1.5)
+        # 4 s: time for the 300 lines below to be written on a loaded machine.
+        self.rig.manager.settings = self.rig.settings = _with(self.rig.settings, readiness_timeout_sec=4)
         # 300 numbered lines, the last one the "cause": the message ends with the newest
         # lines (protocol 10.4), at most 200 of them, in at most 2000 characters.
         payload = httpd_payload(
@@ -91,7 +92,7 @@ class DeployTests(WorkloadTestBase):
         )
         ctx, exc = await self.failure("deploy_workload", payload)
         self.assertEqual(exc.error_code, "readiness_timeout")
-        self.assertIn("did not become ready within 1.5 s", exc.error_message)
+        self.assertIn("did not become ready within 4 s", exc.error_message)
         self.assertIn("left running", exc.error_message)
         self.assertTrue(exc.error_message.endswith("loading shard 299 of 300\nCUDA out of memory"))
         self.assertLessEqual(len(exc.error_message), 2000)
