@@ -353,7 +353,7 @@ class ResumableTransferTests(TransferTests):
     async def test_stalled_download(self) -> None:
         """A silent backend: dropped and resumed; a backend silent every time ends transfer_stalled."""
         self.rig.manager.images.resume_attempts = 1
-        self.rig.manager.images.stall_sec = 1.0
+        self.rig.manager.images.stall_sec = 2.0
         self.resource.stall_after = 256 * 1024
         with self.assertRaises(CommandFailed) as cm:
             await self.rig.manager.images.transfer(parse_image_ref(self.ref), Recorder())
