@@ -34,7 +34,7 @@ from llmport_agent.commands.base import HandlerSpec
 from llmport_agent.commands.journal import CommandJournal
 from llmport_agent.commands.node import PersistentModes, node_handler_specs
 from llmport_agent.commands.pipeline import CommandPipeline
-from llmport_agent.config import AgentConfig, mask_url
+from llmport_agent.config import SETTINGS, AgentConfig, mask_url
 from llmport_agent.events.outbox import EventOutbox
 from llmport_agent.instance import AlreadyRunning, InstanceLock
 from llmport_agent.reporting import HeartbeatReporter, InventoryReporter
@@ -71,13 +71,21 @@ def tighten_env_file(path: str) -> tuple[str, str, int] | None:
         mode = stat.S_IMODE(st.st_mode)
         if not stat.S_ISREG(st.st_mode) or not mode & (stat.S_IRWXG | stat.S_IRWXO):
             return None
-        if st.st_uid != os.geteuid() and os.geteuid() != 0:
-            return ("it belongs to another user", path, mode)
-        try:
-            os.fchmod(fd, 0o600)
-        except OSError as e:
-            return (e.strerror or "chmod failed", path, mode)
-        return ("tightened", path, mode)
+        why = "it belongs to another user" if st.st_uid != os.geteuid() and os.geteuid() != 0 else ""
+        if not why:
+            try:
+                os.fchmod(fd, 0o600)
+                return ("tightened", path, mode)
+            except OSError as e:
+                why = e.strerror or "chmod failed"
+        # Not ours to change: worth a warning only when it holds a secret.
+        text = os.read(fd, 1 << 20).decode("utf-8", "replace")
+        secret = {s.env for s in SETTINGS if s.secret}
+        for line in text.splitlines():
+            key, sep, value = line.strip().partition("=")
+            if sep and key.strip().removeprefix("export ").strip() in secret and value.strip().strip("\"'"):
+                return (why, path, mode)
+        return None
     finally:
         os.close(fd)
 

@@ -34,7 +34,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from llmport_agent.workloads.ports import port_is_free
-from llmport_agent.workloads.spec import LABEL_MANAGED
+from llmport_agent.workloads.spec import LABEL_MANAGED, MANAGED_VALUE
 from tests.agentharness import AgentTestCase
 from tests.support.docker_env import BUSYBOX, free_port, require_docker
 from tests.test_operator_texts import Captured
@@ -42,6 +42,9 @@ from tests.test_operator_texts import Captured
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENVS = os.path.join(os.environ.get("TMPDIR") or tempfile.gettempdir(), "llmport-original-agents")
 OTHER_IMAGE = "llmport-test/other:1"
+#: The workloads' image: on the node only; a pull (update_workload pulls) goes to a registry
+#: that is never there (loopback), and the agent falls back to the local image.
+IMAGE = "127.0.0.1:1/llmport/adopt:1"
 SCRIPT = "echo adopted-hello; mkdir -p /www && echo ok > /www/health && exec httpd -f -p 8000 -h /www"
 
 
@@ -77,6 +80,7 @@ class AdoptionTests(AgentTestCase):
         self.env = require_docker()
         self.client = self.env.client()
         self.client.images.get(BUSYBOX).tag(OTHER_IMAGE)
+        self.client.images.get(BUSYBOX).tag(IMAGE)
 
     def published(self, port: int) -> None:
         """A loopback server on the workload's host port, standing in for the engine's publish."""
@@ -113,7 +117,7 @@ class AdoptionTests(AgentTestCase):
     async def deploy_with_original(self, b: Any, node_id: str, name: str) -> tuple[str, int]:
         port = free_port()
         self.published(port)
-        provider = {"type": "llamacpp", "image": BUSYBOX, "command": ["sh", "-c", SCRIPT],
+        provider = {"type": "llamacpp", "image": IMAGE, "command": ["sh", "-c", SCRIPT],
                     "container_port": "8000", "host_port": port}
         command = b.create_runtime(node_id, provider, name=name)
         result = await self.done(b, command, 90)
@@ -153,11 +157,12 @@ class AdoptionTests(AgentTestCase):
         # a same-named one from another image (the mapping no longer describes it).
         rid, port = await self.deploy_with_original(b, node_id, "adopt me")
         rid2, _port2 = await self.deploy_with_original(b, node_id, "not mine")
+        rid3, _port3 = await self.deploy_with_original(b, node_id, "remove me")
         await self.stop_original(b, proc)
         with open(state_path) as f:
             original_state = json.load(f)
         mapping = original_state["workloads"]
-        name, name2 = mapping[rid]["container_name"], mapping[rid2]["container_name"]
+        name, name2, name3 = (mapping[r]["container_name"] for r in (rid, rid2, rid3))
         self.assertEqual(name, "llm-port-adopt-me")
         first = self.container(name)
         self.assertNotIn(LABEL_MANAGED, first.labels)
@@ -165,7 +170,9 @@ class AdoptionTests(AgentTestCase):
         stale.remove(force=True)
         impostor = self.client.containers.run(OTHER_IMAGE, ["sh", "-c", "exec sleep 600"], name=name2, detach=True)
         self.addCleanup(lambda: self.container(name2) and self.container(name2).remove(force=True))
-        self.addCleanup(lambda: self.container(name) and self.container(name).remove(force=True))
+        for n in (name, name3):
+            self.addCleanup(lambda n=n: self.container(n) and self.container(n).remove(force=True))
+        third = self.container(name3)
 
         # This agent on the same state: same node, no new enrollment.
         agent = self.start_agent(b, state_dir=d, token=False, docker_host=self.env.host, AGENT_ID=agent_id,
@@ -173,7 +180,7 @@ class AdoptionTests(AgentTestCase):
         agent.workloads._port_free = lambda p: p == port or port_is_free(p)
         self.assertEqual(await self.wait_connected(b, agent), node_id)
         await agent.adoption.ready()
-        self.assertEqual(agent.adoption.snapshot(), {first.id: rid})
+        self.assertEqual(agent.adoption.snapshot(), {first.id: rid, third.id: rid3})
         lines = captured.lines()
         self.assertTrue(any(f"Adopted runtime {rid}" in t and name in t for t in lines), lines[-20:])
         refusal = [t for t in lines if f"Not adopting runtime {rid2}" in t]
@@ -202,25 +209,43 @@ class AdoptionTests(AgentTestCase):
         other_logs = await self.done(b, b.runtime_action(rid2, "logs"))
         self.assertFalse((other_logs.get("result") or {}).get("found"), other_logs)
 
-        removed = await self.done(b, b.runtime_action(rid, "remove"))
+        # Removed: the adopted container goes, and the runtime from both agents' keys.
+        removed = await self.done(b, b.runtime_action(rid3, "remove"))
         self.assertEqual(removed["status"], "succeeded", removed)
         self.assertEqual(removed["result"]["removed"], 1, removed)
-        self.assertIsNone(self.container(name))
+        self.assertIsNone(self.container(name3))
+        # Replaced by a labelled container at its next update; the mapping names the new one.
+        updated = await self.done(b, b.runtime_action(rid, "update"), 90)
+        self.assertEqual(updated["status"], "succeeded", updated)
+        new = self.container(name)
+        self.assertNotEqual(new.id, first.id)
+        self.assertEqual(new.labels.get(LABEL_MANAGED), MANAGED_VALUE)
+        self.assertIsNone(self.container(first.id[:12]))
+        self.assertEqual(agent.adoption.snapshot(), {})
         await agent.state.flush()
         with open(state_path) as f:
             state = json.load(f)
-        self.assertNotIn(rid, state.get("workloads", {}))
-        self.assertNotIn(rid, state.get("adopted") or {})
+        self.assertEqual(state["workloads"][rid]["container_id"], new.id)
+        self.assertEqual(state["workloads"][rid]["container_name"], name)
+        self.assertNotIn(rid3, state["workloads"])
+        self.assertIsNone(state.get("adopted"))
         self.assertIn(rid2, state["workloads"])  # not ours to forget
+        for key in ("node_id", "credential", "workloads"):
+            self.assertEqual(type(state[key]), type(original_state[key]), key)
         await self.stop_agent(agent)
 
-        # Going back: the original starts again on this state as the same node.
+        # Going back: the original starts again on this state as the same node, and manages the
+        # runtime this agent replaced (it finds it by the name in `workloads`).
         env.pop("LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN")
         nodes_before = len(b.nodes())
         again = self.original(exe, env, log)
         await b.wait_for(lambda: b.connection_count(node_id) == 1 or again.poll() is not None, 60)
         self.assertIsNone(again.poll(), open(log).read()[-3000:])
         self.assertEqual(len(b.nodes()), nodes_before)
+        back = await self.done(b, b.runtime_action(rid, "stop"))
+        self.assertEqual(back["status"], "succeeded", back)
+        new.reload()
+        self.assertEqual(new.status, "exited")
         await self.stop_original(b, again)
         await deferLater(reactor, 0, lambda: None)
 

@@ -463,6 +463,40 @@ class TokenFileWarningTests(SynchronousTestCase):
         self.assertEqual(seen, [])
         self.assertEqual(os.stat(path).st_mode & 0o777, 0o600)
 
+    def test_of_another_owner_warned_only_with_a_secret(self) -> None:
+        """Run as another user (nobody): the file is not changed; a warning only if it holds a secret."""
+        if os.geteuid() != 0:
+            raise SkipTest("needs root to run the check as another user")
+        import tempfile
+
+        d = tempfile.mkdtemp(prefix="envcheck", dir="/tmp")  # a place nobody can reach
+        self.addCleanup(shutil.rmtree, d, True)
+        os.chmod(d, 0o755)
+        results = []
+        for content in (f"LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN={TOKEN}\n", "LLM_PORT_NODE_AGENT_HOST=h\n"):
+            path = os.path.join(d, "llmport-agent.env")
+            with open(path, "w") as f:
+                f.write(content)
+            os.chmod(path, 0o644)
+            from llmport_agent.service import tighten_env_file
+
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: as nobody, the check, its answer on the pipe
+                try:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    os.write(write, json.dumps(tighten_env_file(path)).encode())
+                finally:
+                    os._exit(0)
+            os.close(write)
+            os.waitpid(pid, 0)
+            with os.fdopen(read) as f:
+                results.append(json.loads(f.read()))
+            self.assertEqual(os.stat(path).st_mode & 0o777, 0o644)
+        self.assertEqual(results[0], ["it belongs to another user", os.path.join(d, "llmport-agent.env"), 0o644])
+        self.assertIsNone(results[1])
+
     def test_a_link_is_not_followed(self) -> None:
         from llmport_agent.service import tighten_env_file
 
