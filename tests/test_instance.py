@@ -72,7 +72,7 @@ class LockTests(SynchronousTestCase):
 
 
 class TwoAgentsTests(_ProcessBase):
-    timeout = 90
+    timeout = 240
 
     async def test_second_agent_exits_1_naming_the_first(self) -> None:
         from tests.agentharness import agent_env
@@ -83,9 +83,9 @@ class TwoAgentsTests(_ProcessBase):
         env = agent_env(b, d, ENROLLMENT_TOKEN=b.mint_token()["token"])
         agent_id = env["LLM_PORT_NODE_AGENT_AGENT_ID"]
         first = self.start([sys.executable, "-m", "llmport_agent.cli", "run"], env)
-        await b.wait_for(lambda: (b.node_by_agent_id(agent_id) or {}).get("status") == "healthy", 30)
+        await b.wait_for(lambda: (b.node_by_agent_id(agent_id) or {}).get("status") == "healthy", 60)
         node_id = b.node_by_agent_id(agent_id)["id"]
-        await b.wait_for(lambda: b.connection_count(node_id) == 1, 30)
+        await b.wait_for(lambda: b.connection_count(node_id) == 1, 60)
         state_before = open(env["LLM_PORT_NODE_AGENT_STATE_PATH"], "rb").read()
 
         first_log = self.log_path
@@ -109,9 +109,9 @@ class TwoAgentsTests(_ProcessBase):
             with open(lock) as f:
                 return f.read().strip()
 
-        await b.wait_for(lambda: holder() == str(third.pid) or third.poll() is not None, 30)
+        await b.wait_for(lambda: holder() == str(third.pid) or third.poll() is not None, 60)
         self.assertIsNone(third.poll(), self.output()[-2000:])
-        await b.wait_for(lambda: b.connection_count(node_id) == 1, 30)
+        await b.wait_for(lambda: b.connection_count(node_id) == 1, 60)
         third.send_signal(signal.SIGTERM)
-        await b.wait_for(lambda: third.poll() is not None, 30)
+        await b.wait_for(lambda: third.poll() is not None, 60)
         self.assertEqual(third.returncode, 0, self.output()[-2000:])
