@@ -155,18 +155,33 @@ class DiscoveryTests(SynchronousTestCase):
         self.assertNotIn(PASSWORD, text)
 
     def test_one_question_at_a_time_and_clean_stop(self) -> None:
-        """A slow answer is not asked over; a stop leaves no timer behind."""
-        slow: Deferred[object] = Deferred()
+        """A slow answer is not asked over; a stop cancels the question and leaves no timer behind."""
+        cancelled: list[bool] = []
+        slow: Deferred[object] = Deferred(lambda _: cancelled.append(True))
         disc, script, found = self.make(slow)
         disc.session_opened()
         self.clock.advance(0)
-        disc.session_closed()
+        self.clock.advance(REASK_SEC)
+        self.assertEqual(script.calls, 1)
+        events = capture_events(self)
+        disc.stopService()
+        self.assertEqual(cancelled, [True])  # the request was cancelled (its connection attempt ends)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.assertEqual([e for e in events if "log sink" in formatEvent(e)], [])
+
+    def test_disconnect_cancels_the_question(self) -> None:
+        """A disconnect cancels a question in flight quietly; the next connect asks again."""
+        cancelled: list[bool] = []
+        slow: Deferred[object] = Deferred(lambda _: cancelled.append(True))
+        disc, script, found = self.make(slow, "http://h:1")
         disc.session_opened()
         self.clock.advance(0)
-        self.assertEqual(script.calls, 1)
-        slow.callback(None)
-        disc.stopService()
+        disc.session_closed()
+        self.assertEqual(cancelled, [True])
         self.assertEqual(self.clock.getDelayedCalls(), [])
+        disc.session_opened()
+        self.clock.advance(0)
+        self.assertEqual((script.calls, found), (2, ["http://h:1"]))
 
 
 class SlotTests(SynchronousTestCase):

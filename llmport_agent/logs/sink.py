@@ -120,7 +120,7 @@ class LogSinkDiscovery(Service):
 
     def session_closed(self) -> None:
         self._connected = False
-        self._cancel()
+        self._cancel(inflight=True)
 
     def frame_received(self, frame: dict[str, Any]) -> None:
         pass
@@ -129,14 +129,17 @@ class LogSinkDiscovery(Service):
 
     def stopService(self) -> None:
         super().stopService()
-        self._cancel()
+        self._cancel(inflight=True)
 
     # -- asking
 
-    def _cancel(self) -> None:
+    def _cancel(self, inflight: bool = False) -> None:
         if self._call is not None and self._call.active():
             self._call.cancel()
         self._call = None
+        if inflight and self._inflight is not None:
+            # Its connection attempt ends now, not after the request timeout.
+            self._inflight.cancel()
 
     def _schedule(self, delay: float) -> None:
         if self.url is not None or not self.running or not self._connected:
@@ -196,6 +199,8 @@ class LogSinkDiscovery(Service):
     def _failed(self, f: Failure) -> None:
         from llmport_agent.backend_http import Rejected
 
+        if not self._connected or not self.running:
+            return  # cancelled by a disconnect or a stop: the next connect asks again
         if f.check(Rejected):
             self.last = f"refused ({f.getErrorMessage()})"
             self._say("rejected", "warn",
