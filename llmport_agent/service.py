@@ -265,6 +265,10 @@ class AgentService(MultiService):
         from llmport_agent.models.handler import sync_model_handler_spec
 
         registry["sync_model"] = sync_model_handler_spec(self.models)
+        from llmport_agent.ray.fabric import fabric_handler_specs
+
+        # Fabric probes need no Docker: every node can certify its links.
+        registry.update(fabric_handler_specs())
         if self.workloads is not None:
             registry.update(self._workload_specs())
         if self.ray is not None:
