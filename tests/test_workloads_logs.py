@@ -41,7 +41,13 @@ class LogsNeverFailTests(TestCase):
         self.assertIn("nowhere", result["logs"])
 
     async def test_bad_tail_is_text(self) -> None:
-        """A bad tail is replaced by the default and said so, not refused."""
+        """A tail that is not an integer is replaced by the default (clamped to 200) and said so, not refused."""
+        result = await self.logs({"runtime_id": str(uuid.uuid4()), "runtime_name": "r", "tail": "lots"})
+        self.assertIn("showing the last 200 lines", result["logs"])
+        self.assertIn("No logs", result["logs"])
+
+    async def test_out_of_range_tail_is_clamped_not_refused(self) -> None:
+        """A negative tail is an integer: clamped to 10 (protocol 10.4), no note, not refused."""
         result = await self.logs({"runtime_id": str(uuid.uuid4()), "runtime_name": "r", "tail": -5})
-        self.assertIn("showing the last 300 lines", result["logs"])
+        self.assertNotIn("llmport-agent:", result["logs"])
         self.assertIn("No logs", result["logs"])
