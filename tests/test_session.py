@@ -203,7 +203,7 @@ class FakeProto:
 class SessionServiceTests(SynchronousTestCase):
     def make(
         self, token: str | None = None, credential: str | None = None, state_dir: str | None = None,
-        **env: str,
+        load_late: bool = False, **env: str,
     ) -> SessionService:
         self.reactor = MemoryReactorClock()
         self.wall = [1_000_000.0]
@@ -220,7 +220,8 @@ class SessionServiceTests(SynchronousTestCase):
         d = state_dir or self.mktemp()
         os.makedirs(d, exist_ok=True)
         self.state = StateStore(SynchronousRunner(), os.path.join(d, "state.json"))
-        self.successResultOf(self.state.load())
+        if not load_late:
+            self.successResultOf(self.state.load())
         if credential:
             self.successResultOf(self.state.update(credential=credential, node_id="n1"))
         svc = SessionService(
@@ -230,6 +231,9 @@ class SessionServiceTests(SynchronousTestCase):
             endpoint_factory=lambda host, port, tls: TCP4ClientEndpoint(self.reactor, host, port),
             rng=lambda: 1.0, wallclock=lambda: self.wall[0] + self.reactor.seconds(),
         )
+        if load_late:
+            # As the agent does: the session is built, then the state file is loaded.
+            self.successResultOf(self.state.load())
         self.addCleanup(svc.stopService)
         return svc
 
@@ -366,6 +370,25 @@ class SessionServiceTests(SynchronousTestCase):
         self.wall[0] = wall + 5  # its reactor clock starts at 0 again: the wall clock goes on
         self.assertEqual(self.state.credential, CRED)
         svc2.startService()
+        self.refuse(svc2, 1, 0)
+        self.assertTrue(svc2._revoked)
+
+    def test_refusal_count_read_when_the_session_starts(self) -> None:
+        """
+        The persisted count is read at startService, not when the session is built (the agent
+        loads its state file in between): 4 refusals, a restart, one more: revoked.
+        """
+        d = self.mktemp()
+        svc = self.make(credential=CRED, state_dir=d)
+        svc.startService()
+        self.refuse(svc, 4, 60)
+        svc.stopService()
+        wall = self.wall[0] + self.reactor.seconds()
+        svc2 = self.make(credential=None, state_dir=d, load_late=True)
+        self.wall[0] = wall + 5
+        self.assertEqual(self.state.credential, CRED)
+        svc2.startService()
+        self.assertEqual(svc2._refusals, 4)
         self.refuse(svc2, 1, 0)
         self.assertTrue(svc2._revoked)
 

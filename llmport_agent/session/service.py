@@ -207,14 +207,10 @@ class SessionService(Service):
         #: Reactor time of the last connect or command activity (None: never).
         self._last_activity: float | None = None
         # Refusals of the stream upgrade (401/403) since the last open, persisted so that a
-        # restart does not start counting again (wall-clock time of the first one).
-        refusals = state.get("refusals")
+        # restart does not start counting again (wall-clock time of the first one); read from
+        # the state file in startService (L{_restore_refusals}), when it is loaded.
         self._refusals = 0
         self._first_refusal_at: float | None = None
-        if isinstance(refusals, dict):
-            count, first = refusals.get("count"), refusals.get("first_at")
-            if isinstance(count, int) and count > 0 and isinstance(first, (int, float)):
-                self._refusals, self._first_refusal_at = count, float(first)
         self._revoked = False
         self._sleeping: Deferred[None] | None = None
         self._critical: set[Deferred[Any]] = set()
@@ -294,6 +290,7 @@ class SessionService(Service):
     def startService(self) -> None:
         super().startService()
         self._stopping = False
+        self._restore_refusals()
         self._restore_dispatch_mode()
         self._starting = Deferred.fromCoroutine(self._start())
         self._starting.addErrback(
@@ -900,6 +897,22 @@ class SessionService(Service):
             self._schedule_poll(since=self._reactor.seconds())
 
     # -- dispatch mode (protocol 10.1) ---------------------------------------------------
+
+    def _restore_refusals(self) -> None:
+        """The refusals persisted by the last run (the state file is loaded by now)."""
+        if self.stats.opens or self._refusals:
+            return  # this run already counted (or opened): its own count stands
+        refusals = self.state.get("refusals")
+        if isinstance(refusals, dict):
+            count, first = refusals.get("count"), refusals.get("first_at")
+            if (
+                isinstance(count, int)
+                and not isinstance(count, bool)
+                and count > 0
+                and isinstance(first, (int, float))
+                and not isinstance(first, bool)
+            ):
+                self._refusals, self._first_refusal_at = count, float(first)
 
     def _restore_dispatch_mode(self) -> None:
         """The mode remembered in the state file for this backend URL (loaded by now)."""
