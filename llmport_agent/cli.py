@@ -174,24 +174,10 @@ def _show_config(config: AgentConfig, as_json: bool) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"run", "demo", "devbackend", "config", "start", "stop", "status", "join"}
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
-        argv = ["run", *argv]
-    if argv and argv[0] == "devbackend":
-        from llmport_agent.devbackend.cli import main as devbackend_main
-
-        return devbackend_main(argv[1:])
-    if argv and argv[0] == "doctor":
-        from llmport_agent.doctor import main as doctor_main
-
-        return doctor_main(argv[1:])
-    if argv and argv[0] == "demo":
-        from llmport_agent.demo import main as demo_main
-
-        return demo_main(argv[1:])
-
+def build_parser() -> argparse.ArgumentParser:
+    """The main command line (run, config, start, join, stop, status); doctor, demo and devbackend
+    have their own parsers (L{llmport_agent.doctor.run.build_parser}, L{llmport_agent.demo.build_parser},
+    L{llmport_agent.devbackend.cli.build_parser}). The CLI reference in docs/ is generated from them."""
     parser = argparse.ArgumentParser(prog="llmport-agent", description="llm-port node agent")
     parser.add_argument("--version", action="version", version=f"llmport-agent {VERSION}")
     sub = parser.add_subparsers(dest="command")
@@ -222,6 +208,28 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("doctor", help="check this node and say what to fix (read-only; --json)")
     sub.add_parser("demo", help="run the end-to-end demo against the stand-in backend")
     sub.add_parser("devbackend", help="run the local stand-in backend")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"run", "demo", "devbackend", "config", "start", "stop", "status", "join"}
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        argv = ["run", *argv]
+    if argv and argv[0] == "devbackend":
+        from llmport_agent.devbackend.cli import main as devbackend_main
+
+        return devbackend_main(argv[1:])
+    if argv and argv[0] == "doctor":
+        from llmport_agent.doctor import main as doctor_main
+
+        return doctor_main(argv[1:])
+    if argv and argv[0] == "demo":
+        from llmport_agent.demo import main as demo_main
+
+        return demo_main(argv[1:])
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command not in commands:
         parser.print_help()

@@ -257,7 +257,13 @@ def _agent_id(var: str, raw: str) -> str:
 
 
 def _hostname(_: dict[str, Any]) -> str:
+    """this host's name"""
     return socket.gethostname()
+
+
+def _same_as_host(values: dict[str, Any]) -> str:
+    """= HOST"""
+    return str(values["host"])
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -267,7 +273,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Stable node identity (<= 128 characters)."),
     Setting("HOST", "host", _hostname, _str,
             "This node's host name or address, sent at enrollment."),
-    Setting("ADVERTISE_HOST", "advertise_host", lambda v: v["host"], _str,
+    Setting("ADVERTISE_HOST", "advertise_host", _same_as_host, _str,
             "Host put in heartbeats and workload endpoint URLs."),
     Setting("ADVERTISE_SCHEME", "advertise_scheme", "http", _scheme,
             "Scheme of workload endpoint URLs (http or https)."),

@@ -238,7 +238,7 @@ async def _demo(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmport-agent demo", description=DESCRIPTION)
     parser.add_argument("--verbose", action="store_true", help="show the agent's log at info level")
     parser.add_argument("--docker", action="store_true",
@@ -248,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
                              "the Ray runtime image; see --ray-image)")
     parser.add_argument("--ray-image", default="llmport-test/ray-runtime:2.58.0",
                         help="the local Ray runtime image for --ray (built by tests/support/rayimage/build.sh)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(sys.argv[2:] if argv is None else argv)
     status = {"code": 1}
 

@@ -24,6 +24,9 @@ from attrs import define, field
 
 from llmport_agent.config import PREFIX, SETTINGS, AgentConfig, ConfigError, load_config, mask
 
+#: Settings written into the unit itself (ReadWritePaths=, ExecStartPre=): a change needs
+#: `llmport-agent start` again, not only a restart. The configuration reference says so.
+UNIT_PATH_SETTINGS = ("MODEL_STORE", "STATE_PATH")
 UNIT_NAME = "llmport-agent.service"
 EX_FAIL = 1
 EX_CONFIG = 2
@@ -662,7 +665,7 @@ class Installer:
                 shown = mask(new) if _is_secret(key) else new
                 s.say(f"{key}={shown} written to {s.env_path}")
         changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
-        paths = {PREFIX + "MODEL_STORE", PREFIX + "STATE_PATH"} & changed
+        paths = {PREFIX + name for name in UNIT_PATH_SETTINGS} & changed
         installed = os.path.exists(s.unit_path)
         if paths and installed:
             s.say("restart needed, and the unit's writable paths change: sudo llmport-agent start")

@@ -147,13 +147,17 @@ def report(findings: Sequence[Finding], as_json: bool, out: IO[str]) -> int:
     return status
 
 
-def main(argv: list[str], environ: Mapping[str, str] | None = None, out: IO[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmport-agent doctor",
                                      description="check this node and say what to fix (read-only)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     parser.add_argument("--env-file", default="/etc/llmport-agent.env",
                         help="the agent's env file (default /etc/llmport-agent.env)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str], environ: Mapping[str, str] | None = None, out: IO[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     ctx = make_context(args.env_file, dict(os.environ if environ is None else environ))
     from twisted.internet.task import react
 
