@@ -1,7 +1,8 @@
 """
 The agent's configuration: C{LLM_PORT_NODE_AGENT_*} variables, overridden by command-line options.
 
-One table (L{SETTINGS}) drives parsing, validation, the CLI options, C{config show} and the README.
+One table (L{SETTINGS}) drives parsing, validation, the CLI options, C{config show} and the
+configuration reference in docs/ (generated from it at build time).
 Bad values raise L{ConfigError} with one line naming the variable, what is wrong and the expected form.
 """
 

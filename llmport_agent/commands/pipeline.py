@@ -1,7 +1,7 @@
 """
 The command pipeline: receipt, journal, de-duplication, ack, lanes, deadlines, results, delivery.
 
-Rules (the README repeats them for operators):
+Rules (docs/protocol.md, "Commands: the rules", repeats them for operators):
 
  1. A command is written to the journal (durably) before it is acked; de-duplication is by id
     over everything in the journal, running or finished.

@@ -8,7 +8,7 @@ L{HealthTracker} is vendor-neutral and thread-safe: GPU sources feed it from wor
 (L{HealthTracker.observe_reading}, L{HealthTracker.observe_xid}, ...) and the reactor side
 reads verdicts (L{HealthTracker.health}) and drains transitions (L{HealthTracker.drain}).
 
-The rules (the README's "GPU health" section says the same):
+The rules (docs/gpus.md, "GPU health", says the same):
 
  - B{Fail closed.} A query the driver answers with an error (anything but "not supported"
    and its kin) makes the GPU unhealthy until the same query answers again. A lost GPU

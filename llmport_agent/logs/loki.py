@@ -750,7 +750,7 @@ class LokiShipper(Service):
 
     def stats(self) -> dict[str, Any]:
         """
-        The shipping counters, under stable names (see the README's metrics list): lines in,
+        The shipping counters, under stable names (see the metrics reference in docs/metrics.md): lines in,
         sent, dropped by reason, pushes by outcome, memory and the retry state.
         """
         with self._lock:

@@ -433,7 +433,7 @@ class WorkloadManager:
         self, ctx: CommandContext, spec: WorkloadSpec, *, local_first: bool
     ) -> dict[str, Any]:
         """
-        Make the image present. The rule (README, "Images"):
+        Make the image present. The rule (docs/workloads.md, "Images"):
 
          - start/restart of a missing container (C{local_first}): the image already on this
            node is used when present, whatever C{image_source} says (the backend sends
