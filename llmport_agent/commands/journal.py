@@ -47,6 +47,22 @@ DELIVERED = "delivered"  # result confirmed delivered
 #: Results larger than this (JSON characters, roughly) are dropped once delivered.
 SMALL_RESULT = 4096
 
+#: Result fields that hold a secret (the Ray cluster token of describe_ray_cluster's sealed
+#: hand-over, protocol 10.4/10.6): sent to the backend from memory, never written to the file.
+RESULT_SECRET_FIELDS = frozenset({"cluster_token"})
+
+
+def _for_disk(line: dict[str, Any]) -> dict[str, Any]:
+    """C{line} as written to the file: a result frame without its secret fields."""
+    frame = line.get("result_frame")
+    if not isinstance(frame, dict):
+        return line
+    result = frame.get("result")
+    if not isinstance(result, dict) or not RESULT_SECRET_FIELDS.intersection(result):
+        return line
+    kept = {k: v for k, v in result.items() if k not in RESULT_SECRET_FIELDS}
+    return dict(line, result_frame=dict(frame, result=kept))
+
 
 @define
 class JournalRecord:
@@ -218,13 +234,19 @@ class CommandJournal:
             lambda f: log.failure("Could not record a change of command {id}", failure=f, id=command_id)
         )
 
-    def mark_delivered(self, command_id: str) -> Deferred[None]:
+    def mark_delivered(self, command_id: str, keep_result: bool = True) -> Deferred[None]:
+        """
+        The result of C{command_id} was delivered. C{keep_result=False} (the handler's
+        C{HandlerSpec.keep_result}) drops the result whatever its size.
+        """
         rec = self.records.get(command_id)
         changes: dict[str, Any] = {"state": DELIVERED}
         kept = 0
         if rec is not None and rec.result_frame is not None:
             kept = _size(rec.result_frame)
-            if kept > SMALL_RESULT:
+            if kept > SMALL_RESULT or not keep_result or RESULT_SECRET_FIELDS.intersection(
+                rec.result_frame.get("result") or ()
+            ):
                 # Large results (logs, diagnostics) are not kept once delivered.
                 small = {k: v for k, v in rec.result_frame.items() if k != "result"}
                 small["result"] = {"_dropped": "large result not kept after delivery"}
@@ -292,7 +314,7 @@ class CommandJournal:
 
     def _append(self, line: dict[str, Any]) -> Deferred[None]:
         assert self._log is not None, "journal not loaded"
-        d = self._log.append(line)
+        d = self._log.append(_for_disk(line))
         log_ = self._log
         grown = log_.bytes_written - log_.rewritten_bytes
         if (grown > log_.rewritten_bytes + COMPACT_SLACK or log_.lines_written > 4 * len(self.records) + 20000) and (
@@ -306,7 +328,7 @@ class CommandJournal:
         self._prune()
         self.compactions += 1
         # Shallow snapshots; they are serialised on the I/O pool.
-        return self._log.rewrite([r.as_dict() for r in self.records.values()])
+        return self._log.rewrite([_for_disk(r.as_dict()) for r in self.records.values()])
 
     def idle(self) -> bool:
         return self._log is None or self._log.idle

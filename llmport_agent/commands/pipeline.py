@@ -21,6 +21,7 @@ Rules (docs/protocol.md, "Commands: the rules", repeats them for operators):
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -901,7 +902,9 @@ class CommandPipeline(Service):
             self._delivering.discard(rec.id)
             if rec.state == FINISHED:
                 rec.state = DELIVERED
-                self.journal.mark_delivered(rec.id).addErrback(
+                spec = self.registry.get(rec.command_type)
+                keep = spec.keep_result if spec is not None else True
+                self.journal.mark_delivered(rec.id, keep).addErrback(
                     lambda f: self.log.failure("Could not record the delivery of {id}", failure=f, id=rec.id)
                 )
 
@@ -933,6 +936,7 @@ def _redispatched(obj: Any) -> bool:
 MAX_LOGGED_MESSAGE = 500
 MAX_SUMMARY_VALUE = 80
 MAX_SUMMARY_FIELDS = 6
+_SECRET_KEY = re.compile(r"token|secret|password|credential", re.IGNORECASE)
 
 
 def result_summary(result: Mapping[str, Any]) -> str:
@@ -945,6 +949,8 @@ def result_summary(result: Mapping[str, Any]) -> str:
     for key, value in list(result.items())[:64]:
         if len(parts) >= MAX_SUMMARY_FIELDS:
             break
+        if _SECRET_KEY.search(str(key)):
+            continue  # a secret in a result (describe_ray_cluster's cluster_token) is never logged
         if isinstance(value, bool | int | float) or (
             isinstance(value, str) and value and len(value) <= MAX_SUMMARY_VALUE and "\n" not in value
         ):

@@ -105,6 +105,7 @@ class ClusterTokens:
         self._ref: str | None = None
         self._fetched_at = 0.0
         self._value: str | None = None
+        self._read_value: str | None = None
         #: Fetches from the backend so far (tests, diagnostics).
         self.fetches = 0
 
@@ -114,7 +115,7 @@ class ClusterTokens:
 
     def secrets(self) -> list[str]:
         """The token while the agent holds it (for the log scrubber)."""
-        return [self._value] if self._value else []
+        return [v for v in (self._value, self._read_value) if v]
 
     def fresh(self, ref: str) -> bool:
         return self._ref == ref and self._value is not None and self._reactor.seconds() - self._fetched_at < self.ttl
@@ -177,6 +178,7 @@ class ClusterTokens:
         try:
             self._ref = None
             self._value = None
+            self._read_value = None
             try:
                 return bool(await self._pool.run(_remove, self.token_dir))
             except OSError as e:
@@ -193,4 +195,7 @@ class ClusterTokens:
             value = str(await self._pool.run(_read, self.token_dir))
         except OSError:
             return None
+        if value and value != self._value:
+            # A token written before a restart: the log scrubber must know it too.
+            self._read_value = value
         return value or None
