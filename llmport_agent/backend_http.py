@@ -10,6 +10,7 @@ token or the credential.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 from urllib.parse import quote
 
@@ -88,6 +89,11 @@ def _strip_inputs(obj: Any) -> Any:
     return obj
 
 
+#: The longest backend error detail shown.
+MAX_DETAIL_CHARS = 300
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
 def _detail(body: bytes, secrets: tuple[str, ...] = ()) -> str:
     try:
         data = json.loads(body)
@@ -102,7 +108,14 @@ def _detail(body: bytes, secrets: tuple[str, ...] = ()) -> str:
     for secret in secrets:
         if secret:
             text = text.replace(secret, "***")
-    return text
+    # The backend's words reach the operator's terminal and log: bounded, no control
+    # characters (a terminal escape sequence, a forged second log line).
+    return shown(text)
+
+
+def shown(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """A backend's C{text} as a message may show it: at most C{limit} characters, no control character."""
+    return _CONTROL.sub("?", text[:limit])
 
 
 class BackendHTTP:
@@ -263,6 +276,9 @@ class BackendHTTP:
         data = _object(content, JOIN_PATH)
         if not isinstance(data.get("id"), str) or not isinstance(data.get("code"), str):
             raise Transient(f"POST {JOIN_PATH}: malformed reply (no id or code)")
+        if len(data["code"]) > 64 or _CONTROL.search(data["code"]) or len(data["id"]) > 200:
+            # The code is printed for a person to compare: never a terminal escape sequence.
+            raise Transient(f"POST {JOIN_PATH}: malformed reply (a code or id that cannot be shown)")
         secret = data.get("poll_secret")
         if secret is not None and not isinstance(secret, str):
             raise Transient(f"POST {JOIN_PATH}: malformed reply (poll_secret)")

@@ -30,7 +30,7 @@ from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 
 from llmport_agent import VERSION
-from llmport_agent.backend_http import BackendHTTP, Rejected, RouteMissing, Transient
+from llmport_agent.backend_http import BackendHTTP, Rejected, RouteMissing, Transient, shown
 from llmport_agent.config import AgentConfig, mask_url
 from llmport_agent.instance import AlreadyRunning, InstanceLock
 from llmport_agent.state import load_state
@@ -228,7 +228,7 @@ class Joiner:
                 return await self._approved(result)
             await self._forget()
             message = result.get("message")
-            why = f" ({message})" if isinstance(message, str) and message else ""
+            why = f" ({shown(message)})" if isinstance(message, str) and message else ""
             if status == "rejected":
                 return self.fail(f"an administrator rejected the join request{why}; nothing was stored. "
                                  "Ask them why, then run join again")

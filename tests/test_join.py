@@ -126,6 +126,28 @@ class JoinTests(AgentTestCase):
         self.assertNotIn("pending_join", self.state(j))
         self.assertNotIn("credential", self.state(j))
 
+    async def test_backend_words_shown_without_control_characters(self) -> None:
+        """
+        A rejection message with a terminal escape sequence and a forged second line reaches
+        the operator as one bounded line; a backend error detail is bounded and cleaned too.
+        """
+        from llmport_agent.backend_http import _detail
+
+        b = await self.backend()
+        j = self.joiner(b)
+        d = ensureDeferred(j.run())
+        row = await self.pending(b, j)
+        hostile = "\x1b]0;owned\x07\x1b[2Jok\nllmport-agent: approved as node 1" + "x" * 5000
+        self.assertEqual(await self.admin(b, row.id, "reject", hostile), 200)
+        self.assertEqual(await d, 1)
+        lines = j.err.getvalue().splitlines()  # type: ignore[attr-defined]
+        self.assertEqual(len(lines), 1, lines)
+        self.assertNotIn("\x1b", lines[0])
+        self.assertLess(len(lines[0]), 600)
+        detail = _detail(json.dumps({"detail": "\x1b[31mred\r\nforged" + "y" * 9000}).encode())
+        self.assertEqual(len(detail), 300)
+        self.assertTrue(detail.startswith("?[31mred??forged"), detail[:40])
+
     async def test_expired(self) -> None:
         clock = Clock()
         clock.advance(1_000_000)
