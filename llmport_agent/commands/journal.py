@@ -234,19 +234,13 @@ class CommandJournal:
             lambda f: log.failure("Could not record a change of command {id}", failure=f, id=command_id)
         )
 
-    def mark_delivered(self, command_id: str, keep_result: bool = True) -> Deferred[None]:
-        """
-        The result of C{command_id} was delivered. C{keep_result=False} (the handler's
-        C{HandlerSpec.keep_result}) drops the result whatever its size.
-        """
+    def mark_delivered(self, command_id: str) -> Deferred[None]:
         rec = self.records.get(command_id)
         changes: dict[str, Any] = {"state": DELIVERED}
         kept = 0
         if rec is not None and rec.result_frame is not None:
             kept = _size(rec.result_frame)
-            if kept > SMALL_RESULT or not keep_result or RESULT_SECRET_FIELDS.intersection(
-                rec.result_frame.get("result") or ()
-            ):
+            if kept > SMALL_RESULT:
                 # Large results (logs, diagnostics) are not kept once delivered.
                 small = {k: v for k, v in rec.result_frame.items() if k != "result"}
                 small["result"] = {"_dropped": "large result not kept after delivery"}

@@ -902,9 +902,7 @@ class CommandPipeline(Service):
             self._delivering.discard(rec.id)
             if rec.state == FINISHED:
                 rec.state = DELIVERED
-                spec = self.registry.get(rec.command_type)
-                keep = spec.keep_result if spec is not None else True
-                self.journal.mark_delivered(rec.id, keep).addErrback(
+                self.journal.mark_delivered(rec.id).addErrback(
                     lambda f: self.log.failure("Could not record the delivery of {id}", failure=f, id=rec.id)
                 )
 

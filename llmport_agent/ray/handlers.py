@@ -683,7 +683,7 @@ class RayManager:
             token = await self.tokens.read()
             if token:
                 # The sealed hand-over (protocol 10.6): the backend encrypts it on arrival.
-                # The pipeline keeps this result only until it is delivered (keep_result=False).
+                # Sent from memory: the journal file never holds it (journal.RESULT_SECRET_FIELDS).
                 result["cluster_token"] = token
             else:
                 result["token_error"] = "the cluster token file is missing or empty"
