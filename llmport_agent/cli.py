@@ -75,15 +75,16 @@ def join_command(url: str | None, user_mode: bool) -> int:
     C{join}: the join dialog (L{llmport_agent.join}) on the reactor, then the same as C{start}
     (C{BACKEND_URL} from C{URL} written to the env file, an old enrollment token line dropped).
     """
+    from attrs import evolve
+
     from llmport_agent.installer import Installer, System
     from llmport_agent.join import normalise_url
 
-    system = System.from_environment()
+    system = evolve(System.from_environment(), user_mode=user_mode)
     installer = Installer(system)
-    if user_mode:
-        # Kept for the installer's user mode (issue 20 #2); refused before anything is asked.
-        return system.fail("`join --user` (a systemd --user service) is not available in this build yet: run "
-                           "`sudo llmport-agent join URL`", EX_USAGE)
+    if user_mode and system.geteuid() == 0:
+        return system.fail("`join --user` installs a service of the user who runs it: run it as that user "
+                           "(not root), or `sudo llmport-agent join URL` for a system service", EX_USAGE)
     environ = dict(system.environ)
     try:
         file_values = installer.read_env().values()
@@ -96,19 +97,22 @@ def join_command(url: str | None, user_mode: bool) -> int:
         return system.fail("where is llm-port? usage: llmport-agent join http://<backend-host>:8000", EX_USAGE)
     merged[prefix + "BACKEND_URL"] = backend
     merged.pop(prefix + "ENROLLMENT_TOKEN", None)
+    if user_mode:
+        # The state the user service will use (~/.local/share/llmport-agent/state.json).
+        merged.update({k: v for k, v in system.user_defaults(merged).items() if k.startswith(prefix)})
     try:
         config = load_config(environ=merged)
     except ConfigError as e:
         return system.fail(f"configuration error: {e}", EX_USAGE)
-    state_path = system.path(config.state_path) if system.root else config.state_path
+    state_path = system.place(config.state_path) if system.root else config.state_path
+    if user_mode:
+        os.makedirs(os.path.dirname(state_path), mode=0o700, exist_ok=True)
     code = _run_join(config, state_path, system)
     if code != 0:
         return code
     # What the service needs: the URL joined, no stale token (the credential is in the state).
     start_env = {k: v for k, v in environ.items() if k != prefix + "ENROLLMENT_TOKEN"}
     start_env[prefix + "BACKEND_URL"] = config.backend_url
-    from attrs import evolve
-
     return Installer(evolve(system, environ=start_env)).start(drop=(prefix + "ENROLLMENT_TOKEN",))
 
 
@@ -163,6 +167,14 @@ def _run_join(config: AgentConfig, state_path: str, system: Any) -> int:
     return status["code"]
 
 
+def _user_system() -> Any:
+    from attrs import evolve
+
+    from llmport_agent.installer import System
+
+    return evolve(System.from_environment(), user_mode=True)
+
+
 def _show_config(config: AgentConfig, as_json: bool) -> int:
     masked = config.masked()
     if as_json:
@@ -194,15 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="remove a variable from /etc/llmport-agent.env (repeatable)")
     _add_setting_options(p_cfg)
     p_start = sub.add_parser("start", help="install (or update) and start the systemd unit (root)")
-    p_start.add_argument("--user", default=None, metavar="NAME",
-                         help="run as this dedicated user (in the docker group) instead of root")
+    p_start.add_argument("--user", nargs="?", const=True, default=None, metavar="NAME",
+                         help="alone: a systemd --user service of the invoking user, no root "
+                         "(~/.config/systemd/user); with NAME (root): run as that dedicated user "
+                         "(in the docker group) instead of root")
     p_join = sub.add_parser("join", help="ask to join llm-port (an administrator approves the code shown), "
                             "then start as `start` does; an enrolled node is upgraded in place")
     p_join.add_argument("url", nargs="?", default=None, metavar="URL",
                         help="the llm-port backend, e.g. http://10.0.0.5:8000 (default: BACKEND_URL)")
     p_join.add_argument("--user", action="store_true", dest="user_mode",
                         help="run as a systemd --user service (no root)")
-    sub.add_parser("stop", help="stop and disable the systemd unit (root)")
+    p_stop = sub.add_parser("stop", help="stop and disable the systemd unit (root; --user: your user service)")
+    p_stop.add_argument("--user", action="store_true", dest="user_mode")
     p_status = sub.add_parser("status", help="show enrollment and service status")
     _add_setting_options(p_status)
     sub.add_parser("doctor", help="check this node and say what to fix (read-only; --json)")
@@ -239,9 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "join":
         return join_command(args.url, args.user_mode)
     if args.command == "start":
+        if args.user is True:
+            return Installer(_user_system()).start()
         return Installer().start(user=args.user)
     if args.command == "stop":
-        return Installer().stop()
+        return Installer(_user_system() if args.user_mode else None).stop()
     if args.command == "config" and (args.set or args.unset):
         return Installer().edit_config(args.set, args.unset)
     try:

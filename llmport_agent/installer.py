@@ -183,6 +183,9 @@ class System:
     which: Callable[[str], str | None] = shutil.which
     executable: str | None = None
     one_process: bool = True
+    #: C{--user}: a C{systemd --user} service of the invoking user, no root (the original's layout).
+    user_mode: bool = False
+    access: Callable[[str, int], bool] = os.access
     out: IO[str] = field(factory=lambda: sys.stdout)
     err: IO[str] = field(factory=lambda: sys.stderr)
 
@@ -193,13 +196,66 @@ class System:
     def path(self, absolute: str) -> str:
         return os.path.join(self.root, absolute.lstrip("/")) if self.root else absolute
 
+    def place(self, absolute: str) -> str:
+        """L{path}, except a user-mode path in the user's home, which is never under C{root}."""
+        home = self.environ.get("HOME", "")
+        if self.user_mode and home and absolute.startswith(home.rstrip("/") + "/"):
+            return absolute
+        return self.path(absolute)
+
+    def _xdg(self, var: str, default: str) -> str:
+        value = self.environ.get(var, "")
+        if value and os.path.isabs(value):
+            return value
+        return os.path.join(self.environ.get("HOME") or os.path.expanduser("~"), default)
+
+    @property
+    def config_home(self) -> str:
+        return self._xdg("XDG_CONFIG_HOME", ".config")
+
+    @property
+    def data_home(self) -> str:
+        """C{~/.local/share/llmport-agent}: the user mode's state and (fallback) model store."""
+        return os.path.join(self._xdg("XDG_DATA_HOME", ".local/share"), "llmport-agent")
+
     @property
     def unit_path(self) -> str:
+        if self.user_mode:
+            return os.path.join(self.config_home, "systemd", "user", UNIT_NAME)
         return self.path("/etc/systemd/system/" + UNIT_NAME)
 
     @property
     def env_path(self) -> str:
+        if self.user_mode:
+            return os.path.join(self.config_home, "llmport-agent", "agent.env")
         return self.path("/etc/llmport-agent.env")
+
+    @property
+    def journal_hint(self) -> str:
+        return "journalctl --user -u llmport-agent" if self.user_mode else "journalctl -u llmport-agent"
+
+    def user_defaults(self, values: Mapping[str, str]) -> dict[str, str]:
+        """
+        User mode: the settings whose defaults are root's, where this user can work (only those
+        not set already). C{STATE_PATH} under C{~/.local/share/llmport-agent}; C{MODEL_STORE} at
+        its default only when this user can write there, else C{~/.local/share/llmport-agent/models};
+        C{DOCKER_HOST} at the rootless socket C{$XDG_RUNTIME_DIR/docker.sock} when Docker's own
+        socket is not open to this user (the docker group) and the rootless one exists.
+        """
+        out: dict[str, str] = {}
+        if PREFIX + "STATE_PATH" not in values:
+            out[PREFIX + "STATE_PATH"] = os.path.join(self.data_home, "state.json")
+        if PREFIX + "MODEL_STORE" not in values:
+            store = self.path(DEFAULT_MODEL_STORE)
+            if not _writable_or_creatable(store, self.access):
+                out[PREFIX + "MODEL_STORE"] = os.path.join(self.data_home, "models")
+        if "DOCKER_HOST" not in values and "DOCKER_HOST" not in self.environ:
+            system_socket = self.path("/var/run/docker.sock")
+            runtime = self.environ.get("XDG_RUNTIME_DIR", "")
+            rootless = os.path.join(runtime, "docker.sock") if runtime else ""
+            if not self.access(system_socket, os.R_OK | os.W_OK) and rootless and os.path.exists(rootless):
+                out["DOCKER_HOST"] = "unix://" + rootless
+        return out
 
     def systemd_running(self) -> bool:
         """sd_booted(): PID 1 is systemd when /run/systemd/system is a directory."""
@@ -226,6 +282,49 @@ class System:
         if found:
             return os.path.abspath(found), True
         raise FileNotFoundError("no llmport-agent executable found next to the Python interpreter or on PATH")
+
+
+def _writable_or_creatable(path: str, access: Callable[[str, int], bool] = os.access) -> bool:
+    """Whether this process can write C{path}, or create it (its nearest existing parent)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            return False
+        p = parent
+    return os.path.isdir(p) and access(p, os.W_OK | os.X_OK)
+
+
+#: Directives a user manager cannot apply (they need privileges or mount namespaces it does not
+#: have, so the unit would fail at start with 218/CAPABILITIES or 226/NAMESPACE), or that name
+#: root's paths; user mode leaves them out.
+ROOT_ONLY_DIRECTIVES = (
+    "ExecStartPre=+", "StateDirectory=", "StateDirectoryMode=", "ProtectSystem=", "ReadWritePaths=",
+    "ProtectHome=", "PrivateTmp=", "PrivateMounts=", "ProtectKernelTunables=", "ProtectKernelModules=",
+    "ProtectKernelLogs=", "ProtectControlGroups=", "ProtectHostname=", "RestrictNamespaces=",
+    "CapabilityBoundingSet=", "AmbientCapabilities=", "RemoveIPC=", "KeyringMode=", "User=", "Group=",
+    "SupplementaryGroups=", "EnvironmentFile=", "Wants=network-online.target",
+)
+
+
+def render_user_unit(template: str, *, executable: str, one_process: bool, env_path: str) -> str:
+    """The unit as C{start --user} installs it: a C{systemd --user} service, root-only lines out."""
+    out: list[str] = []
+    for line in template.splitlines():
+        if line.startswith(ROOT_ONLY_DIRECTIVES):
+            continue
+        if line.startswith("ExecStart="):
+            line = f"ExecStart={_unit_word(executable, 'the executable path', True)} run"
+        elif line.startswith("NotifyAccess="):
+            line = "NotifyAccess=main" if one_process else "NotifyAccess=all"
+        elif line.startswith("After="):
+            line = "After=network-online.target"
+        elif line.startswith("WantedBy="):
+            line = "WantedBy=default.target"
+        out.append(line)
+        if line.startswith("ExecStart="):
+            out.append(f"EnvironmentFile={_unit_word(env_path, 'the env file path')}")
+    return "\n".join(out) + "\n"
 
 
 def unstable_place(path: str) -> str | None:
@@ -366,7 +465,8 @@ class Installer:
         # Bounded reads of its output (inventory.tools.run_tool), like every subprocess's.
         from llmport_agent.inventory.tools import run_tool
 
-        done = run_tool([exe, *args], SYSTEMCTL_TIMEOUT, max_output=1 << 20, env=self.sys.environ)
+        scope = ["--user"] if self.sys.user_mode else []
+        done = run_tool([exe, *scope, *args], SYSTEMCTL_TIMEOUT, max_output=1 << 20, env=self.sys.environ)
         if done.error:
             return 1, done.error
         text = (done.stderr or done.stdout or "").strip().splitlines()
@@ -397,8 +497,12 @@ class Installer:
         @param drop: variables to remove from the env file (C{join}: a stale enrollment token).
         """
         s = self.sys
-        if s.geteuid() != 0:
-            return s.fail("`start` installs a systemd unit and needs root: sudo llmport-agent start")
+        if s.user_mode and s.geteuid() == 0:
+            return s.fail("`start --user` installs a service of the user who runs it: run it as that user "
+                          "(not root), or `sudo llmport-agent start` for a system service")
+        if s.geteuid() != 0 and not s.user_mode:
+            return s.fail("`start` installs a systemd unit and needs root: sudo llmport-agent start "
+                          "(or `llmport-agent start --user` for a service of your own user)")
         problem = self._needs_systemd("start")
         if problem:
             return s.fail(problem)
@@ -432,6 +536,14 @@ class Installer:
         except ConfigError as e:
             return s.fail(f"configuration error: {e}; nothing was changed", EX_CONFIG)
         values = env.values()
+        if s.user_mode and any(k.startswith(PREFIX) for k in values):
+            try:
+                for key, value in sorted(s.user_defaults(values).items()):
+                    env.set(key, value)
+                    s.say(f"user mode: {key}={value} (written to {s.env_path})")
+            except ConfigError as e:
+                return s.fail(f"configuration error: {e}; nothing was changed", EX_CONFIG)
+            values = env.values()
         if not any(k.startswith(PREFIX) for k in values):
             return s.fail(
                 f"no configuration: neither {s.env_path} nor LLM_PORT_NODE_AGENT_* variables; pass "
@@ -443,7 +555,7 @@ class Installer:
             config = load_config(environ=values)
         except ConfigError as e:
             return s.fail(f"configuration error: {e}", EX_CONFIG)
-        state_path = s.path(config.state_path) if s.root else config.state_path
+        state_path = s.place(config.state_path) if s.root else config.state_path
         if not config.enrollment_token and not _has_credential(state_path):
             return s.fail(
                 f"no credential in {config.state_path} and no LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN: "
@@ -476,7 +588,9 @@ class Installer:
                               "engine through it (install Docker first, or run the agent as root)")
             supplementary = tuple(wanted)
         try:
-            text = render_unit(
+            text = render_user_unit(
+                unit_template(), executable=executable, one_process=one_process, env_path=s.env_path,
+            ) if s.user_mode else render_unit(
                 unit_template(),
                 executable=executable,
                 one_process=one_process,
@@ -494,13 +608,16 @@ class Installer:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 undo.file(path)
                 write_private(path, content, mode)
-            _makedirs(s.path(config.model_store), undo, 0o755, uid, gid)
-            if config.state_dir != DEFAULT_STATE_DIR:
-                _makedirs(s.path(config.state_dir), undo, 0o700, uid, gid)
+            _makedirs(s.place(config.model_store), undo, 0o755, uid, gid)
+            if config.state_dir != DEFAULT_STATE_DIR or s.user_mode:
+                _makedirs(s.place(config.state_dir), undo, 0o700, uid, gid)
         except OSError as e:
             undo.run()
             return s.fail(f"could not write {e.filename or 'a file'} ({e.strerror}); nothing was changed")
         was_enabled = self._systemctl("is-enabled", "--quiet", UNIT_NAME)[0] == 0
+        was_active = self._systemctl("is-active", "--quiet", UNIT_NAME)[0] == 0
+        # restart, never `enable --now`: that leaves a running old build running (an upgrade
+        # replaced the executable and must run the new one).
         for step in (("daemon-reload",), ("enable", "--quiet", UNIT_NAME), ("restart", UNIT_NAME)):
             rc, message = self._systemctl(*step)
             if rc != 0:
@@ -508,22 +625,48 @@ class Installer:
                     self._systemctl("disable", "--quiet", UNIT_NAME)
                 undo.run()
                 self._systemctl("daemon-reload")
+                back = ""
+                if step[0] == "restart" and was_active:
+                    # The agent ran before: bring it back with its own unit and env file.
+                    again = self._systemctl("restart", UNIT_NAME)[0] == 0
+                    back = (" and the agent was started again with them" if again else
+                            " but the agent could not be started again with them")
                 return s.fail(f"systemctl {step[0]} failed ({message}); the unit and configuration were "
-                              "put back as they were. Details: journalctl -u llmport-agent -n 50")
-        who = f"as user {user}" if user else "as root"
+                              f"put back as they were{back}. Details: {s.journal_hint} -n 50")
+        linger = ""
+        if s.user_mode:
+            linger = self._linger()
+        who = f"as user {user}" if user else ("as a user service of " + _me()) if s.user_mode else "as root"
         s.say(f"llmport-agent is running under systemd ({who}, executable {executable}).")
         s.say(f"  configuration: {s.env_path} (mode 0600; edit with `llmport-agent config --set NAME=VALUE`)")
         s.say(f"  unit:          {s.unit_path}")
-        s.say("  follow its log: journalctl -u llmport-agent -f")
-        s.say("  check it:       llmport-agent status")
+        s.say(f"  state:         {config.state_path}")
+        s.say(f"  follow its log: {s.journal_hint} -f")
+        s.say("  check it:       llmport-agent status" + (" --user" if s.user_mode else ""))
+        if linger:
+            s.say(linger)
         return 0
+
+    def _linger(self) -> str:
+        """C{loginctl enable-linger}: the user manager (and the agent) outlive the last login."""
+        me = _me()
+        exe = self.sys.which("loginctl")
+        if exe is not None:
+            from llmport_agent.inventory.tools import run_tool
+
+            done = run_tool([exe, "enable-linger", me], 60, max_output=1 << 16, env=self.sys.environ)
+            if not done.error and done.returncode == 0:
+                return ""
+        return (f"note: linger could not be enabled for {me}, so the agent stops when your last session "
+                f"ends: an administrator can enable it once with `sudo loginctl enable-linger {me}`")
 
     # stop ---------------------------------------------------------------------------------
 
     def stop(self) -> int:
         s = self.sys
-        if s.geteuid() != 0:
-            return s.fail("`stop` changes a systemd unit and needs root: sudo llmport-agent stop")
+        if s.geteuid() != 0 and not s.user_mode:
+            return s.fail("`stop` changes a systemd unit and needs root: sudo llmport-agent stop "
+                          "(`llmport-agent stop --user` for a service of your own user)")
         problem = self._needs_systemd("stop")
         if problem:
             return s.fail(problem)
@@ -598,7 +741,8 @@ class Installer:
             return {}
         from llmport_agent.inventory.tools import run_tool
 
-        done = run_tool([exe, "show", UNIT_NAME, "--property=" + props], 30, max_output=1 << 20,
+        scope = ["--user"] if self.sys.user_mode else []
+        done = run_tool([exe, *scope, "show", UNIT_NAME, "--property=" + props], 30, max_output=1 << 20,
                         env=self.sys.environ)
         if done.error:
             return {}
@@ -674,6 +818,15 @@ class Installer:
         else:
             s.say("takes effect at the next start of the agent")
         return 0
+
+
+def _me() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return str(os.geteuid())
 
 
 def _has_credential(state_path: str) -> bool:

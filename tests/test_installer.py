@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAND_IN = """#!/bin/sh
 # A stand-in systemctl: records its arguments, fails where told.
 echo "$*" >> "$SYSTEMCTL_LOG"
+[ "$1" = --user ] && shift
 case " $* " in
   *" $SYSTEMCTL_FAIL "*) echo "Failed to $1 llmport-agent.service: stand-in failure" >&2; exit 1;;
 esac
@@ -61,7 +62,8 @@ class Host:
         self.out = io.StringIO()
         self.err = io.StringIO()
 
-    def system(self, euid: int = 0, environ: dict[str, str] | None = None, exe: str | None = None) -> System:
+    def system(self, euid: int = 0, environ: dict[str, str] | None = None, exe: str | None = None,
+               user_mode: bool = False, access: Any = None) -> System:
         env = {"PATH": self.bin, "SYSTEMCTL_LOG": self.log, "SYSTEMCTL_FAIL": self.fail_on,
                "SYSTEMCTL_ACTIVE": self.active}
         env.update(environ or {})
@@ -72,6 +74,8 @@ class Host:
             which=lambda name: shutil.which(name, path=self.bin),
             executable=exe or self.exe,
             one_process=True,
+            user_mode=user_mode,
+            access=access or os.access,
             out=self.out,
             err=self.err,
         )
@@ -242,6 +246,142 @@ class StartTests(SynchronousTestCase):
         self.assertEqual(open(env_path).read(), f"LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN={TOKEN}\n")
         self.assertEqual(stat.S_IMODE(os.stat(env_path).st_mode), 0o640)
         self.assertFalse(os.path.exists(h.path("/etc/systemd/system/llmport-agent.service")))
+
+
+class UpgradeTests(SynchronousTestCase):
+    def test_an_upgrade_restarts(self) -> None:
+        """A running agent: start again ends with restart (never `enable --now`), state and env kept."""
+        h = Host(self)
+        self.assertEqual(Installer(h.system(environ=agent_vars())).start(), 0)
+        state = h.path("/var/lib/llmport-agent/state.json")
+        os.makedirs(os.path.dirname(state), exist_ok=True)
+        with open(state, "w") as f:
+            f.write('{"node_id": "n-1", "credential": "c"}')
+        env_before = open(h.path("/etc/llmport-agent.env")).read()
+        h.active = "1"
+        rc = Installer(h.system(environ={}, exe="/opt/llmport-agent-2/bin/llmport-agent")).start()
+        self.assertEqual(rc, 0, h.err.getvalue())
+        self.assertEqual(h.calls()[-1], "restart llmport-agent.service")
+        self.assertFalse([c for c in h.calls() if "--now" in c])
+        self.assertEqual(open(h.path("/etc/llmport-agent.env")).read(), env_before)
+        self.assertEqual(open(state).read(), '{"node_id": "n-1", "credential": "c"}')
+        self.assertIn("ExecStart=/opt/llmport-agent-2/bin/llmport-agent run\n",
+                      open(h.path("/etc/systemd/system/llmport-agent.service")).read())
+
+    def test_a_failed_upgrade_puts_the_previous_unit_back_and_starts_it(self) -> None:
+        h = Host(self)
+        self.assertEqual(Installer(h.system(environ=agent_vars())).start(), 0)
+        unit_path = h.path("/etc/systemd/system/llmport-agent.service")
+        unit_before = open(unit_path).read()
+        env_before = open(h.path("/etc/llmport-agent.env")).read()
+        h.active = "1"
+        h.fail_on = "restart"
+        rc = Installer(h.system(environ=agent_vars(LOG_LEVEL="debug"),
+                                exe="/opt/llmport-agent-2/bin/llmport-agent")).start()
+        self.assertEqual(rc, 1)
+        self.assertEqual(open(unit_path).read(), unit_before)
+        self.assertEqual(open(h.path("/etc/llmport-agent.env")).read(), env_before)
+        # put back, reloaded, and the previous configuration started again
+        self.assertEqual(h.calls()[-2:], ["daemon-reload", "restart llmport-agent.service"])
+        self.assertIn("put back as they were", h.err.getvalue())
+
+
+class UserModeTests(SynchronousTestCase):
+    def user_host(self, **env: str) -> tuple[Host, dict[str, str]]:
+        h = Host(self)
+        home = h.path("/home/ann")
+        os.makedirs(home)
+        environ = {"HOME": home, **agent_vars(), **env}
+        return h, environ
+
+    def test_user_mode_lays_out_the_originals_paths(self) -> None:
+        h, environ = self.user_host()
+        home = environ["HOME"]
+        rc = Installer(h.system(euid=1000, environ=environ, user_mode=True)).start()
+        self.assertEqual(rc, 0, h.err.getvalue())
+        unit_path = os.path.join(home, ".config/systemd/user/llmport-agent.service")
+        env_path = os.path.join(home, ".config/llmport-agent/agent.env")
+        self.assertEqual(stat.S_IMODE(os.stat(env_path).st_mode), 0o600)
+        values = EnvFile.parse(open(env_path).read()).values()
+        state = os.path.join(home, ".local/share/llmport-agent/state.json")
+        self.assertEqual(values["LLM_PORT_NODE_AGENT_STATE_PATH"], state)
+        self.assertTrue(os.path.isdir(os.path.dirname(state)))
+        self.assertFalse(os.path.exists(h.path("/etc/llmport-agent.env")))
+        self.assertEqual(h.calls()[-3:], ["--user daemon-reload", "--user enable --quiet llmport-agent.service",
+                                          "--user restart llmport-agent.service"])
+        unit = open(unit_path).read()
+        from llmport_agent.installer import ROOT_ONLY_DIRECTIVES
+
+        for line in unit.splitlines():
+            self.assertFalse(line.startswith(ROOT_ONLY_DIRECTIVES) and not line.startswith("EnvironmentFile="), line)
+        for line in ("Type=notify", "WatchdogSec=60", "RestartPreventExitStatus=78 2", "WantedBy=default.target",
+                     f"EnvironmentFile={env_path}", f"ExecStart={h.exe} run", "NoNewPrivileges=yes"):
+            self.assertIn(line + "\n", unit)
+        self.assertIn("journalctl --user -u llmport-agent -f", h.out.getvalue())
+        # no loginctl here: one line saying what an administrator runs
+        self.assertIn("sudo loginctl enable-linger", h.out.getvalue())
+
+    def test_linger_is_enabled(self) -> None:
+        h, environ = self.user_host()
+        with open(os.path.join(h.bin, "loginctl"), "w") as f:
+            f.write('#!/bin/sh\necho "loginctl $*" >> "$SYSTEMCTL_LOG"\n')
+        os.chmod(os.path.join(h.bin, "loginctl"), 0o755)
+        rc = Installer(h.system(euid=1000, environ=environ, user_mode=True)).start()
+        self.assertEqual(rc, 0, h.err.getvalue())
+        self.assertTrue([c for c in h.calls() if c.startswith("loginctl enable-linger ")])
+        self.assertNotIn("enable-linger", h.out.getvalue())
+
+    def test_model_store_moves_home_when_srv_is_not_writable(self) -> None:
+        h, environ = self.user_host()
+        srv = h.path("/srv")
+        os.makedirs(srv)
+        denied = lambda p, mode: not p.startswith(srv) and os.access(p, mode)  # noqa: E731
+        rc = Installer(h.system(euid=1000, environ=environ, user_mode=True, access=denied)).start()
+        self.assertEqual(rc, 0, h.err.getvalue())
+        store = os.path.join(environ["HOME"], ".local/share/llmport-agent/models")
+        values = EnvFile.parse(open(os.path.join(environ["HOME"], ".config/llmport-agent/agent.env")).read()).values()
+        self.assertEqual(values["LLM_PORT_NODE_AGENT_MODEL_STORE"], store)
+        self.assertTrue(os.path.isdir(store))
+        self.assertIn(f"LLM_PORT_NODE_AGENT_MODEL_STORE={store}", h.out.getvalue())
+
+    def test_writable_srv_keeps_the_default_store(self) -> None:
+        h, environ = self.user_host()
+        rc = Installer(h.system(euid=1000, environ=environ, user_mode=True)).start()
+        self.assertEqual(rc, 0, h.err.getvalue())
+        values = EnvFile.parse(open(os.path.join(environ["HOME"], ".config/llmport-agent/agent.env")).read()).values()
+        self.assertNotIn("LLM_PORT_NODE_AGENT_MODEL_STORE", values)
+
+    def test_rootless_docker_socket(self) -> None:
+        h, environ = self.user_host()
+        runtime = h.path("/run/user/1000")
+        os.makedirs(runtime)
+        open(os.path.join(runtime, "docker.sock"), "w").close()
+        environ["XDG_RUNTIME_DIR"] = runtime
+        no_group = lambda p, mode: not p.endswith("/var/run/docker.sock") and os.access(p, mode)  # noqa: E731
+        rc = Installer(h.system(euid=1000, environ=environ, user_mode=True, access=no_group)).start()
+        self.assertEqual(rc, 0, h.err.getvalue())
+        values = EnvFile.parse(open(os.path.join(environ["HOME"], ".config/llmport-agent/agent.env")).read()).values()
+        self.assertEqual(values["DOCKER_HOST"], "unix://" + os.path.join(runtime, "docker.sock"))
+        # in the docker group: Docker's own socket, nothing written
+        h2, environ2 = self.user_host(XDG_RUNTIME_DIR=runtime)
+        os.makedirs(h2.path("/var/run"))
+        open(h2.path("/var/run/docker.sock"), "w").close()
+        self.assertEqual(Installer(h2.system(euid=1000, environ=environ2, user_mode=True)).start(), 0)
+        values = EnvFile.parse(open(os.path.join(environ2["HOME"], ".config/llmport-agent/agent.env")).read()).values()
+        self.assertNotIn("DOCKER_HOST", values)
+
+    def test_user_mode_as_root_is_refused(self) -> None:
+        h, environ = self.user_host()
+        rc = Installer(h.system(euid=0, environ=environ, user_mode=True)).start()
+        self.assertEqual(rc, 1)
+        self.assertIn("run it as that user", h.err.getvalue())
+        self.assertEqual(h.calls(), [])
+
+    def test_stop_user(self) -> None:
+        h, environ = self.user_host()
+        self.assertEqual(Installer(h.system(euid=1000, environ=environ, user_mode=True)).start(), 0)
+        self.assertEqual(Installer(h.system(euid=1000, environ=environ, user_mode=True)).stop(), 0)
+        self.assertEqual(h.calls()[-1], "--user disable --now --quiet llmport-agent.service")
 
 
 class StopStatusTests(SynchronousTestCase):
