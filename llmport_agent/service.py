@@ -200,6 +200,7 @@ class AgentService(MultiService):
         self.workloads: Any = None
         self.health: Any = None
         self.ray: Any = None
+        self.seeding: Any = None
         if docker_enabled:
             self._build_workloads(state_dir)
             self._build_ray()
@@ -275,6 +276,9 @@ class AgentService(MultiService):
             from llmport_agent.ray.handlers import ray_handler_specs
 
             registry.update(ray_handler_specs(self.ray))
+            from llmport_agent.ray.seeding import seeding_handler_specs
+
+            registry.update(seeding_handler_specs(self.seeding))
         else:
             from llmport_agent.ray.handlers import no_ray_status_spec
 
@@ -503,6 +507,13 @@ class AgentService(MultiService):
             ),
             self.io_pool,
         )
+        from llmport_agent.ray.seeding import ImageSeeding
+
+        self.seeding = ImageSeeding(
+            self.reactor, self.engine, self.io_pool,
+            c.image_download_dir or os.path.join(c.state_dir, "images"), self.ray,
+        )
+        self.ray.peer_loader = self.seeding.load_from_peer
 
     def _emit_event(self, event_type: str, payload: dict[str, Any], severity: str = "info") -> None:
         self.outbox.emit(event_type, payload, severity)

@@ -1,0 +1,219 @@
+"""
+Peer image seeding (protocol 10.6) with the real Docker engine on loopback: a node serves its
+verified runtime image (C{serve_runtime_image}), a peer fetches it (C{ensure_runtime_image} with
+C{source.peer_url}) through L{RayManager.verify}: the image loads and verifies, a cut connection
+resumes with Range, a wrong token is refused (401), a peer serving a wrong build ends in
+C{runtime_image_mismatch}, and no tar is left in C{IMAGE_DOWNLOAD_DIR}.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import tarfile
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.threads import deferToThread
+from twisted.logger import formatEvent, globalLogPublisher
+from twisted.protocols import portforward
+from twisted.trial.unittest import TestCase
+
+from llmport_agent.commands.base import CommandFailed
+from llmport_agent.ray import imagepin
+from llmport_agent.ray.handlers import RayManager, RaySettings
+from llmport_agent.ray.seeding import IMAGE_SEED_FAILED, ImageSeeding, seeding_handler_specs
+from llmport_agent.workloads.engine import DockerEngine
+from llmport_agent.workloads.policy import parse_allowlist
+from tests.support.context import RecordingContext, make_command
+from tests.support.docker_env import BUSYBOX, free_port, require_docker
+
+TAG = "llmport-test/seed-runtime:1"
+TOKEN = "seed-" + "k3y" * 10
+PAYLOAD_BYTES = 3 * 1024 * 1024
+
+
+class Pool:
+    def run(self, fn: Any, *args: Any, **kw: Any) -> Deferred[Any]:
+        return deferToThread(fn, *args, **kw)
+
+
+def _make_image(client: Any, fill: bytes, repo_tag: str) -> Any:
+    """A busybox image with one more layer holding C{PAYLOAD_BYTES} of C{fill}."""
+    c = client.containers.create(BUSYBOX, ["true"], network_mode="none")
+    try:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo("seed.bin")
+            info.size = PAYLOAD_BYTES
+            tar.addfile(info, io.BytesIO(fill * PAYLOAD_BYTES))
+        c.put_archive("/", buf.getvalue())
+        repo, _, tag = repo_tag.rpartition(":")
+        return c.commit(repository=repo, tag=tag)
+    finally:
+        c.remove(force=True)
+
+
+class CutProxy(portforward.ProxyFactory):
+    """Forwards to the seeder; the first connection is cut after C{cut} bytes of answer."""
+
+    def __init__(self, host: str, port: int, cut: int) -> None:
+        super().__init__(host, port)
+        self.cut = cut
+        self.connections = 0
+
+    def buildProtocol(self, addr: Any) -> Any:
+        self.connections += 1
+        proto = super().buildProtocol(addr)
+        if self.connections == 1:
+            factory = self
+
+            class CutClientFactory(portforward.ProxyClientFactory):
+                def buildProtocol(inner, addr: Any) -> Any:  # noqa: N805
+                    client = super().buildProtocol(addr)
+                    sent = [0]
+                    original = client.dataReceived
+
+                    def data(d: bytes) -> None:
+                        sent[0] += len(d)
+                        if sent[0] > factory.cut:
+                            client.transport.loseConnection()
+                            client.peer.transport.loseConnection()
+                            return
+                        original(d)
+
+                    client.dataReceived = data
+                    return client
+
+            proto.clientProtocolFactory = CutClientFactory
+        return proto
+
+
+class SeedingTests(TestCase):
+    timeout = 240
+
+    async def setUp(self) -> None:
+        self.env = require_docker()
+        self.env.ensure_busybox()
+        self.client = self.env.client()
+        self.good = _make_image(self.client, b"A", TAG)
+        self.addCleanup(self.env.remove_image, TAG)
+        self.engine = DockerEngine(reactor, environ={"DOCKER_HOST": self.env.host}, probe_max=1.0)
+        self.engine.startService()
+        self.addCleanup(self.engine.stopService)
+        await self.engine.whenAvailable()
+        self.dir = os.path.abspath(self.mktemp())
+        store = os.path.abspath(self.mktemp())
+        os.makedirs(store)
+        settings = RaySettings("agent-1", parse_allowlist("llmport-test"), (store,), os.path.abspath(self.mktemp()))
+        self.ray = RayManager(reactor, self.engine, None, None, settings, Pool())  # type: ignore[arg-type]
+        self.seeding = ImageSeeding(reactor, self.engine, Pool(), self.dir, self.ray,
+                                    stall_sec=10, resume_attempts=3, resume_delay=0.1)
+        self.ray.peer_loader = self.seeding.load_from_peer
+        self.lines: list[str] = []
+        observer = lambda e: self.lines.append(formatEvent(e) or "")  # noqa: E731
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+
+    def bundle(self, image: Any) -> dict[str, Any]:
+        layers = image.attrs["RootFS"]["Layers"]
+        return {"image": TAG, "digest": image.id, "rootfs_digest": imagepin.rootfs_digest(layers),
+                "requirements": {"gpus": "none"}}
+
+    def assertNoSecret(self, *things: Any) -> None:
+        for thing in [*things, *self.lines]:
+            self.assertNotIn(TOKEN, json.dumps(thing, default=str))
+
+    async def serve(self, image: Any, port: int, **over: Any) -> tuple[Deferred[dict[str, Any]], RecordingContext]:
+        payload = {"runtime_bundle": self.bundle(image), "bind_ip": "127.0.0.2", "port": port,
+                   "token": TOKEN, "expected_peers": 1, "timeout_sec": 60, **over}
+        ctx = RecordingContext(make_command("serve_runtime_image", payload), reactor)
+        listening: Deferred[None] = Deferred()
+        ctx.on_progress.append(lambda f: f["phase"] == "serving" and not listening.called and listening.callback(None))
+        served = ensureDeferred(seeding_handler_specs(self.seeding)["serve_runtime_image"].handler(ctx))
+        served.addErrback(lambda f: (listening.called or listening.errback(f), f)[1])
+        await listening
+        return served, ctx
+
+    async def fetch(self, pin: Any, url: str, token: str = TOKEN) -> tuple[RecordingContext, imagepin.PinReport]:
+        payload = {"runtime_bundle": self.bundle(pin), "source": {"peer_url": url, "token": token}}
+        ctx = RecordingContext(make_command("ensure_runtime_image", payload), reactor)
+        bundle = self.ray.bundle(payload, required=True)
+        assert bundle is not None
+        return ctx, await self.ray.verify(bundle, ctx)
+
+    def leftovers(self) -> list[str]:
+        return os.listdir(self.dir) if os.path.isdir(self.dir) else []
+
+    async def test_seed_to_a_peer(self) -> None:
+        port = free_port()
+        served, sctx = await self.serve(self.good, port)
+        self.client.images.remove(TAG, force=True)  # the peer has no image: it must come from the seeder
+        ctx, report = await self.fetch(self.good, f"http://127.0.0.2:{port}/image")
+        self.assertEqual(report.matched_by, "rootfs_digest")
+        self.assertEqual(report.identity.image_id, self.good.id)
+        result = await served
+        self.assertEqual((result["served"], result["expected"], result["timed_out"]), (1, 1, False))
+        self.assertGreater(result["bytes_sent"], PAYLOAD_BYTES)
+        self.assertEqual(self.leftovers(), [])
+        self.assertIn("peer_download", [f["phase"] for f in ctx.frames])
+        self.assertNoSecret(result, ctx.frames, sctx.frames)
+        # The seeder stopped listening.
+        with self.assertRaises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", port), timeout=5).close()
+
+    async def test_resume_after_cut(self) -> None:
+        port = free_port()
+        served, _ = await self.serve(self.good, port)
+        proxy = CutProxy("127.0.0.2", port, cut=PAYLOAD_BYTES // 2)
+        listening = reactor.listenTCP(0, proxy, interface="127.0.0.1")
+        self.addCleanup(listening.stopListening)
+        self.client.images.remove(TAG, force=True)
+        ctx, report = await self.fetch(self.good, f"http://127.0.0.1:{listening.getHost().port}/image")
+        self.assertEqual(report.identity.image_id, self.good.id)
+        self.assertGreaterEqual(proxy.connections, 2)
+        result = await served
+        self.assertEqual(result["served"], 1)
+        # The resume asked only for the rest: less than two whole tars went out.
+        done = [f for f in ctx.frames if f["phase"] == "peer_download"]
+        total = done[-1]["bytes_total"]
+        self.assertLess(result["bytes_sent"], 2 * total)
+        self.assertGreater(len(done), 1)
+        self.assertEqual(self.leftovers(), [])
+
+    async def test_wrong_token(self) -> None:
+        port = free_port()
+        served, _ = await self.serve(self.good, port, timeout_sec=2)
+        self.client.images.remove(TAG, force=True)
+        with self.assertRaises(CommandFailed) as caught:
+            await self.fetch(self.good, f"http://127.0.0.2:{port}/image", token="not-the-token")
+        self.assertEqual(caught.exception.error_code, IMAGE_SEED_FAILED)
+        self.assertIn("HTTP 401", caught.exception.error_message)
+        result = await served
+        self.assertEqual((result["served"], result["timed_out"]), (0, True))
+        self.assertEqual(self.leftovers(), [])
+        self.assertNoSecret(result)
+
+    async def test_peer_serving_a_wrong_image(self) -> None:
+        port = free_port()
+        served, _ = await self.serve(self.good, port)
+        other = _make_image(self.client, b"B", "llmport-test/seed-other:1")
+        self.addCleanup(self.env.remove_image, "llmport-test/seed-other:1")
+        self.client.images.remove(TAG, force=True)
+        with self.assertRaises(CommandFailed) as caught:
+            await self.fetch(other, f"http://127.0.0.2:{port}/image")
+        self.assertEqual(caught.exception.error_code, imagepin.RUNTIME_IMAGE_MISMATCH)
+        await served
+        self.assertEqual(self.leftovers(), [])
+
+    async def test_serve_refuses_an_unverified_image(self) -> None:
+        other = _make_image(self.client, b"C", "llmport-test/seed-other:2")
+        self.addCleanup(self.env.remove_image, "llmport-test/seed-other:2")
+        payload = {"runtime_bundle": self.bundle(other), "bind_ip": "127.0.0.2", "port": free_port(), "token": TOKEN}
+        ctx = RecordingContext(make_command("serve_runtime_image", payload), reactor)
+        with self.assertRaises(CommandFailed) as caught:
+            await seeding_handler_specs(self.seeding)["serve_runtime_image"].handler(ctx)
+        self.assertEqual(caught.exception.error_code, imagepin.RUNTIME_IMAGE_MISMATCH)
