@@ -136,13 +136,46 @@ class DispatchModeTests(SynchronousTestCase):
         self.assertEqual(self.polls(proto, since=start), [])
 
     def test_reply_soon_after_a_frame_proves_nothing(self) -> None:
-        """A commands frame within the window after a frame of ours (a reply, for all we know) is no proof."""
+        """A commands frame within the window (0.5 s at the least) after a frame of ours (a reply, for all we know) is no proof."""
         svc = self.make()
         proto = self.connect(svc)
+        self.assertEqual(svc.dispatch.window, 0.5)
         self.run_for(700)
-        self.quiet(proto, 2.9)
+        self.quiet(proto, 0.45)
         svc.frame_received(proto, {"type": "commands", "items": [command(1)]})
         self.assertEqual(svc.dispatch.mode, POLLING)
+
+    def test_push_between_two_fast_polls_proves_it(self) -> None:
+        """Inside the active window after a connect (a poll every 2 s), a push 1 s after a poll proves push."""
+        svc = self.make()
+        proto = self.connect(svc)
+        self.heartbeats(svc)
+        self.run_for(30)
+        self.assertTrue(svc.poll_active())
+        self.quiet(proto, 1.0)
+        svc.frame_received(proto, {"type": "commands", "items": [command(1)]})
+        self.assertEqual(svc.dispatch.mode, PUSH)
+        start = self.reactor.seconds()
+        self.run_for(60)
+        self.assertEqual(self.polls(proto, since=start), [])
+
+    def test_one_push_just_after_a_heartbeat_keeps_push(self) -> None:
+        """A push that happens to land 20 ms after a heartbeat, then a plain one: push throughout."""
+        svc = self.make()
+        proto = self.connect(svc)
+        self.heartbeats(svc)
+        self.run_for(700)
+        self.quiet(proto, 5.0)
+        svc.frame_received(proto, {"type": "commands", "items": [command(1)]})
+        self.assertEqual(svc.dispatch.mode, PUSH)
+        for i in range(2, 40, 2):
+            self.quiet(proto, 0.02)  # the coincidence
+            svc.frame_received(proto, {"type": "commands", "items": [command(i)]})
+            self.assertEqual(svc.dispatch.mode, PUSH)
+            self.quiet(proto, 3.0)  # a push on its own
+            svc.frame_received(proto, {"type": "commands", "items": [command(i + 1)]})
+            self.assertEqual(svc.dispatch.mode, PUSH)
+        self.assertGreaterEqual(svc.dispatch.answered, 5)  # coincidences (not beside an inventory) seen as such
 
     def test_command_listed_again_proves_nothing(self) -> None:
         """A command the connection has seen (hello_ack or an earlier frame), listed again after a silence: no proof."""
@@ -204,11 +237,11 @@ class DispatchModeTests(SynchronousTestCase):
         return replies
 
     def test_answering_backend_is_never_taken_for_push(self) -> None:
-        """Two hours of an April backend replying up to 2.9 s late: polling throughout, at today's intervals."""
+        """Two hours of an April backend replying up to 0.45 s late: polling throughout, at today's intervals."""
         svc = self.make()
         proto = self.connect(svc)
         self.heartbeats(svc)
-        replies = self.answering_backend(svc, proto, 2.9, random.Random(18), 2.0)
+        replies = self.answering_backend(svc, proto, 0.45, random.Random(18), 2.0)
         self.assertGreater(replies, 100)
         self.assertEqual(svc.dispatch.mode, POLLING)
         self.assertEqual(svc.dispatch.proofs, 0)
@@ -216,6 +249,17 @@ class DispatchModeTests(SynchronousTestCase):
         times = [t for t, _ in proto.wire]
         self.assertLessEqual(max(b - a for a, b in zip(times, times[1:], strict=False)), 8.0 + 1e-6)
         self.assertGreater(len(self.polls(proto)), 200)
+
+    def test_slow_answering_backend_is_never_taken_for_push(self) -> None:
+        """An April backend whose hello_ack took 0.8 s (window 3.2 s) replying up to 3 s late: polling throughout."""
+        svc = self.make()
+        proto = self.connect(svc, hello_after=0.8)
+        self.assertAlmostEqual(svc.dispatch.window, 3.2)
+        self.heartbeats(svc)
+        replies = self.answering_backend(svc, proto, 3.0, random.Random(19), 1.0)
+        self.assertGreater(replies, 50)
+        self.assertEqual(svc.dispatch.mode, POLLING)
+        self.assertEqual(svc.dispatch.proofs, 0)
 
     def test_downgraded_backend_brings_polling_back(self) -> None:
         """Push remembered from a previous run; the backend now answers a heartbeat with a new command: polling again."""
@@ -234,9 +278,12 @@ class DispatchModeTests(SynchronousTestCase):
         self.heartbeats(svc2)
         self.run_for(120)
         self.assertEqual(self.polls(proto2), [])
-        # Downgraded: a new command comes back only 20 ms after a heartbeat.
+        # Downgraded: new commands come back only 20 ms after a heartbeat, twice in a row.
         self.quiet(proto2, 0.02)
         svc2.frame_received(proto2, {"type": "commands", "items": [command(2)]})
+        self.assertEqual(svc2.dispatch.mode, PUSH)  # once can be a coincidence
+        self.quiet(proto2, 0.02)
+        svc2.frame_received(proto2, {"type": "commands", "items": [command(3)]})
         self.assertEqual(svc2.dispatch.mode, POLLING)
         start = self.reactor.seconds()
         self.run_for(60)

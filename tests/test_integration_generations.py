@@ -153,6 +153,30 @@ class IdleTests(_Base):
         self.assertIn("poll", kinds)
 
 
+class FastPollWindowTests(_Base):
+    async def _between_two_polls(self, generation: str) -> Any:
+        # The default active window after a connect: a poll every 2 s.
+        backend, agent, node_id, _ = await self.agent_for(generation, COMMAND_POLL_ACTIVE_WINDOW_SEC="600",
+                                                          HEARTBEAT_INTERVAL_SEC="15")
+        window = agent.session.dispatch.window
+        self.assertLess(window, 1.0, "the stand-in took too long to say hello_ack on this machine")
+        await self.quiet(agent, window + 0.3)
+        cmd = backend.issue_command(node_id, "refresh_inventory", {})
+        await self.status(backend, cmd["id"], "succeeded")
+        return agent
+
+    async def test_current_push_proven_between_two_polls(self) -> None:
+        """Current: a command issued between two 2 s polls of the active window is pushed and proves push."""
+        agent = await self._between_two_polls(GENERATION_CURRENT)
+        self.assertEqual(agent.session.dispatch.mode, PUSH, agent.session.dispatch.reason)
+
+    async def test_april_never_proven_between_two_polls(self) -> None:
+        """April: the same command waits for the next poll's reply; polling stays on."""
+        agent = await self._between_two_polls(GENERATION_APRIL)
+        self.assertEqual(agent.session.dispatch.mode, POLLING)
+        self.assertEqual(agent.session.dispatch.proofs, 0)
+
+
 class RememberTests(_Base):
     async def test_push_remembered_across_an_agent_restart(self) -> None:
         """Push proven, the agent restarts on the same state: push from its first connect, no poll at all."""

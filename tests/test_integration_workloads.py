@@ -180,6 +180,10 @@ class MoreCommandsFlowTests(_WorkloadBase):
             self.assertEqual(rec["status"], "succeeded", f"{ctype}: {rec.get('error_message')}")
             if ctype in ("start_workload", "restart_workload"):
                 self.assertTrue(rec["result"]["endpoint_url"].startswith("http://127.0.0.1:"))
+            if ctype == "update_workload":
+                # The current backend leaves an updated runtime starting until a
+                # workload.health.running that follows the result (protocol 4).
+                await backend.wait_for(lambda: (backend.runtime(rid) or {}).get("status") == "running", 20)
         # An update to a workload that never becomes ready rolls back to the old one.
         broken = dict(payload, provider_config=dict(payload["provider_config"], command=["sh", "-c", "exit 3"]))
         bad = backend.issue_command(node_id, "update_workload", broken)

@@ -415,6 +415,30 @@ class DeliveryTests(SynchronousTestCase):
         captured[0].progress("late", "too late")
         self.assertEqual(h.kinds_for(c["id"]), ["command_ack", "command_result"])
 
+    def test_after_result_runs_once_the_result_is_confirmed(self) -> None:
+        """An after_result action waits for the backend's confirmation, across a reconnect, and runs once."""
+        h = Harness(self)
+        ran: list[str] = []
+
+        async def handler(ctx: Any) -> dict[str, Any]:
+            ctx.after_result(lambda: ran.append("after"))
+            return {}
+
+        h.pipeline.registry["then"] = HandlerSpec(handler, lane="read", idempotent=True, deadline=5)
+        h.session.auto_confirm = False
+        c = command("then")
+        h.deliver(c)
+        self.assertEqual(h.kinds_for(c["id"]).count("command_result"), 1)
+        self.assertEqual(ran, [])  # sent, not confirmed
+        h.session.disconnect()
+        self.assertEqual(ran, [])
+        h.session.connected = True
+        h.session.auto_confirm = True
+        h.pipeline.session_opened()
+        self.assertEqual(ran, ["after"])
+        h.pipeline.session_opened()
+        self.assertEqual(ran, ["after"])
+
     def test_unconfirmed_result_resent_after_reconnect(self) -> None:
         """A result whose delivery was not confirmed before a disconnect is sent again on connect."""
         h = Harness(self)

@@ -113,6 +113,12 @@ class CommandContext(Protocol):
     ) -> None:
         """Queue one event for the next C{event_batch} (durable outbox)."""
 
+    def after_result(self, fn: Callable[[], None]) -> None:
+        """
+        Call C{fn} once the backend confirmed it has this command's result (an event that
+        must follow the result, such as C{workload.health.running} after an update).
+        """
+
 
 Handler = Callable[[CommandContext], Awaitable[dict[str, Any]]]
 

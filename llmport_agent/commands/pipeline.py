@@ -86,6 +86,8 @@ MAX_INTAKE = 100_000
 
 #: Unknown inbound frame types warned about (once each); further new ones are ignored quietly.
 MAX_UNKNOWN_FRAME_TYPES = 64
+#: Commands with actions waiting for their result's delivery (L{CommandPipeline.after_delivery}).
+MAX_AFTER_DELIVERY = 1024
 
 class NodeModes(Protocol):
     """What the pipeline needs to know about node modes (maintenance, draining)."""
@@ -119,6 +121,9 @@ class _Context:
         self._pipeline.outbox.emit(
             event_type, payload, severity, correlation_id or self.command.reply_correlation_id
         )
+
+    def after_result(self, fn: Callable[[], None]) -> None:
+        self._pipeline.after_delivery(self._rec.id, fn)
 
 
 class CommandPipeline(Service):
@@ -159,6 +164,8 @@ class CommandPipeline(Service):
         self._running: dict[str, Deferred[Any]] = {}
         self._tasks: set[Deferred[Any]] = set()
         self._delivering: set[str] = set()
+        #: Actions to run once the backend confirmed a command's result, by command id.
+        self._after_delivery: dict[str, list[Callable[[], None]]] = {}
         self._receiving: set[str] = set()
         # Acks sent on the current connection: the backend's lists can be stale for a few
         # frames after an ack, so a listed command is re-acked only after a reconnect.
@@ -247,6 +254,7 @@ class CommandPipeline(Service):
         for ka in list(self._keepalives.values()):
             ka.stop()
         self._keepalives.clear()
+        self._after_delivery.clear()
         for d in list(self._running.values()):
             d.cancel()
         pending = list(self._tasks)
@@ -879,6 +887,14 @@ class CommandPipeline(Service):
                 error_message=(error_message or "no message")[:MAX_LOGGED_MESSAGE],
             )
 
+    def after_delivery(self, command_id: str, fn: Callable[[], None]) -> None:
+        """Call C{fn} when the backend confirms the result of C{command_id} (L{_send_result})."""
+        if len(self._after_delivery) >= MAX_AFTER_DELIVERY and command_id not in self._after_delivery:
+            # Bounded: the oldest waiting actions are dropped (announce_all after a connect
+            # reports every runtime anyway).
+            self._after_delivery.pop(next(iter(self._after_delivery)))
+        self._after_delivery.setdefault(command_id, []).append(fn)
+
     def _send_result(self, rec: JournalRecord, replayed: bool = False) -> None:
         """
         Send the stored result (again). C{replayed}: an answer from the journal to a command
@@ -900,6 +916,11 @@ class CommandPipeline(Service):
 
         def delivered(_: object) -> None:
             self._delivering.discard(rec.id)
+            for fn in self._after_delivery.pop(rec.id, ()):
+                try:
+                    fn()
+                except Exception:
+                    self.log.failure("An after-result action of command {id} failed", id=rec.id)
             if rec.state == FINISHED:
                 rec.state = DELIVERED
                 self.journal.mark_delivered(rec.id).addErrback(

@@ -9,19 +9,22 @@ from what the backend does. There is no setting: the same agent talks to both ge
 
 B{Proof of push}: a C{commands} frame that lists a command this connection had not seen,
 arriving when the agent has sent nothing for longer than L{DispatchDetector.window}: the larger
-of L{PUSH_SILENCE_MIN} and L{REPLY_MARGIN} times the slowest C{hello_ack} this process has seen
+of L{PUSH_SILENCE_MIN} (0.5 s, so a push between two 2 s polls proves it) and L{REPLY_MARGIN}
+times the slowest C{hello_ack} (the backend's measured reply time) this process has seen
 (from the upgrade to C{hello_ack} the backend does the work of several frames: a session row, the
 pending-commands query, the profile, a commit). An April backend could only produce such a frame
-by answering a frame of ours later than several times its slowest measured reply, and, at the
-default settings, never while the agent polls fast (a poll every 2 s is never silent as long as
-the window); a frame listing only commands already seen (the backend listing them again until
-our ack reaches it) proves nothing.
+by answering a frame of ours later than several times its slowest measured reply (and it
+answers each frame at once: a reply is a few milliseconds to a few tens of them after the frame);
+a frame listing only commands already seen (the backend listing them again until our ack
+reaches it) proves nothing.
 
 B{Evidence against push}: a command seen for the first time in a frame that arrives within
 L{DispatchDetector.answer_bound} of a frame of ours, where that frame of ours followed a silence
 longer than the window. A pushing backend would have sent a command queued during that silence
 at once, so it is a backend that answers rather than pushes (an older backend behind the same
-URL, or a current one whose wake-up path is broken). The agent goes back to polling. This errs
+URL, or a current one whose wake-up path is broken). One such command can be a push that
+happened to land just after a heartbeat; L{ANSWERS_TO_POLL} in a row with no proof of push
+between them bring polling back. This errs
 on the cheap side: a wrong "not push" costs polls until the next proof; a wrong "push" would cost
 command latency, which is why the proof is the stricter of the two.
 
@@ -46,12 +49,15 @@ POLLING = "polling"
 PUSH = "push"
 MODES = (POLLING, PUSH)
 
-#: Seconds of agent silence before a C{commands} frame proves push, at the least.
-PUSH_SILENCE_MIN = 3.0
+#: Seconds of agent silence before a C{commands} frame proves push, at the least (short
+#: enough that a push between two 2 s polls of the active window proves it).
+PUSH_SILENCE_MIN = 0.5
 #: ... or this many times the slowest C{hello_ack} seen, if larger.
 REPLY_MARGIN = 4.0
 #: A reply arrives within this long of our frame, at the least (evidence against push).
 ANSWER_MIN = 0.25
+#: Replies in a row (no proof of push between them) that bring polling back.
+ANSWERS_TO_POLL = 2
 #: Command ids remembered per connection for "seen before" (oldest forgotten first).
 SEEN_IDS = 4096
 #: Items of one frame looked at (the backend lists at most 50; one new id is enough).
@@ -78,6 +84,8 @@ class DispatchDetector:
     proofs: int = 0
     answered: int = 0
     slowest_hello: float = 0.0
+    #: Evidence against push since the last proof (L{ANSWERS_TO_POLL} of them bring polling back).
+    answered_in_a_row: int = 0
     _opened_at: float | None = None
     _hello_seen: bool = False
     _last_sent: float | None = None
@@ -135,6 +143,7 @@ class DispatchDetector:
         if quiet > self.window:
             self.proofs += 1
             self.proven_here = True
+            self.answered_in_a_row = 0
             if self.mode != PUSH:
                 self._change(
                     PUSH,
@@ -145,13 +154,16 @@ class DispatchDetector:
         isolated = self._sent_before is None or self._last_sent - self._sent_before > self.window
         if quiet <= self.answer_bound and isolated:
             self.answered += 1
-            if self.mode == PUSH:
+            self.answered_in_a_row += 1
+            if self.mode == PUSH and self.answered_in_a_row >= ANSWERS_TO_POLL:
                 self.proven_here = False
                 self._change(
                     POLLING,
-                    f"a new command arrived {quiet:.2f} s after a frame of the agent's, and not "
-                    f"during the {self._last_sent - (self._sent_before or self._last_sent):.0f} s of "
-                    "silence before it: this backend answers frames rather than pushing",
+                    f"new commands arrived just after frames of the agent's {self.answered_in_a_row} "
+                    f"times in a row (the last {quiet:.2f} s after one, not during the "
+                    f"{self._last_sent - (self._sent_before or self._last_sent):.1f} s of silence "
+                    "before it), with no push between: this backend answers frames rather than "
+                    "pushing",
                 )
 
     def restore(self, mode: str, reason: str) -> None:
@@ -166,6 +178,7 @@ class DispatchDetector:
             "proven_on_this_connection": self.proven_here,
             "push_proofs": self.proofs,
             "answered_commands": self.answered,
+            "answered_in_a_row": self.answered_in_a_row,
             "reply_window_sec": round(self.window, 3),
         }
 

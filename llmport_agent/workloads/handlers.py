@@ -79,6 +79,8 @@ class HealthHooks(Protocol):
         self, runtime_id: str, *, announce: bool = False, expect: str | None = None
     ) -> None: ...
 
+    def announce(self, runtime_id: str) -> None: ...
+
     def forget(self, runtime_id: str) -> None: ...
 
 
@@ -89,6 +91,9 @@ class _NoHealth:
     def release(
         self, runtime_id: str, *, announce: bool = False, expect: str | None = None
     ) -> None:
+        pass
+
+    def announce(self, runtime_id: str) -> None:
         pass
 
     def forget(self, runtime_id: str) -> None:
@@ -775,7 +780,13 @@ class WorkloadManager:
             announce = bool(exc.result.get("rolled_back") or exc.result.get("previous_running"))
             raise
         finally:
-            self.health.release(spec.runtime_id, announce=announce)
+            # The current backend ignores workload.health.running while the update is in
+            # flight (protocol 4, 10.4): the running container is announced once the backend
+            # confirmed the update's result, not before.
+            self.health.release(spec.runtime_id)
+            if announce:
+                rid = spec.runtime_id
+                ctx.after_result(lambda: self.health.announce(rid))
         self._note_deployed(ctx, result)
         self._event(ctx, "workload.updated", self._eventPayload(result))
         return result

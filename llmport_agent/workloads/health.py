@@ -12,8 +12,8 @@ States and their events:
  - C{unhealthy} {runtime_id, container_name, health_status}: from Docker health checks
 
 While a command works on a runtime it is I{held}: its changes are not reported, and when
-the command ends the watcher re-reads the runtime silently (or, for update and rollback,
-announces it after a short delay so the event follows the command's result).
+the command ends the watcher re-reads the runtime silently (after an update or its rollback,
+the handler has it announced once the backend confirmed the command's result, L{announce}).
 
 The event stream runs on the engine's streaming budget and is restarted with backoff
 when it breaks; at idle the only engine call is the reconcile's one listing per period.
@@ -348,6 +348,11 @@ class HealthWatcher(Service):
             )
         else:
             self._track(self.check(runtime_id, silent=True, expect=expect))
+
+    def announce(self, runtime_id: str) -> None:
+        """Report the runtime's current state now, whatever was reported before."""
+        if self.running:
+            self._track(self.check(runtime_id, force=True))
 
     def forget(self, runtime_id: str) -> None:
         """The runtime was removed on purpose: stop tracking it (no C{missing} event)."""

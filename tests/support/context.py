@@ -34,6 +34,8 @@ class RecordingContext:
         self.frames: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.on_progress: list[Callable[[dict[str, Any]], None]] = []
+        #: after_result actions, run by L{delivered} (the pipeline runs them on confirmation).
+        self.after: list[Callable[[], None]] = []
 
     def progress(self, phase: str, message: str, **extra: Any) -> None:
         frame = {"phase": phase, "message": message, **extra}
@@ -56,6 +58,15 @@ class RecordingContext:
                 "correlation_id": correlation_id,
             }
         )
+
+    def after_result(self, fn: Callable[[], None]) -> None:
+        self.after.append(fn)
+
+    def delivered(self) -> None:
+        """The result reached the backend: run the after_result actions."""
+        after, self.after = self.after, []
+        for fn in after:
+            fn()
 
     def phases(self) -> list[str]:
         """Phases in first-seen order."""

@@ -194,6 +194,7 @@ class Rig:
             "fetch_container_logs": self.manager.logs,
         }[command_type]
         result = await handler(ctx)
+        ctx.delivered()  # as the pipeline does once the backend confirmed the result
         return ctx, result
 
     async def get(self, url: str) -> tuple[int, bytes]:
