@@ -1,0 +1,115 @@
+"""
+The unit as shipped (C{deploy/systemd/llmport-agent.service}, ExecStart=/usr/local/bin/llmport-agent)
+under a real systemd as PID 1 (L{tests.support.systemd_pid1}): Type=notify readiness, kill -9
+and a SIGSTOP under the watchdog restarted, a bad setting exits 2 without a restart loop, a clean
+stop. The agent runs from this tree (a wrapper at /usr/local/bin on a tmpfs private to the
+namespace). Skips with one line when not root or systemd is missing; fails instead under CI=true.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from twisted.internet import reactor
+from twisted.internet.threads import deferToThread
+from twisted.trial.unittest import SkipTest, TestCase
+
+from tests.agentharness import AnomalyGuard
+from tests.support.systemd_pid1 import BootedSystemd, unavailable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UNIT = "llmport-agent.service"
+
+
+class ShippedUnitTests(AnomalyGuard, TestCase):
+    timeout = 180
+
+    def setUp(self) -> None:
+        why = unavailable()
+        if why:
+            if os.environ.get("CI") == "true":
+                raise AssertionError(why)
+            raise SkipTest(why)
+
+    async def boot(self) -> BootedSystemd:
+        base = os.path.join(ROOT, "_trial_temp", "pid1-" + os.urandom(4).hex())
+        box = BootedSystemd(base)
+        self.addCleanup(box.stop)
+        await deferToThread(box.wait_booted, 60)
+        python = os.path.realpath(sys.executable)
+        await deferToThread(box.run, "mount", "-t", "tmpfs", "tmpfs", "/usr/local/bin")
+        await deferToThread(box.write, "/usr/local/bin/llmport-agent",
+                            f"#!/bin/sh\nexport PYTHONPATH={ROOT}\nexec {python} -m llmport_agent.cli \"$@\"\n",
+                            0o755)
+        with open(os.path.join(ROOT, "deploy", "systemd", UNIT)) as f:
+            await deferToThread(box.write, "/etc/systemd/system/" + UNIT, f.read())
+        return box
+
+    async def configure(self, box: BootedSystemd, **extra: str) -> tuple[object, str]:
+        b = await self.start_watched_backend()
+        agent_id = "agent-" + os.urandom(4).hex()
+        env = {"BACKEND_URL": b.url, "AGENT_ID": agent_id, "HOST": "127.0.0.1", "OPS_PORT": "0",
+               "ENROLLMENT_TOKEN": b.mint_token()["token"], "RECONNECT_MIN_SEC": "0.2",
+               "RECONNECT_MAX_SEC": "1"}
+        env.update(extra)
+        text = "".join(f"LLM_PORT_NODE_AGENT_{k}={v}\n" for k, v in env.items())
+        await deferToThread(box.write, "/etc/llmport-agent.env", text, 0o600)
+        await deferToThread(box.run, "systemctl", "daemon-reload")
+        return b, agent_id
+
+    async def up(self, box: BootedSystemd, b: object, agent_id: str) -> str:
+        await b.wait_for(lambda: (b.node_by_agent_id(agent_id) or {}).get("status")  # type: ignore[attr-defined]
+                         in ("healthy", "degraded"), 60)
+        props = await deferToThread(box.show, UNIT, "ActiveState", "MainPID")
+        self.assertEqual(props["ActiveState"], "active")
+        return props["MainPID"]
+
+    async def test_readiness_kill9_watchdog_and_clean_stop(self) -> None:
+        box = await self.boot()
+        b, agent_id = await self.configure(box)
+        # Type=notify: `systemctl start` returns once READY=1 came (it fails otherwise).
+        await deferToThread(box.run, "systemctl", "start", UNIT)
+        pid = await self.up(box, b, agent_id)
+        self.allow_anomalies(".", "kill -9 and the watchdog's SIGABRT drop the stream without a close")
+        # kill -9: Restart=on-failure brings it back (RestartSec=5), same node.
+        await deferToThread(box.run, "kill", "-9", pid)
+        await b.wait_for(lambda: self._restarted(box, pid), 40)
+        pid2 = await self.up(box, b, agent_id)
+        self.assertNotEqual(pid2, pid)
+        # Watchdog: a SIGSTOPped agent is killed and restarted (WatchdogSec shortened by a drop-in).
+        await deferToThread(box.write, f"/etc/systemd/system/{UNIT}.d/watchdog.conf",
+                            "[Service]\nWatchdogSec=4\n")
+        await deferToThread(box.run, "systemctl", "daemon-reload")
+        await deferToThread(box.run, "systemctl", "restart", UNIT)
+        pid3 = await self.up(box, b, agent_id)
+        await deferToThread(box.run, "kill", "-STOP", pid3)
+        await b.wait_for(lambda: self._restarted(box, pid3), 40)
+        await self.up(box, b, agent_id)
+        journal = await deferToThread(box.run, "journalctl", "-u", UNIT, "--no-pager", "-o", "cat")
+        self.assertIn("Watchdog timeout", journal.stdout)
+        # Clean stop: exit 0, inactive.
+        await deferToThread(box.run, "systemctl", "stop", UNIT)
+        props = await deferToThread(box.show, UNIT, "ActiveState", "ExecMainStatus", "Result")
+        self.assertEqual((props["ActiveState"], props["ExecMainStatus"], props["Result"]),
+                         ("inactive", "0", "success"))
+        self.assertEqual(len(b.state.nodes), 1)  # type: ignore[attr-defined]
+
+    def _restarted(self, box: BootedSystemd, old: str) -> bool:
+        props = box.show(UNIT, "ActiveState", "MainPID")
+        return props["ActiveState"] == "active" and props["MainPID"] not in ("0", old)
+
+    async def test_bad_setting_exits_2_without_a_restart_loop(self) -> None:
+        box = await self.boot()
+        await self.configure(box, LOG_LEVEL="bogus")
+        done = await deferToThread(box.run, "systemctl", "start", UNIT, check=False)
+        self.assertNotEqual(done.returncode, 0)
+        # RestartSec=5: wait past two restart periods; RestartPreventExitStatus=2 holds.
+        await deferToThread(time.sleep, 11)
+        props = await deferToThread(box.show, UNIT, "ActiveState", "ExecMainStatus", "NRestarts")
+        self.assertEqual((props["ActiveState"], props["ExecMainStatus"], props["NRestarts"]),
+                         ("failed", "2", "0"))
+
+
+_ = reactor
