@@ -157,6 +157,7 @@ class FastPollWindowTests(_Base):
     async def _between_two_polls(self, generation: str) -> Any:
         # The default active window after a connect: a poll every 2 s.
         backend, agent, node_id, _ = await self.agent_for(generation, COMMAND_POLL_ACTIVE_WINDOW_SEC="600",
+                                                          COMMAND_POLL_INTERVAL_SEC="2",
                                                           HEARTBEAT_INTERVAL_SEC="15")
         window = agent.session.dispatch.window
         self.assertLess(window, 1.0, "the stand-in took too long to say hello_ack on this machine")
