@@ -217,3 +217,35 @@ class SeedingTests(TestCase):
         with self.assertRaises(CommandFailed) as caught:
             await seeding_handler_specs(self.seeding)["serve_runtime_image"].handler(ctx)
         self.assertEqual(caught.exception.error_code, imagepin.RUNTIME_IMAGE_MISMATCH)
+
+    async def test_http_answers(self) -> None:
+        """The seeder's HTTP: 401 without the token, 206 for a range, 416 past the end."""
+        import urllib.error
+        import urllib.request
+
+        port = free_port()
+        served, _ = await self.serve(self.good, port, timeout_sec=3)
+        url = f"http://127.0.0.2:{port}/image"
+
+        def get(headers: dict[str, str]) -> tuple[int, bytes, dict[str, str]]:
+            req = urllib.request.Request(url, headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    return r.status, r.read(), dict(r.headers)
+            except urllib.error.HTTPError as e:
+                return e.code, e.read(), dict(e.headers)
+
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        code, _, headers = await deferToThread(get, {})
+        self.assertEqual((code, headers.get("WWW-Authenticate")), (401, "Bearer"))
+        code, _, _ = await deferToThread(get, {"Authorization": f"Bearer {TOKEN[:-1]}x"})
+        self.assertEqual(code, 401)
+        code, body, headers = await deferToThread(get, {**auth, "Range": "bytes=10-19"})
+        self.assertEqual((code, len(body)), (206, 10))
+        total = int(headers["Content-Range"].rsplit("/", 1)[1])
+        code, _, headers = await deferToThread(get, {**auth, "Range": f"bytes={total}-"})
+        self.assertEqual((code, headers.get("Content-Range")), (416, f"bytes */{total}"))
+        result = await served
+        # Partial ranges are not complete downloads.
+        self.assertEqual((result["served"], result["timed_out"]), (0, True))
+        self.assertEqual(self.leftovers(), [])

@@ -420,7 +420,6 @@ class ImageSeeding:
         except ierror.CannotListenError as exc:
             raise _fail(f"Cannot serve the runtime image on {ip}:{port} ({exc.socketError}): "
                         "is the IP an address of this node and the port free?") from None
-        self.listening_port = listening
         ctx.progress("serving", f"Serving the runtime image ({size} bytes) on {ip}:{port} to {expected} peer(s)")
         timer = self._reactor.callLater(timeout, state.finish, False)
         try:
