@@ -291,6 +291,25 @@ class RayHandlerTests(TestCase):
         _c, r = await self.do("get_ray_status", {"include_serve": False})
         self.assertEqual((r["alive"], r["version"], r["num_nodes"]), (True, "2.58.0", 1))
 
+    async def test_helper_answer_parsed_off_the_reactor(self) -> None:
+        """
+        The helper's output (up to 1 MiB the container writes) is searched for its JSON answer
+        on the pool, never on the reactor: 64 long unterminated objects cost about a second.
+        """
+        await self.do("start_ray_head", self.head())
+        ran: list[str] = []
+        inline = self.ray._pool
+
+        class Recording:
+            def run(inner, fn: Any, *args: Any, **kw: Any) -> Deferred[Any]:  # noqa: N805
+                ran.append(getattr(fn, "__name__", ""))
+                return inline.run(fn, *args, **kw)
+
+        self.ray._pool = Recording()  # type: ignore[assignment]
+        _c, r = await self.do("get_ray_status", {"include_serve": False})
+        self.assertTrue(r["alive"])
+        self.assertIn("first_json_object", ran)
+
     async def test_image_mismatch_and_missing(self) -> None:
         self.engine.identity = imagepin.Identity(True, "sha256:" + "9" * 64, (), ("sha256:" + "2" * 64,))
         err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})

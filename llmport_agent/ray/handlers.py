@@ -543,7 +543,8 @@ class RayManager:
     async def _helper(self, name: str, argv: list[str], stdin: bytes | None = None,
                       timeout: float = _HELPER_TIMEOUT) -> tuple[ExecResult, dict[str, Any] | None]:
         result = await self.exec(name, [helpercli.HELPER, *argv], stdin=stdin, timeout=timeout)
-        doc = helpercli.first_json_object(result.out)
+        # Up to OUTPUT_LIMIT of the container's words: searched on the pool, not the reactor.
+        doc = await self._pool.run(helpercli.first_json_object, result.out)
         if doc is None:
             self.log.warn(
                 "The runtime helper {verb} in {name} gave no answer (exit {code}): {detail}",
