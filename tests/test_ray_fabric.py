@@ -263,3 +263,15 @@ class ClockTimeoutTests(TestCase):
         self.assertLessEqual(r.clock.seconds(), total + fabric.MAX_TIMEOUT_SEC)
         self.assertGreater(answer["attempts"], 1)
         self.assertLessEqual(answer["attempts"], int(total / fabric.MAX_TIMEOUT_SEC) + 1)
+
+
+class JournalTests(TestCase):
+    def test_probe_token_not_journaled(self) -> None:
+        from llmport_agent.commands.parse import scrub_for_journal
+
+        copy = scrub_for_journal({"command_type": "validate_fabric_connect",
+                                  "payload": {"target_ip": "127.0.0.2", "probe_token": TOKEN}})
+        self.assertNotIn(TOKEN, str(copy))
+        self.assertEqual(copy["payload"]["target_ip"], "127.0.0.2")
+        # A probe cut by a restart is not re-run with the scrubbed token.
+        self.assertEqual({s.idempotent for s in fabric.fabric_handler_specs().values()}, {False})

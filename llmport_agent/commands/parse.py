@@ -125,7 +125,7 @@ def parse_iso8601(value: str) -> float | None:
 
 #: Keys whose values are registry credentials: kept in memory, never written to the journal.
 _CREDENTIAL_KEYS = frozenset({"registry_auth", "registry_credentials", "registry_credential"})
-_SECRET_FIELDS = frozenset({"password", "identitytoken", "registrytoken", "auth", "token"})
+_SECRET_FIELDS = frozenset({"password", "identitytoken", "registrytoken", "auth", "token", "probe_token"})
 
 #: A single command larger than this (serialized) is refused as invalid.
 MAX_COMMAND_BYTES = 1024 * 1024

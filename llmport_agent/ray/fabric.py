@@ -393,9 +393,11 @@ def fabric_handler_specs() -> dict[str, HandlerSpec]:
         payload = ctx.command.payload if isinstance(ctx.command.payload, Mapping) else {}
         return await connect(ctx.reactor, payload)
 
+    # Not idempotent: the journal keeps the probe token scrubbed, so a probe cut by a restart
+    # is answered agent_restarted (the backend re-issues it) rather than re-run without it.
     return {
-        "validate_fabric_listen": HandlerSpec(listen_handler, "read", True, MAX_TIMEOUT_SEC * 5 + 30, keep_result=False),
+        "validate_fabric_listen": HandlerSpec(listen_handler, "read", False, MAX_TIMEOUT_SEC * 5 + 30, keep_result=False),
         "validate_fabric_connect": HandlerSpec(
-            connect_handler, "read", True, MAX_RETRY_SEC + MAX_TIMEOUT_SEC * 2 + 30, keep_result=False
+            connect_handler, "read", False, MAX_RETRY_SEC + MAX_TIMEOUT_SEC * 2 + 30, keep_result=False
         ),
     }
