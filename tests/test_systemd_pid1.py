@@ -96,6 +96,18 @@ class ShippedUnitTests(AnomalyGuard, TestCase):
                          ("inactive", "0", "success"))
         self.assertEqual(len(b.state.nodes), 1)  # type: ignore[attr-defined]
 
+    async def test_clean_stop_closes_with_1000(self) -> None:
+        box = await self.boot()
+        b, agent_id = await self.configure(box)
+        await deferToThread(box.run, "systemctl", "start", UNIT)
+        await self.up(box, b, agent_id)
+        node_id = b.node_by_agent_id(agent_id)["id"]  # type: ignore[attr-defined]
+        await deferToThread(box.run, "systemctl", "stop", UNIT)
+        props = await deferToThread(box.show, UNIT, "ActiveState", "ExecMainStatus")
+        self.assertEqual((props["ActiveState"], props["ExecMainStatus"]), ("inactive", "0"))
+        await b.wait_for(lambda: any(n == node_id for n, _ in b.stream_closes), 10)  # type: ignore[attr-defined]
+        self.assertEqual([c for n, c in b.stream_closes if n == node_id], [1000])  # type: ignore[attr-defined]
+
     def _restarted(self, box: BootedSystemd, old: str) -> bool:
         props = box.show(UNIT, "ActiveState", "MainPID")
         return props["ActiveState"] == "active" and props["MainPID"] not in ("0", old)

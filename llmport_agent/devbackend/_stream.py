@@ -249,6 +249,7 @@ class StreamProtocol(WebSocketServerProtocol):  # type: ignore[misc]
     # -- teardown ---------------------------------------------------------------------------
 
     def onClose(self, wasClean: bool, code: int | None, reason: str | None) -> None:
+        self.backend.stream_closes.append((self.node_id, code if wasClean else None))
         self._cancel_idle()
         woken, self._woken = self._woken, None
         if woken is not None and woken.active():

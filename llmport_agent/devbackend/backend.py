@@ -14,6 +14,7 @@ import copy
 import importlib
 import secrets
 import uuid
+from collections import deque
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, cast
@@ -210,6 +211,9 @@ class DevBackend:
         self.frame_hook: Callable[[str, dict[str, Any]], None] | None = None
         self.inbound_filter: Callable[[str, dict[str, Any]], bool] | None = None
         self._streams: dict[str, set[StreamProtocol]] = {}
+        #: (node id, close code) of every stream that closed, the last 1,000 (tests read it:
+        #: a clean stop of the agent closes with 1000; a dropped connection has no code).
+        self.stream_closes: deque[tuple[str | None, int | None]] = deque(maxlen=1000)
         self._pool: PoolService | None = None
         if runner is None:
             self._pool = PoolService(reactor, "devbackend", 4)
