@@ -9,7 +9,7 @@ window, scaled down to --window seconds so the idle phase comes within the run).
 - pickup latency of commands (issue -> the agent's ack reaches the backend): first one command
   per node on a node idle past its window (on the current generation, the push that proves push
   to the agent, issued once the node has been silent 3.5 s: the agent takes a push for proof
-  only after a silence longer than its reply window, 3 s at the least), then --rounds per node at random gaps of 1-4 s: on the current generation
+  only after a silence longer than its reply window, 0.5 s at the least), then --rounds per node at random gaps of 1-4 s: on the current generation
   every one is pushed; on 2026-04 they are picked up by the agent's polls (active window);
 - then, after the window has passed on both, the idle backend cost per node per minute over
   --idle-minutes, from the stand-in's cost counters (protocol 3.2: 4.4 ms of backend CPU per
@@ -139,9 +139,9 @@ async def run(reactor: Any, args: argparse.Namespace) -> int:
         async def first_command(generation: str, agent: AgentService) -> None:
             # A node idle past its window meets its first command (what an operator's command
             # after a quiet spell meets). On the current generation, the agent takes a push
-            # for proof only when it had been silent longer than its reply window (3 s here):
-            # about half of the moments on a node idle-polling every 8 s. So the proving
-            # command is issued once the node has been silent 3.5 s; if the agent still does
+            # for proof only when it had been silent longer than its reply window (0.5 s at
+            # the least, 4x the slowest hello_ack). The proving command is issued once the node
+            # has been silent 3.5 s (as in the runs in BENCHMARKS.md); if the agent still does
             # not switch, the node is let go idle again and the step repeated (at most 3 times).
             node_id = agent.session.node_id
             assert node_id is not None
