@@ -149,7 +149,7 @@ class AdoptionTests(AgentTestCase):
         proc = self.original(exe, env, log)
         await b.wait_for(lambda: b.node_by_agent_id(agent_id) is not None
                          and b.connection_count(b.node_by_agent_id(agent_id)["id"]) == 1
-                         or proc.poll() is not None, 60)
+                         or proc.poll() is not None, 180)
         self.assertIsNone(proc.poll(), open(log).read()[-3000:])
         node_id = b.node_by_agent_id(agent_id)["id"]
 
@@ -297,6 +297,15 @@ class JudgeTests(AgentTestCase):
         self.assertIn("managed by agent 'x'", self.judge(theirs.name, BUSYBOX).refused)
         mine = self.make(f"llm-port-mine-{suffix}", labels={LABEL_MANAGED: MANAGED_VALUE, LABEL_AGENT_ID: "me"})
         self.assertIn("already this agent's own", self.judge(mine.name, BUSYBOX).refused)
+
+    def test_recorded_id_must_be_a_real_short_id(self) -> None:
+        right = self.make(f"llm-port-idcheck-{os.urandom(3).hex()}")
+        self.assertEqual(self.judge(right.name, BUSYBOX, right.id.upper()).container_id, right.id)
+        # A true prefix of the id, but too short (or not hex) to name one container: refused.
+        for recorded in [right.id[:1], right.id[:11], right.id[:11] + "g", right.id[:12] + " x"]:
+            v = self.judge(right.name, BUSYBOX, recorded)
+            self.assertIsNone(v.container_id, recorded)
+            self.assertIn("is not 12 to 64 hex characters", v.refused)
 
     def test_malformed_mapping_entries_are_never_candidates(self) -> None:
         from llmport_agent.workloads.adoption import candidates

@@ -27,6 +27,7 @@ from llmport_agent.ray.handlers import (
     CURRENT_CLUSTER_FILE,
     RayManager,
     RaySettings,
+    _head_address,
     ray_handler_specs,
 )
 from llmport_agent.ray.token import ClusterTokens
@@ -250,6 +251,25 @@ class RayHandlerTests(TestCase):
         self.assertEqual([a[:2] for a, _ in self.engine.execs if a[0] == "ray"][-2:], [["ray", "stop"], ["ray", "start"]])
         bad = await self.fails("join_ray_cluster", {**payload, "head_address": "10.0.0.1; rm -rf /"})
         self.assertEqual(bad.error_code, "invalid_command")
+
+    async def test_join_ipv6_head_keeps_its_brackets(self) -> None:
+        payload = {"head_address": "[::1]:6379", "credential_ref": REF, "runtime_bundle": self.bundle()}
+        _c, r = await self.do("join_ray_cluster", payload)
+        self.assertEqual(r["head_address"], "[::1]:6379")
+        self.assertIn("--address=[::1]:6379", self.starts()[-1])
+        _c, r = await self.do("join_ray_cluster", payload)
+        self.assertTrue(r["already_member"])  # the recorded marker reads back as the same head
+        self.assertEqual(len(self.starts()), 1)
+
+    def test_head_address_forms(self) -> None:
+        for given, rebuilt in [("10.0.0.1:6379", "10.0.0.1:6379"), (" ray-head.local:06379 ", "ray-head.local:6379"),
+                               ("[::1]:6379", "[::1]:6379"), ("[2001:DB8:0:0::1]:10001", "[2001:db8::1]:10001")]:
+            self.assertEqual(_head_address(given), rebuilt, given)
+        for bad in ["::1:6379", "[::1]", "[::1]6379", "[10.0.0.1]:6379", "[not-ip]:6379", "[::1]:0",
+                    "10.0.0.1:65536", "10.0.0.1", "10.0.0.1:\uff16\uff13", ":6379", "[]:6379", "a b:1"]:
+            with self.assertRaises(CommandFailed, msg=bad) as cm:
+                _head_address(bad)
+            self.assertEqual(cm.exception.error_code, "invalid_command")
 
     async def test_token_file_private_and_deleted_by_stop(self) -> None:
         await self.do("start_ray_head", self.head())

@@ -116,17 +116,28 @@ def _ip(value: object, key: str) -> str | None:
 
 
 def _head_address(value: object) -> str:
+    """C{<ip>:<port>}, C{<host>:<port>} or C{[<ipv6>]:<port>}, rebuilt in that form."""
     if not isinstance(value, str) or not value.strip():
         raise CommandFailed(INVALID_COMMAND, "head_address is required (<ip>:<port> of the Ray head)")
-    host, sep, port = value.strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise CommandFailed(INVALID_COMMAND, f"head_address {value[:80]!r} must be <ip>:<port>")
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        if not _HOST_RE.match(host):
-            raise CommandFailed(INVALID_COMMAND, f"head_address {value[:80]!r} must be <ip>:<port>") from None
+    text = value.strip()
+    bad = CommandFailed(INVALID_COMMAND, f"head_address {value[:80]!r} must be <ip>:<port> or [<ipv6>]:<port>")
+    if text.startswith("["):
+        inner, sep, port = text[1:].partition("]:")
+        try:
+            host = f"[{ipaddress.IPv6Address(inner)}]"
+        except ValueError:
+            raise bad from None
+    else:
+        host, sep, port = text.rpartition(":")
+        if ":" in host:  # an IPv6 address without brackets: its port cannot be told apart
+            raise bad
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            if not _HOST_RE.match(host):
+                raise bad from None
+    if not sep or not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise bad
     return f"{host}:{int(port)}"
 
 

@@ -24,6 +24,7 @@ agent, started again on this state, finds its runtimes where they are.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,6 +37,9 @@ from twisted.logger import Logger
 from . import containers as ops
 from .policy import PolicyError, check_container_name, check_runtime_id
 from .spec import LABEL_AGENT_ID, LABEL_MANAGED, MANAGED_VALUE
+
+#: A recorded container id: the engine's short (12) or full (64) hex id, or anything between.
+_ID_RE = re.compile(r"\A[0-9a-fA-F]{12,64}\Z")
 
 #: The original agent's container name prefix.
 ORIGINAL_PREFIX = "llm-port-"
@@ -125,7 +129,10 @@ def judge(client: docker.DockerClient, candidate: Candidate, agent_id: str) -> V
     if not _same_image(c.image, snap["image"]):
         return Verdict(c, refused=f"it was created from image {snap['image'][:200]!r}, not {c.image[:200]!r} "
                                   "as the mapping says")
-    if c.container_id and not snap["id"].startswith(c.container_id):
+    if c.container_id and not _ID_RE.match(c.container_id):
+        return Verdict(c, refused=f"the mapping's container id {c.container_id[:80]!r} is not 12 to 64 hex "
+                                  "characters (the engine's short or full id)")
+    if c.container_id and not snap["id"].startswith(c.container_id.lower()):
         return Verdict(c, refused=f"it is not the container the mapping names (id {c.container_id[:12]}, found "
                                   f"{snap['id'][:12]})")
     return Verdict(c, container_id=snap["id"])
