@@ -504,6 +504,7 @@ class AgentService(MultiService):
                 allowlist=self.workloads.allowlist,
                 allowed_roots=tuple(os.path.abspath(r) for r in roots),
                 token_dir=c.ray_token_dir,
+                session_dir=os.path.abspath(session_dir) if session_dir else "",
             ),
             self.io_pool,
         )

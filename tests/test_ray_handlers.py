@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Any
 
 from treq.testing import StubTreq
@@ -168,7 +169,9 @@ class RayHandlerTests(TestCase):
                 self.pulls.append(ref)
                 raise CommandFailed("pull_failed", "no such image in the registry")
 
-        settings = RaySettings("agent-1", parse_allowlist("llmport-test"), (store,), self.token_dir)
+        self.session_dir = os.path.abspath(self.mktemp())
+        settings = RaySettings("agent-1", parse_allowlist("llmport-test"), (store, self.session_dir), self.token_dir,
+                               session_dir=self.session_dir)
         self.ray = RayManager(self.clock, self.engine, Images(), self.tokens, settings, Pool())  # type: ignore[arg-type]
         self.specs = ray_handler_specs(self.ray)
         self.lines: list[str] = []
@@ -355,6 +358,49 @@ class RayHandlerTests(TestCase):
         self.assertTrue(r["created"])
         self.assertEqual(self.engine.removed, 1)
 
+    async def test_container_mounts_the_session_dir(self) -> None:
+        """The host's RAY_SESSION_DIR is made (0700) and mounted read-write at /tmp/ray."""
+        _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        self.assertTrue(r["created"])
+        self.assertIn(f"{self.session_dir}:/tmp/ray:rw", self.engine.created[0]["binds"])
+        self.assertIn((self.session_dir, self.session_dir), self.engine.created[0]["host_paths"])
+        st = os.lstat(self.session_dir)
+        self.assertTrue(stat.S_ISDIR(st.st_mode))
+        self.assertEqual(stat.S_IMODE(st.st_mode), 0o700)
+
+    async def test_container_without_the_session_mount_is_recreated(self) -> None:
+        await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        assert self.engine.container is not None
+        self.engine.container["mounts"].discard((self.session_dir, "/tmp/ray", False))
+        _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        self.assertTrue(r["created"])
+        self.assertEqual(self.engine.removed, 1)
+        self.assertTrue(any("does not mount the Ray session directory" in line for line in self.lines))
+
+    async def test_bundle_mount_at_tmp_ray_is_left_out(self) -> None:
+        """A bundle mount at /tmp/ray never replaces the agent's; one over or under it is refused."""
+        other = os.path.join(self.store, "elsewhere")
+        mounts = [{"host_path": self.store, "container_path": "/models"},
+                  {"host_path": other, "container_path": "/tmp/ray", "mode": "rw"}]
+        _c, r = await self.do("ensure_runtime_image",
+                              {"runtime_bundle": self.bundle(mounts=mounts), "ensure_container": True})
+        binds = self.engine.created[0]["binds"]
+        self.assertEqual([b for b in binds if ":/tmp/ray:" in b], [f"{self.session_dir}:/tmp/ray:rw"])
+        self.assertTrue(any("left out" in line and "/tmp/ray" in line for line in self.lines))
+        for target in ("/tmp", "/tmp/ray/logs"):
+            err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(
+                mounts=[{"host_path": other, "container_path": target}])})
+            self.assertEqual(err.error_code, "policy_violation")
+
+    async def test_session_dir_that_is_a_link_is_refused(self) -> None:
+        target = os.path.abspath(self.mktemp())
+        os.makedirs(target)
+        os.symlink(target, self.session_dir)
+        err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        self.assertEqual(err.error_code, "policy_violation")
+        self.assertIn("RAY_SESSION_DIR", err.error_message)
+        self.assertEqual(self.engine.created, [])
+
     async def test_foreign_container_untouched(self) -> None:
         self.engine.container = {"id": "f" * 64, "name": "llm-port-ray-runtime", "labels": {}, "running": True,
                                  "status": "running", "started_at": None, "image": "x", "image_id": IMAGE_ID,
@@ -372,6 +418,20 @@ class RayHandlerTests(TestCase):
         self.assertEqual(err.error_code, "policy_violation")
         self.assertEqual(self.engine.execs, [])
         self.assertEqual(self.engine.created, [])
+
+    async def test_describe_verify_says_why_it_cannot_compare(self) -> None:
+        await self.do("start_ray_head", self.head())
+        self.engine.helper_out = json.dumps({
+            "alive": True, "version": "2.58.0", "num_nodes": 1, "nodes": [], "available": True,
+            "apps": {"llmport-a": {"status": "RUNNING", "deployments": {}},
+                     "llmport-b": {"status": "RUNNING", "deployments": {}}}})
+        _c, r = await self.do("describe_ray_cluster", {"verify": {"llmport-a": {"llm_configs": [{"model": "m"}]}}})
+        apps = {a["name"]: a for a in r["apps"]}
+        self.assertEqual(set(apps), {"llmport-a", "llmport-b"})
+        verify = apps["llmport-a"]["verify"]
+        self.assertIsNone(verify["equal"])
+        self.assertIn("llm_configs", verify["explanation"])
+        self.assertNotIn("verify", apps["llmport-b"])
 
     async def test_describe_hand_over(self) -> None:
         await self.do("start_ray_head", self.head())

@@ -92,6 +92,9 @@ class RuntimeBundle:
     ulimits: tuple[tuple[str, int, int], ...]
     mounts: tuple[Mount, ...]
     env: tuple[tuple[str, str], ...]
+    #: Container paths of bundle mounts left out because the agent mounts them itself
+    #: (C{/tmp/ray}: the host's C{RAY_SESSION_DIR}).
+    ignored_mounts: tuple[str, ...] = ()
 
 
 def _invalid(text: str) -> CommandFailed:
@@ -214,17 +217,20 @@ def _capabilities(value: object) -> tuple[str, ...]:
 
 
 def _mounts(
-    value: object, allowed_roots: Iterable[str], reserved: Iterable[str]
-) -> tuple[Mount, ...]:
+    value: object, allowed_roots: Iterable[str], reserved: Iterable[str], agent_owned: Iterable[str] = ()
+) -> tuple[tuple[Mount, ...], tuple[str, ...]]:
+    """(the admitted mounts, the container paths left out because the agent mounts them)."""
     if value is None:
-        return ()
+        return (), ()
     if not isinstance(value, (list, tuple)):
         raise _invalid("mounts must be a list of {host_path, container_path, mode}")
     if len(value) > _MAX_MOUNTS:
         raise _invalid(f"mounts lists more than {_MAX_MOUNTS} mounts")
     roots = [posixpath.normpath(r) for r in allowed_roots if r]
     reserved_paths = [posixpath.normpath(r) for r in reserved if r]
+    owned = {posixpath.normpath(r) for r in agent_owned if r}
     out: list[Mount] = []
+    ignored: list[str] = []
     targets: set[str] = set()
     for item in value:
         if not isinstance(item, Mapping):
@@ -234,6 +240,10 @@ def _mounts(
         mode = str(item.get("mode") or "ro").strip().lower()
         if mode not in ("ro", "rw"):
             raise _invalid(f"mount mode {mode[:10]!r} must be 'ro' or 'rw'")
+        if target in owned:
+            if target not in ignored:
+                ignored.append(target)
+            continue
         root = next((r for r in roots if _under(host, r)), None)
         if root is None:
             raise _refused(
@@ -247,7 +257,7 @@ def _mounts(
             raise _invalid(f"container path {target!r} is mounted twice")
         targets.add(target)
         out.append(Mount(host, target, mode == "ro", root))
-    return tuple(out)
+    return tuple(out), tuple(ignored)
 
 
 def _digest(value: object, field: str, required: bool) -> str | None:
@@ -267,6 +277,7 @@ def parse_bundle(
     allowlist: tuple[AllowEntry, ...],
     allowed_roots: Iterable[str],
     token_dir: str,
+    agent_mounts: Iterable[str] = (),
 ) -> RuntimeBundle:
     """
     Parse and admit a runtime bundle.
@@ -274,6 +285,9 @@ def parse_bundle(
     @param allowed_roots: host directories mounts may come from (the model store, the Ray
         session directory, C{RAY_ALLOWED_MOUNTS}).
     @param token_dir: the cluster token directory (mounted by the agent, never by a bundle).
+    @param agent_mounts: container paths the agent mounts itself (C{/tmp/ray}): a bundle mount
+        at exactly one of them is left out (L{RuntimeBundle.ignored_mounts}); one above or
+        below it is refused.
     @raise CommandFailed: C{invalid_command} for a malformed bundle (no image, no digest...),
         C{policy_violation} for one the local policy refuses.
     """
@@ -332,7 +346,8 @@ def parse_bundle(
             shm = parse_bytes(req.get("shm_size"), "requirements.shm_size", 1024 * 1024)
         except PolicyError as exc:
             raise _invalid(str(exc)) from None
-    mounts = _mounts(raw.get("mounts"), allowed_roots, [token_dir])
+    owned = tuple(agent_mounts)
+    mounts, ignored = _mounts(raw.get("mounts"), allowed_roots, [token_dir, *owned], owned)
     return RuntimeBundle(
         image=ref,
         digest=digest,
@@ -349,4 +364,5 @@ def parse_bundle(
         ulimits=_ulimits(req.get("ulimits")),
         mounts=mounts,
         env=tuple(sorted(filter_env(raw.get("env")).items())),
+        ignored_mounts=ignored,
     )

@@ -19,6 +19,7 @@ import docker
 from docker.errors import NotFound
 from docker.types import DeviceRequest, Ulimit
 
+from .. import safefs
 from ..commands.base import POLICY_VIOLATION, RUNTIME_ERROR, CommandFailed
 from ..workloads.spec import LABEL_AGENT_ID, LABEL_IMAGE
 from .bundle import RuntimeBundle
@@ -27,6 +28,9 @@ LABEL_RAY = "io.llmport.ray-runtime"
 RAY_VALUE = "llmport-agent"
 LABEL_TOKEN_DIR = "io.llmport.ray-token-dir"
 IDLE_COMMAND = ("sleep", "infinity")
+#: Ray's session directory inside the container; the host's C{RAY_SESSION_DIR} is mounted
+#: here read-write so the Serve replica logs reach the host side (L{llmport_agent.logs.rayserve}).
+SESSION_TARGET = "/tmp/ray"
 
 
 def token_file(token_dir: str) -> str:
@@ -42,11 +46,47 @@ def container_env(bundle: RuntimeBundle, token_dir: str) -> dict[str, str]:
     return env
 
 
-def wanted_mounts(bundle: RuntimeBundle, token_dir: str) -> set[tuple[str, str, bool]]:
+def wanted_mounts(
+    bundle: RuntimeBundle, token_dir: str, session_dir: str | None = None
+) -> set[tuple[str, str, bool]]:
     """(host, container, read-only) of every bind mount the container must have."""
     out = {(m.host_path, m.container_path, m.read_only) for m in bundle.mounts}
     out.add((token_dir, token_dir, True))
+    if session_dir:
+        out.add((session_dir, SESSION_TARGET, False))
     return out
+
+
+def ensure_session_dir(session_dir: str) -> None:
+    """
+    Thread function: the host's Ray session directory exists (created 0700, root's), so the
+    engine never makes it. Its parent is the operator's path (links followed); the directory
+    itself is opened without following a link, and anything but a directory there is refused.
+    """
+    parent, name = os.path.split(session_dir.rstrip("/"))
+    os.makedirs(parent or "/", mode=0o755, exist_ok=True)
+    pfd = safefs.open_dir(parent or "/")
+    try:
+        try:
+            fd = safefs.open_dir_at(pfd, name)
+        except FileNotFoundError:
+            try:
+                os.mkdir(name, 0o700, dir_fd=pfd)
+            except FileExistsError:
+                pass
+            fd = safefs.open_dir_at(pfd, name)
+            os.fchmod(fd, 0o700)
+            if os.geteuid() == 0:
+                os.fchown(fd, 0, 0)
+        except NotADirectoryError:
+            raise CommandFailed(
+                POLICY_VIOLATION,
+                f"The Ray session directory {session_dir!r} (RAY_SESSION_DIR) is not a directory "
+                "(a symbolic link or a file); make it a real directory or point RAY_SESSION_DIR elsewhere.",
+            ) from None
+        os.close(fd)
+    finally:
+        os.close(pfd)
 
 
 def snapshot(info: dict[str, Any]) -> dict[str, Any]:
@@ -87,13 +127,17 @@ def is_ours(snap: dict[str, Any], agent_id: str) -> bool:
     return labels.get(LABEL_RAY) == RAY_VALUE and labels.get(LABEL_AGENT_ID) == agent_id
 
 
-def drift(snap: dict[str, Any], bundle: RuntimeBundle, image_id: str, token_dir: str) -> str | None:
+def drift(
+    snap: dict[str, Any], bundle: RuntimeBundle, image_id: str, token_dir: str, session_dir: str | None = None
+) -> str | None:
     """Why an existing container no longer fits (image, mounts, token path), or C{None}."""
     if snap["image_id"] != image_id:
         return f"it runs image {snap['image_id'][:19]}, the pinned image is {image_id[:19]}"
     if snap["labels"].get(LABEL_TOKEN_DIR) != token_dir:
         return "the cluster token directory changed"
-    want = wanted_mounts(bundle, token_dir)
+    want = wanted_mounts(bundle, token_dir, session_dir)
+    if session_dir and (session_dir, SESSION_TARGET, False) not in snap["mounts"]:
+        return f"it does not mount the Ray session directory {session_dir} at {SESSION_TARGET}"
     if snap["mounts"] != want:
         return "its mounts differ from the bundle's"
     return None
@@ -132,7 +176,9 @@ def _gpu_args(bundle: RuntimeBundle) -> tuple[list[Any], list[str]]:
     return [DeviceRequest(count=int(bundle.gpus), capabilities=[["gpu"]])], []
 
 
-def create_args(bundle: RuntimeBundle, image_id: str, token_dir: str, agent_id: str) -> dict[str, Any]:
+def create_args(
+    bundle: RuntimeBundle, image_id: str, token_dir: str, agent_id: str, session_dir: str | None = None
+) -> dict[str, Any]:
     """Everything the container is created with: the bundle's settings and nothing else."""
     requests, gpu_devices = _gpu_args(bundle)
     devices = []
@@ -141,8 +187,11 @@ def create_args(bundle: RuntimeBundle, image_id: str, token_dir: str, agent_id: 
             devices.append(d)
     binds = [
         f"{host}:{target}:{'ro' if ro else 'rw'}"
-        for host, target, ro in sorted(wanted_mounts(bundle, token_dir))
+        for host, target, ro in sorted(wanted_mounts(bundle, token_dir, session_dir))
     ]
+    host_paths = {(m.host_path, m.root or m.host_path) for m in bundle.mounts} | {(token_dir, token_dir)}
+    if session_dir:
+        host_paths.add((session_dir, session_dir))
     return {
         "name": bundle.name,
         "image_id": image_id,
@@ -154,7 +203,7 @@ def create_args(bundle: RuntimeBundle, image_id: str, token_dir: str, agent_id: 
         },
         "env": container_env(bundle, token_dir),
         "binds": binds,
-        "host_paths": sorted({(m.host_path, m.root or m.host_path) for m in bundle.mounts} | {(token_dir, token_dir)}),
+        "host_paths": sorted(host_paths),
         "devices": [f"{d}:{d}:rwm" for d in devices],
         "cap_add": list(bundle.capabilities),
         "ipc_mode": bundle.ipc_mode,

@@ -54,6 +54,12 @@ _APP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 #: Bytes of JSON the agent hands the helper on stdin (a compiled LLMServingArgs).
 _SERVE_DOC_LIMIT = 1024 * 1024
+#: Why C{describe_ray_cluster.verify} cannot compare: the runtime image's helper CLI has no
+#: verb that returns a running application's C{llm_configs}.
+VERIFY_UNAVAILABLE = (
+    "not compared: the runtime image's helper (cluster-status, serve-status) does not report a "
+    "running application's llm_configs"
+)
 _ALREADY = (
     "already part of a ray cluster",
     "already running",
@@ -67,12 +73,14 @@ class RaySettings:
     """
     @ivar allowed_roots: host directories bundle mounts may come from.
     @ivar token_dir: C{RAY_TOKEN_DIR}.
+    @ivar session_dir: C{RAY_SESSION_DIR}, mounted at C{/tmp/ray} (none when empty).
     """
 
     agent_id: str
     allowlist: tuple[AllowEntry, ...]
     allowed_roots: tuple[str, ...]
     token_dir: str
+    session_dir: str = ""
 
 
 def _payload(ctx: CommandContext) -> dict[str, Any]:
@@ -210,12 +218,20 @@ class RayManager:
                     "runtime container (there is no Ray on the host).",
                 )
             return None
-        return parse_bundle(
+        bundle = parse_bundle(
             raw,
             allowlist=self.settings.allowlist,
             allowed_roots=self.settings.allowed_roots,
             token_dir=self.settings.token_dir,
+            agent_mounts=(rc.SESSION_TARGET,) if self.settings.session_dir else (),
         )
+        for target in bundle.ignored_mounts:
+            self.log.info(
+                "The runtime bundle's mount at {target} is left out: the agent mounts the Ray session "
+                "directory {session_dir} there itself (RAY_SESSION_DIR)",
+                target=target, session_dir=self.settings.session_dir,
+            )
+        return bundle
 
     async def identify(self, bundle: RuntimeBundle) -> imagepin.PinReport:
         identity = await self.engine.call(
@@ -267,7 +283,7 @@ class RayManager:
         if snap is not None:
             if not rc.is_ours(snap, self.settings.agent_id):
                 raise rc.foreign(bundle.name)
-            reason = rc.drift(snap, bundle, image_id, token_dir)
+            reason = rc.drift(snap, bundle, image_id, token_dir, self.settings.session_dir or None)
             if reason is None:
                 if not snap["running"]:
                     snap = await self.engine.call(rc.start, snap["id"], what=f"starting {bundle.name}")
@@ -282,7 +298,9 @@ class RayManager:
                 "without GPUs). Run the Ray runtime on Docker with the NVIDIA Container Toolkit.",
             )
         await self._pool.run(ensure_dir, token_dir)
-        args = rc.create_args(bundle, image_id, token_dir, self.settings.agent_id)
+        if self.settings.session_dir:
+            await self._pool.run(rc.ensure_session_dir, self.settings.session_dir)
+        args = rc.create_args(bundle, image_id, token_dir, self.settings.agent_id, self.settings.session_dir or None)
         snap = await self.engine.call(rc.create_and_start, args, what=f"creating {bundle.name}")
         self.log.info("Created the Ray runtime container {name} from {image}", name=bundle.name, image=bundle.image.canonical)
         return {"container": bundle.name, "created": True, "running": bool(snap["running"]), "container_id": snap["id"][:12]}
@@ -678,7 +696,8 @@ class RayManager:
             entry = {"name": name, "route_prefix": app.get("route_prefix") or f"/{name}",
                      "status": app["status"], "deployments": app["deployments"], "llm_configs": None}
             if name in verify:
-                entry["verify"] = {"equal": None, "diff": "the runtime helper does not report llm_configs"}
+                # The helper's verbs (protocol 10.6) report no running llm_configs: no comparison.
+                entry["verify"] = {"equal": None, "diff": None, "explanation": VERIFY_UNAVAILABLE}
             apps.append(entry)
         result: dict[str, Any] = {
             "running": True,
