@@ -176,6 +176,7 @@ class DispatchModeTests(SynchronousTestCase):
             svc.frame_received(proto, {"type": "commands", "items": [command(i + 1)]})
             self.assertEqual(svc.dispatch.mode, PUSH)
         self.assertGreaterEqual(svc.dispatch.answered, 5)  # coincidences (not beside an inventory) seen as such
+        self.assertEqual(svc.dispatch.fallbacks, 0)
 
     def test_command_listed_again_proves_nothing(self) -> None:
         """A command the connection has seen (hello_ack or an earlier frame), listed again after a silence: no proof."""
@@ -285,6 +286,7 @@ class DispatchModeTests(SynchronousTestCase):
         self.quiet(proto2, 0.02)
         svc2.frame_received(proto2, {"type": "commands", "items": [command(3)]})
         self.assertEqual(svc2.dispatch.mode, POLLING)
+        self.assertEqual(svc2.dispatch.fallbacks, 1)
         start = self.reactor.seconds()
         self.run_for(60)
         self.assertGreater(len(self.polls(proto2, since=start)), 10)

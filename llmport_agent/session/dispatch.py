@@ -83,6 +83,8 @@ class DispatchDetector:
     proven_here: bool = False
     proofs: int = 0
     answered: int = 0
+    #: Times the evidence brought polling back (push to polling).
+    fallbacks: int = 0
     slowest_hello: float = 0.0
     #: Evidence against push since the last proof (L{ANSWERS_TO_POLL} of them bring polling back).
     answered_in_a_row: int = 0
@@ -157,6 +159,7 @@ class DispatchDetector:
             self.answered_in_a_row += 1
             if self.mode == PUSH and self.answered_in_a_row >= ANSWERS_TO_POLL:
                 self.proven_here = False
+                self.fallbacks += 1
                 self._change(
                     POLLING,
                     f"new commands arrived just after frames of the agent's {self.answered_in_a_row} "
@@ -179,6 +182,7 @@ class DispatchDetector:
             "push_proofs": self.proofs,
             "answered_commands": self.answered,
             "answered_in_a_row": self.answered_in_a_row,
+            "back_to_polling": self.fallbacks,
             "reply_window_sec": round(self.window, 3),
         }
 
