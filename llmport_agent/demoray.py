@@ -71,6 +71,7 @@ async def demo_ray(
                 "LLM_PORT_NODE_AGENT_STATE_PATH": f"{workdir}/{role}/state.json",
                 "LLM_PORT_NODE_AGENT_MODEL_STORE": f"{workdir}/{role}/models",
                 "LLM_PORT_NODE_AGENT_RAY_TOKEN_DIR": f"{workdir}/{role}/ray-token",
+                "LLM_PORT_NODE_AGENT_RAY_SESSION_DIR": f"{workdir}/{role}/ray-session",
                 "LLM_PORT_NODE_AGENT_OPS_PORT": "0",
             }, {})
             agent = AgentService(reactor, config, fatal=lambda code, msg: say(f"[agent]   {msg}"),

@@ -84,7 +84,8 @@ class RayClusterTests(AgentTestCase):
         token_dir = os.path.join(state, "ray-token")
         agent = self.start_agent(
             backend, state_dir=state, docker_host=env.host, AGENT_ID=f"ray-{name}-{uuid.uuid4().hex[:6]}",
-            RAY_TOKEN_DIR=token_dir, IMAGE_ALLOWLIST=f"llmport-test,{DEAD_REGISTRY}", MODEL_STORE=store,
+            RAY_TOKEN_DIR=token_dir, RAY_SESSION_DIR=os.path.join(state, "ray-session"),
+            IMAGE_ALLOWLIST=f"llmport-test,{DEAD_REGISTRY}", MODEL_STORE=store,
         )
         node_id = await self.wait_connected(backend, agent)
         await backend.wait_for(lambda: agent.engine.available, 30)
