@@ -1,106 +1,54 @@
 """
-The root service: one MultiService holding everything the agent runs.
+The composition root: one MultiService holding everything the agent runs, and only the wiring
+of it. Each behaviour lives in a module named after it (docs: architecture):
 
-Start order (dependencies first): thread pools, durable state (state file, command journal,
-event outbox), the Docker executor and health watcher, the command pipeline, heartbeat and
-inventory, the ops endpoint, and last the backend session; then systemd hears C{READY=1}.
-
-A stop (SIGTERM) drains first: systemd hears C{STOPPING=1}, no new command is taken, heartbeats
-go on with status C{draining}, running commands get up to C{SHUTDOWN_GRACE_SEC} to reach their
-result (a second SIGTERM cuts that short), queued events are flushed. Then the rest stops in
-reverse order: the session closes cleanly (WebSocket close 1000), timers stop, commands still
-running are cancelled (their journal entries stay, to be resolved at the next start), logs and
-files are flushed, then the pools stop.
+- L{llmport_agent.startup}: the start order (dependencies first): thread pools, durable state
+  (state file, command journal, event outbox), the Docker executor and health watcher, the
+  command pipeline, heartbeat and inventory, the ops endpoint, and last the backend session;
+  then systemd hears C{READY=1}.
+- L{llmport_agent.drain}: stop signals, the drain and the stop in reverse order.
+- L{llmport_agent.envfile}: the env file of the unit, tightened at start.
+- L{llmport_agent.status}: the heartbeat's status fields and systemd's C{STATUS=} line.
+- L{llmport_agent.diagnostics}: the C{collect_diagnostics} result.
+- L{llmport_agent.listeners}: small session listeners (workload announcements, hello profile).
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import signal
-import stat
-import sys
 import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from twisted.application.service import MultiService, Service
-from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from llmport_agent import VERSION
+from llmport_agent import VERSION, diagnostics, drain, envfile, startup
+from llmport_agent import status as node_status
 from llmport_agent.backend_http import BackendHTTP
 from llmport_agent.commands.base import HandlerSpec
 from llmport_agent.commands.journal import CommandJournal
 from llmport_agent.commands.node import PersistentModes, node_handler_specs
 from llmport_agent.commands.pipeline import CommandPipeline
-from llmport_agent.config import SETTINGS, AgentConfig, mask_url
+from llmport_agent.config import AgentConfig
+from llmport_agent.diagnostics import START_TIME
+from llmport_agent.drain import EVENT_FLUSH_SEC, install_stop_signals
+from llmport_agent.envfile import ENV_FILE, env_file_path, tighten_env_file
 from llmport_agent.events.outbox import EventOutbox
-from llmport_agent.instance import AlreadyRunning, InstanceLock
+from llmport_agent.instance import InstanceLock
+from llmport_agent.listeners import _Announcer, _ProfileFromHello
 from llmport_agent.reporting import HeartbeatReporter, InventoryReporter
 from llmport_agent.session.service import SessionService
 from llmport_agent.state import StateStore, resolve_state_path
 from llmport_agent.threads import PoolService
 
-START_TIME = time.time()
-
-#: The env file `llmport-agent start` (and llm-port's own installer) writes for the unit.
-ENV_FILE = "/etc/llmport-agent.env"
-#: After the drain, how long a stop waits for queued events to reach the backend.
-EVENT_FLUSH_SEC = 3.0
-
-
-def env_file_path() -> str:
-    """L{ENV_FILE}, under C{$LLMPORT_AGENT_SYSTEM_ROOT} when set (tests of the installer)."""
-    root = os.environ.get("LLMPORT_AGENT_SYSTEM_ROOT", "")
-    return os.path.join(root, ENV_FILE.lstrip("/")) if root else ENV_FILE
-
-
-def tighten_env_file(path: str) -> tuple[str, str, int] | None:
-    """
-    Thread function: chmod 0600 the env file when group or others may read or write it. Not
-    following a symlink (a link there is left alone). C{None} when nothing was to do, else
-    (C{"tightened"} or why not, the path, the mode found).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        mode = stat.S_IMODE(st.st_mode)
-        if not stat.S_ISREG(st.st_mode) or not mode & (stat.S_IRWXG | stat.S_IRWXO):
-            return None
-        why = "it belongs to another user" if st.st_uid != os.geteuid() and os.geteuid() != 0 else ""
-        if not why:
-            try:
-                os.fchmod(fd, 0o600)
-                return ("tightened", path, mode)
-            except OSError as e:
-                why = e.strerror or "chmod failed"
-        # Not ours to change: worth a warning only when it holds a secret.
-        text = os.read(fd, 1 << 20).decode("utf-8", "replace")
-        secret = {s.env for s in SETTINGS if s.secret}
-        for line in text.splitlines():
-            key, sep, value = line.strip().partition("=")
-            if sep and key.strip().removeprefix("export ").strip() in secret and value.strip().strip("\"'"):
-                return (why, path, mode)
-        return None
-    finally:
-        os.close(fd)
-
-
-def install_stop_signals(reactor: Any, agent: AgentService) -> None:
-    """
-    SIGTERM/SIGINT: the first begins a graceful stop (drain), a second ends the drain at once.
-    Installed once the reactor runs (it installs its own handlers first).
-    """
-
-    def handler(signum: int, frame: Any) -> None:
-        reactor.callFromThread(agent.stop_requested, signum)
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+#: Importable from here as before the split (cli, tap, tests).
+__all__ = [
+    "ENV_FILE", "EVENT_FLUSH_SEC", "START_TIME", "AgentService", "_Announcer", "_ProfileFromHello",
+    "env_file_path", "install_stop_signals", "make_http_client", "tighten_env_file",
+]
 
 
 def make_http_client(reactor: Any, config: AgentConfig) -> Any:
@@ -532,244 +480,43 @@ class AgentService(MultiService):
     # -- lifecycle -------------------------------------------------------------------------
 
     def startService(self) -> None:
-        # The children are started by _start, in order, once durable state is loaded.
-        self.running = 1
-        self.notify.startService()
-        self._started = Deferred.fromCoroutine(self._start())
-        self._started.addErrback(self._start_failed)
+        startup.start_service(self)
 
     def _start_failed(self, f: Any) -> None:
-        from llmport_agent.session.service import EXIT_NEEDS_OPERATOR
-        from llmport_agent.state import StateUnreadable
-
-        if f.check(StateUnreadable):
-            self._fatal(EXIT_NEEDS_OPERATOR, f.getErrorMessage())
-            return
-        if f.check(OSError) and not self.instance_lock.held:
-            self._fatal(1, f"cannot create the lock file {self.instance_lock.path} ({f.getErrorMessage()}); "
-                           "check that the state directory is writable by the agent")
-            return
-        self.log.failure("The agent could not start", failure=f)
-        self._fatal(1, f"The agent could not start: {f.getErrorMessage()}")
+        startup.start_failed(self, f)
 
     async def _start(self) -> None:
-        if self.state_note:
-            self.log.warn("{note}", note=self.state_note)
-        for svc in self._ordered[:3]:
-            svc.setServiceParent(self)
-        self._check_env_file()
-        try:
-            await self.io_pool.run(self.instance_lock.acquire)
-        except AlreadyRunning as e:
-            # Nothing else starts: this process must not touch the state, the journal or the
-            # engine that the other agent is using.
-            self._fatal(1, str(e))
-            return
-        await self.state.load()
-        await self.journal.load()
-        await self.outbox.load()
-        if self.log_observer is not None:
-            from twisted.logger import globalLogPublisher
-
-            globalLogPublisher.addObserver(self.log_observer)
-        # Said before the services start, so that what they say (the session's "no credential
-        # and no token", say) comes after it, not before.
-        self.log.info(
-            "llmport-agent {version} started (agent id {agent_id}, backend {url}, state {path})",
-            version=VERSION,
-            agent_id=self.config.agent_id,
-            url=mask_url(self.config.backend_url),
-            path=self.state.path,
-        )
-        for note in self.config.notes:
-            self.log.warn("{note}", note=note)
-        for svc in self._ordered[3:]:
-            svc.setServiceParent(self)
-        if self.adoption is not None:
-            self.adoption.start()
-        self.notify.ready()
+        await startup.start(self)
 
     def _check_env_file(self) -> None:
-        """
-        The env file (llm-port's own installer writes it 0644, token included) readable or
-        writable by other users is tightened to 0600 (issue 20), and said once; when it cannot
-        be (another owner), the warning says what to run.
-        """
-        self.io_pool.run(tighten_env_file, env_file_path()).addCallbacks(
-            self._env_file_checked, lambda f: self.log.failure("Checking the env file failed", f)
-        )
+        envfile.check_env_file(self)
 
     def _env_file_checked(self, result: tuple[str, str, int] | None) -> None:
-        if result is None:
-            return
-        outcome, path, mode = result
-        if outcome == "tightened":
-            self.log.warn(
-                "{path} was readable by other users (mode {mode:04o}) and holds this node's settings "
-                "(an enrollment token, passwords): its mode is now 0600",
-                path=path,
-                mode=mode,
-            )
-        else:
-            self.log.warn(
-                "{path} is readable by other users (mode {mode:04o}) and could not be tightened ({why}): "
-                "run `chmod 600 {path}` (llmport-agent start does this); once the node is enrolled the "
-                "token line can be removed",
-                path=path,
-                mode=mode,
-                why=outcome,
-            )
+        envfile.env_file_checked(self, result)
 
     def whenStarted(self) -> Deferred[None]:
-        if self._started is None:
-            return succeed(None)
-        d: Deferred[None] = Deferred()
-
-        def done(result: object) -> object:
-            d.callback(None)
-            return result
-
-        self._started.addBoth(done)
-        return d
+        return startup.when_started(self)
 
     def stopService(self) -> Deferred[None]:
-        self.running = 0
-        self.stopping = True
-        # A stop signal from now on ends the drain at once.
-        self._stop_signals = max(self._stop_signals, 1)
-        started = self._started if self._started is not None else succeed(None)
-        return started.addBoth(lambda _: Deferred.fromCoroutine(self._stop()))
+        return drain.stop_service(self)
 
     def stop_requested(self, signum: int = signal.SIGTERM) -> None:
         """A stop signal: the first stops the reactor (which drains), a second ends the drain."""
-        self._stop_signals += 1
-        try:
-            name = signal.Signals(signum).name
-        except ValueError:
-            name = str(signum)
-        if self._stop_signals == 1:
-            self.log.info(
-                "Received {signal}: stopping; running commands get up to {grace:g} s to finish "
-                "(send it again to stop at once)",
-                signal=name,
-                grace=self.config.shutdown_grace_sec,
-            )
-            from twisted.internet.error import ReactorNotRunning
-
-            try:
-                self.reactor.stop()
-            except ReactorNotRunning:
-                pass
-            return
-        self.log.warn("Received {signal} again: stopping now; commands still running are "
-                      "checkpointed in the journal", signal=name)
-        self.force_stop()
+        drain.stop_requested(self, signum)
 
     def force_stop(self) -> None:
         """End the drain now (a second SIGTERM)."""
-        force, self._force_stop = self._force_stop, None
-        if force is not None and not force.called:
-            force.callback(None)
+        drain.force_stop(self)
 
     async def _drain(self) -> None:
         """Let running commands reach their result, within SHUTDOWN_GRACE_SEC; keep heartbeating."""
-        grace = self.config.shutdown_grace_sec
-        started = self.reactor.seconds()
-        pipeline = self.pipeline
-        if not pipeline.running:
-            return
-        pipeline.begin_drain()
-        busy = pipeline.busy
-        self.notify.stopping(f"stopping: draining, {busy} command(s) running")
-        self.heartbeat.send_now()
-        if busy and grace > 0:
-            self.log.info("Draining: waiting up to {grace:g} s for {n} running command(s)",
-                          grace=grace, n=busy)
-            idle = pipeline.wait_idle()
-            self._force_stop = Deferred()
-            from twisted.internet.defer import DeferredList
-
-            first: Deferred[Any] = DeferredList([idle, self._force_stop], fireOnOneCallback=True,
-                                                consumeErrors=True)
-            first.addTimeout(grace, self.reactor)
-            try:
-                await first
-            except Exception:
-                pass
-            finally:
-                self._force_stop = None
-                if not idle.called:
-                    idle.cancel()
-        left = pipeline.busy
-        self.drain_report = {"waited_sec": round(self.reactor.seconds() - started, 3), "left": left}
-        if left:
-            self.log.warn(
-                "Stopping with {n} command(s) still running after {sec:.1f} s: they stay in the "
-                "journal and are resolved at the next start",
-                n=left,
-                sec=self.reactor.seconds() - started,
-            )
-        # Events of the commands that just finished (command.finished, health) reach the backend.
-        if self.session.connected and self.outbox.depth:
-            from twisted.internet.task import deferLater
-
-            self.outbox.flush()
-            deadline = self.reactor.seconds() + EVENT_FLUSH_SEC
-            while self.outbox.depth and self.session.connected and self.reactor.seconds() < deadline:
-                await deferLater(self.reactor, 0.05, lambda: None)
+        await drain.drain(self)
 
     async def _stop(self) -> None:
-        try:
-            await self._drain()
-        except Exception:
-            self.log.failure("Draining before the stop failed")
-        if self._gpu_inventory_call is not None and self._gpu_inventory_call.active():
-            self._gpu_inventory_call.cancel()
-        if self.adoption is not None:
-            self.adoption.stop()
-        self.notify.stopping("stopping: closing the backend session")
-        pools = (self.io_pool, self.host_pool, self.hash_pool)
-        for svc in reversed(list(self)):
-            if svc in pools or not getattr(svc, "running", False):
-                continue
-            await self._stop_one(svc)
-        if self.log_observer is not None:
-            from twisted.logger import globalLogPublisher
-
-            globalLogPublisher.removeObserver(self.log_observer)
-        if self.loki_pool is not None:
-            try:
-                await self.loki_pool.closeCachedConnections()
-            except Exception:
-                self.log.failure("Closing Loki connections failed")
-        await self.state.flush()
-        try:
-            await self.collector.close()  # nvmlShutdown, on the host pool
-        except Exception:
-            self.log.failure("Closing the GPU source failed")
-        try:
-            await self.http_pool.closeCachedConnections()
-        except Exception:
-            self.log.failure("Closing HTTP connections failed")
-        if self.instance_lock.held:
-            try:
-                await self.io_pool.run(self.instance_lock.release)
-            except Exception:
-                self.log.failure("Releasing {path} failed", path=self.instance_lock.path)
-        for svc in reversed(pools):
-            if getattr(svc, "running", False):
-                await self._stop_one(svc)
-        self.log.info("llmport-agent stopped")
-        self.notify.stopService()
+        await drain.stop(self)
 
     async def _stop_one(self, svc: Any) -> None:
-        try:
-            result = svc.stopService()
-            if isinstance(result, Deferred):
-                result.addTimeout(15, self.reactor)
-                await DeferredList([result], consumeErrors=True)
-        except Exception:
-            self.log.failure("Stopping {name} failed", name=svc.name)
+        await drain.stop_one(self, svc)
 
     def _fatal(self, status: int, message: str) -> None:
         self.exit_status = status
@@ -781,23 +528,7 @@ class AgentService(MultiService):
     # -- glue ------------------------------------------------------------------------------
 
     def _heartbeat_fields(self) -> dict[str, Any]:
-        # Degraded once the engine was found unreachable (before its first probe the engine is
-        # unknown, not down: a false "degraded" halves the node's score) or a GPU is not healthy.
-        engine_down = self.engine is not None and self.engine.checked and not self.engine.available
-        reasons = self.gpu_monitor.status_reasons()
-        status = "draining" if self.stopping else self.modes.status(degraded=engine_down or bool(reasons))
-        fields = {
-            "status": status,
-            "version": VERSION,
-            "capabilities": self.collector.last_capabilities(),
-            "advertise_host": self.config.advertise_host,
-        }
-        if engine_down:
-            reasons.insert(0, "the container engine is unreachable")
-        if reasons and fields["status"] == "degraded":
-            # Extra key (protocol 3.2 ignores it): why the node is degraded, for people.
-            fields["status_reason"] = "; ".join(reasons)[:1000]
-        return fields
+        return node_status.heartbeat_fields(self)
 
     def _gpu_transition(self, t: Any) -> None:
         """
@@ -820,26 +551,7 @@ class AgentService(MultiService):
 
     def status_line(self) -> str:
         """The one line systemd shows (C{STATUS=}): session state, node, workloads, last error."""
-        from llmport_agent.metrics import session_state, workload_states
-
-        state = session_state(self.session)
-        words = {"connected": "connected", "enrolling": "enrolling", "backing_off": "backing off",
-                 "refused": "credential refused", "connecting": "connecting", "stopped": "stopped"}
-        parts = [words.get(state, state)]
-        if self.stopping:
-            parts.insert(0, "draining")
-        parts.append(f"node {self.session.node_id or '-'}")
-        if self.health is not None:
-            parts.append(f"{len(workload_states(self))} workloads")
-        running = len(self.pipeline._running)
-        if running:
-            parts.append(f"{running} commands running")
-        error = self.session.stats.last_error if state != "connected" else ""
-        if error:
-            parts.append(f"last error: {error}")
-        from llmport_agent.logs.redact import redact
-
-        return redact(", ".join(parts), self._secrets())
+        return node_status.status_line(self)
 
     async def _refresh_inventory(self) -> bool:
         """Send a fresh inventory; if the link is down, send it once it is back (within ~50 s)."""
@@ -853,139 +565,4 @@ class AgentService(MultiService):
 
     async def diagnostics(self) -> dict[str, Any]:
         """The C{collect_diagnostics} result: structured, secrets masked."""
-        import attrs
-        import autobahn
-        import treq
-
-        import twisted
-
-        gpu: dict[str, Any] = {}
-        try:
-            report = await self.collector.collect()
-            g = report.inventory.get("gpu", {})
-            gpu = {
-                "count": g.get("count", 0),
-                "vendor": report.inventory.get("static_capabilities", {}).get("gpu_vendor", "none"),
-                "total_vram_bytes": g.get("total_vram_bytes", 0),
-                "free_vram_bytes": g.get("free_vram_bytes", 0),
-                "gpu_error": g.get("gpu_error", ""),
-                "devices": [
-                    {k: d.get(k) for k in ("index", "uuid", "name", "memory_total_mib", "utilization_pct",
-                                           "temperature_c", "health", "health_reasons")}
-                    for d in g.get("devices", [])
-                ],
-                "health": self.gpu_monitor.metrics(),
-            }
-        except Exception as e:
-            gpu = {"error": f"{type(e).__name__}: {e}"}
-        out: dict[str, Any] = {
-            "agent": {
-                "version": VERSION,
-                "python": sys.version.split()[0],
-                "platform": platform.platform(),
-                "pid": os.getpid(),
-                "uptime_sec": round(time.time() - START_TIME, 1),
-                "libraries": {
-                    "twisted": twisted.__version__,
-                    "autobahn": autobahn.__version__,
-                    "treq": getattr(treq, "__version__", ""),
-                    "attrs": attrs.__version__,
-                },
-            },
-            "config": self.config.masked(),
-            "node": {
-                "node_id": self.session.node_id or "",
-                "agent_id": self.config.agent_id,
-                "maintenance": self.modes.maintenance,
-                "draining": self.modes.draining,
-                "profile": (self.modes.profile or {}).get("name", ""),
-                "status": self._heartbeat_fields()["status"],
-            },
-            "session": {
-                "connected": self.session.connected,
-                "session_id": self.session.session_id or "",
-                "consecutive_failures": self.session.failures.failures,
-                **self.session.stats.as_dict(),
-                "dispatch": self.session.dispatch.describe(),
-            },
-            "commands": self.pipeline.describe(),
-            "events": {"outbox_depth": self.outbox.depth, "dropped": self.outbox.dropped, "sent": self.outbox.sent},
-            "logs": (
-                self.log_shipping.describe() if self.log_shipping is not None
-                else {"shipping": "off (no LOKI_URL)"} if self.log_sink is None
-                else {"shipping": "off (no LOKI_URL; waiting for the backend's log sink)",
-                      "log_sink": self.log_sink.describe()}
-            ),
-            "reports": {"heartbeats_sent": self.heartbeat.sent, "inventories_sent": self.inventory.sent,
-                        "inventory_error": self.inventory.last_error},
-            "gpu": gpu,
-            "recent_errors": list(self.recent_errors[-20:]),
-        }
-        if self.engine is not None:
-            try:
-                from llmport_agent.workloads.diagnostics import engine_diagnostics
-
-                out["engine"] = await engine_diagnostics(self.engine, self.config.agent_id, self.health.states()
-                                                         if hasattr(self.health, "states") else None)
-            except Exception as e:
-                out["engine"] = {"error": f"{type(e).__name__}: {e}"}
-        return out
-
-
-class _Announcer:
-    """After every connect, report every managed workload's state (protocol 3.2, node offline)."""
-
-    log = Logger()
-
-    def __init__(self, health: Any) -> None:
-        self.health = health
-
-    def session_opened(self) -> None:
-        d = Deferred.fromCoroutine(self.health.announce_all())
-
-        def failed(f: Any) -> None:
-            from llmport_agent.commands.base import CommandFailed
-
-            if f.check(CommandFailed):
-                self.log.warn("Could not announce workloads after connecting: {error}",
-                              error=f.value.error_message)
-            else:
-                self.log.failure("Announcing workloads failed", failure=f)
-
-        d.addErrback(failed)
-
-    def session_closed(self) -> None:
-        pass
-
-    def frame_received(self, frame: dict[str, Any]) -> None:
-        pass
-
-
-class _ProfileFromHello:
-    """C{hello_ack.profile} is the node's current profile: keep it like C{sync_node_profile}."""
-
-    log = Logger()
-
-    def __init__(self, modes: PersistentModes) -> None:
-        self.modes = modes
-
-    def session_opened(self) -> None:
-        pass
-
-    def session_closed(self) -> None:
-        pass
-
-    def frame_received(self, frame: dict[str, Any]) -> None:
-        if frame.get("type") != "hello_ack":
-            return
-        if "profile" not in frame:
-            return
-        profile = frame.get("profile")
-        if profile is not None and not isinstance(profile, dict):
-            self.log.warn("Ignored a hello_ack profile that is not an object")
-            return
-        changed = (self.modes.profile is not None) if profile is None else profile != self.modes._live_profile
-        if changed:
-            # None clears it: no profile is assigned to this node any more.
-            d = Deferred.fromCoroutine(self.modes.set(profile=profile))
-            d.addErrback(lambda f: self.log.failure("Storing the profile failed", failure=f))
+        return await diagnostics.diagnostics(self)
