@@ -13,6 +13,11 @@ polls go at all.
 
 Listeners (the command pipeline, heartbeat, inventory, event outbox) subscribe with
 L{SessionService.subscribe} and receive plain dicts; they send with L{SessionService.send}.
+
+This module holds the connection (ClientService, the endpoint, the connection events, sending);
+each other behaviour lives in a module named after it, called from one-line methods here:
+L{enrollment}, L{refusal} (refused upgrades, whoami, revoked), L{polling} (polls and the
+dispatch mode), L{rotation}, L{stop}.
 """
 
 from __future__ import annotations
@@ -27,45 +32,45 @@ from attrs import define, field
 from autobahn.exception import Disconnected
 from twisted.application.internet import ClientService
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger, LogLevel
 from zope.interface import implementer
 
-from llmport_agent.backend_http import BackendHTTP, Rejected, RouteMissing, Transient
+from llmport_agent.backend_http import BackendHTTP
 from llmport_agent.backoff import Backoff, FailureCounter, retry_policy
 from llmport_agent.config import AgentConfig
-from llmport_agent.session.dispatch import PUSH, DispatchDetector
+from llmport_agent.session import enrollment, polling, refusal, rotation, stop
+from llmport_agent.session.dispatch import DispatchDetector
+from llmport_agent.session.enrollment import EXIT_NEEDS_OPERATOR, TOKEN_HELP
 from llmport_agent.session.protocol import (
     HARD_MAX_FRAME,
     AgentClientFactory,
     AgentClientProtocol,
 )
+from llmport_agent.session.refusal import (
+    REVOKED_AFTER_REFUSALS,
+    REVOKED_AFTER_SECONDS,
+    REVOKED_RETRY_SECONDS,
+)
+from llmport_agent.session.rotation import ROTATION_CHECK, ROTATION_INTERVAL, ROTATION_TIMEOUT
+from llmport_agent.session.stop import CRITICAL_STOP_GRACE
 from llmport_agent.state import StateStore, token_fingerprint
 from llmport_agent.tls import client_tls_options, describe_connection_error
 
 STREAM_PATH = "/api/admin/system/nodes/stream"
-TOKEN_HELP = "mint a new one with POST /api/admin/system/nodes/enrollment-tokens"
-
-#: Exit status reserved for "an operator must act" (EX_CONFIG); the systemd unit does not
-#: restart on it.
-EXIT_NEEDS_OPERATOR = 78
-
 #: Outbound frame types that mean a command is being worked on (activity for the poll rate).
 COMMAND_FRAMES = frozenset({"command_ack", "command_progress", "command_result"})
 
-ROTATION_INTERVAL = 12 * 3600.0
-ROTATION_CHECK = 600.0
-ROTATION_TIMEOUT = 10.0
-REVOKED_AFTER_REFUSALS = 5
-REVOKED_AFTER_SECONDS = 180.0
-REVOKED_RETRY_SECONDS = 300.0
-#: On stop, an enrollment or rotation request in flight gets this long to bring back its
-#: reply (the backend may already have consumed the token / revoked the old credential);
-#: then it is cancelled, so a stop always completes within about two seconds.
-CRITICAL_STOP_GRACE = 0.5
+#: Importable from here as before the split (the agent, tests).
+__all__ = [
+    "CRITICAL_STOP_GRACE", "EXIT_NEEDS_OPERATOR", "INBOUND_TYPES", "REVOKED_AFTER_REFUSALS",
+    "REVOKED_AFTER_SECONDS", "REVOKED_RETRY_SECONDS", "ROTATION_CHECK", "ROTATION_INTERVAL",
+    "ROTATION_TIMEOUT", "STREAM_PATH", "TOKEN_HELP", "SessionListener", "SessionService",
+    "SessionStats", "stream_url",
+]
 
 
 class SessionListener(Protocol):
@@ -343,101 +348,10 @@ class SessionService(Service):
             self._requests.discard(d)
 
     async def _enroll(self, token: str, *, reenroll: bool = False) -> bool:
-        """
-        Enroll with retries on transient errors. False when rejected or stopping.
-
-        @param reenroll: the stored credential was refused and this is a fresh token: a
-            rejected token is then logged (the agent keeps retrying its credential) instead
-            of stopping the agent.
-        """
-        self._enrolling = True
-        attempt = 0
-        try:
-            while not self._stopping:
-                try:
-                    capabilities = await self._capabilities()
-                    result = await self._request(
-                        self.backend.enroll(
-                            token, self.config.agent_id, self.config.host, capabilities, self.version
-                        )
-                    )
-                except CancelledError:
-                    return False
-                except Rejected as e:
-                    if reenroll and e.status != 422:
-                        await self._remember_token(token)
-                        self.log.error(
-                            "The backend refuses this node's credential and rejected the configured "
-                            "enrollment token too ({detail}): it is invalid, expired or already used; "
-                            "{help}, set LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN and restart the agent",
-                            detail=e.detail,
-                            help=TOKEN_HELP,
-                        )
-                        return False
-                    if e.status == 422:
-                        # A malformed request does not consume the token: do not remember it.
-                        self._fatal(
-                            EXIT_NEEDS_OPERATOR,
-                            f"The backend rejected the enrollment request as malformed (HTTP 422: "
-                            f"{e.detail[:300]}); check LLM_PORT_NODE_AGENT_AGENT_ID (<= 128 "
-                            "characters) and that BACKEND_URL points at an llm-port backend",
-                        )
-                        return False
-                    await self._remember_token(token)
-                    self._fatal(
-                        EXIT_NEEDS_OPERATOR,
-                        f"The enrollment token was rejected ({e.detail}): it is invalid, expired or "
-                        f"already used; {TOKEN_HELP} and set LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN",
-                    )
-                    return False
-                except Transient as e:
-                    if self._stopping:
-                        return False  # cancelled by the stop: no retry delay after it
-                    attempt += 1
-                    self.stats.last_error = f"enrollment failed: {e}"[:200]
-                    delay = self.backoff.delay(attempt)
-                    self.log.warn(
-                        "Enrollment failed ({error}); retrying in {delay:.1f} s",
-                        error=str(e),
-                        delay=delay,
-                    )
-                    try:
-                        await self._sleep(delay)
-                    except CancelledError:
-                        return False
-                    continue
-                previous = self.state.credential
-                used = list(self.state.get("used_tokens", []))[-19:] + [token_fingerprint(token)]
-                await self.state.update(
-                    credential=result.credential,
-                    pending_credential=None,
-                    previous_credential=previous,
-                    node_id=result.node_id,
-                    agent_id=self.config.agent_id,
-                    backend_host=result.host,
-                    enrolled_at=self._wallclock(),
-                    last_rotation_at=self._wallclock(),
-                    used_tokens=used,
-                    refusals=None,
-                )
-                self._refusals = 0
-                self._first_refusal_at = None
-                self.node_id = result.node_id
-                self.stats.enrollments += 1
-                self.log.info(
-                    "Enrolled as node {node_id} (agent id {agent_id}); credential stored in {path}",
-                    node_id=result.node_id,
-                    agent_id=self.config.agent_id,
-                    path=self.state.path,
-                )
-                return True
-            return False
-        finally:
-            self._enrolling = False
+        return await enrollment.enroll(self, token, reenroll=reenroll)
 
     async def _remember_token(self, token: str) -> None:
-        used = list(self.state.get("used_tokens", []))[-19:] + [token_fingerprint(token)]
-        await self.state.update(used_tokens=used)
+        await enrollment.remember_token(self, token)
 
     def _sleep(self, seconds: float) -> Deferred[None]:
         """A cancellable pause; C{stopService} cancels it (and a stopping service never sleeps)."""
@@ -592,20 +506,7 @@ class SessionService(Service):
 
     def _say_token_removable(self) -> None:
         """Once per run, after the backend accepted a stored credential: the token can go."""
-        token = self.config.enrollment_token
-        if not token or self._token_line_said:
-            return
-        self._token_line_said = True
-        if token_fingerprint(token) in self.state.get("used_tokens", []):
-            why = "it was used to enroll this node (tokens are single use)"
-        else:
-            why = "it was not needed (it is still unused)"
-        self.log.info(
-            "The backend accepted the credential stored in {path}; the enrollment token in "
-            "LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN can be removed from the configuration: {why}",
-            path=self.state.path,
-            why=why,
-        )
+        enrollment.say_token_removable(self)
 
     def frame_received(self, proto: AgentClientProtocol, frame: dict[str, Any]) -> None:
         if proto is not self.proto:
@@ -683,117 +584,16 @@ class SessionService(Service):
             )
 
     def _refused(self, http_status: int | None, reason: str | None, lost: Any = None) -> None:
-        if http_status not in (401, 403):
-            described = (
-                describe_connection_error(lost, self.config.tls_client_cert) if lost is not None else None
-            )
-            self._note_retry(
-                LogLevel.warn,
-                "Could not open the backend stream: {reason}",
-                reason=described or reason or "connection failed",
-            )
-            return
-        now = self._wallclock()
-        self._refusals += 1
-        if self._first_refusal_at is None or self._first_refusal_at > now:
-            self._first_refusal_at = now
-        self.state.note(refusals={"count": self._refusals, "first_at": self._first_refusal_at})
-        token = self.config.enrollment_token
-        if token and token_fingerprint(token) not in self.state.get("used_tokens", []):
-            # A token this node never used: re-enrolling with it is harmless (same agent id:
-            # the same node row, or a new one after a deletion) and fixes a deleted node or a
-            # lost credential now rather than after minutes of refusals.
-            if not self._enrolling:
-                self.log.warn(
-                    "The backend refused this node's credential (HTTP {status}); enrolling again "
-                    "with the configured enrollment token (agent id {agent_id})",
-                    status=http_status,
-                    agent_id=self.config.agent_id,
-                )
-                self._reenroll(token)
-            return
-        previous = self.state.get("previous_credential")
-        alternate = isinstance(previous, str) and bool(previous) and previous != self.state.credential
-        if not alternate and not self._whoami_asked and self.state.credential:
-            # The current generation can tell at once whether this credential is still a
-            # member's (the April one has no whoami: its 404 is for the route itself).
-            self._whoami_asked = True
-            self._ask_whoami(http_status, self.state.credential)
-        if alternate:
-            # Two credentials are kept only while it is unknown which one the backend honours
-            # (a rotation whose reply was lost, a re-enrollment): alternate between them.
-            self.log.warn(
-                "The backend refused the current credential (HTTP {status}); trying the other "
-                "stored one",
-                status=http_status,
-            )
-            self.state.note(credential=previous, previous_credential=self.state.credential)
-        span = now - self._first_refusal_at
-        if self.deleted_detail is not None:
-            self._note_retry(
-                LogLevel.warn,
-                "The backend still refuses the stream (HTTP {status}): this node was deleted or its "
-                "credential revoked (see above)",
-                status=http_status,
-            )
-        elif self._refusals >= self.revoked_after_refusals and span >= self.revoked_after_seconds:
-            self._credential_revoked()
-            self._note_retry(None, "")
-        else:
-            self._note_retry(
-                LogLevel.warn,
-                "The backend refused the stream (HTTP {status})",
-                status=http_status,
-                n=self._refusals,
-            )
+        refusal.refused(self, http_status, reason, lost)
 
     def _ask_whoami(self, http_status: int, credential: str) -> None:
-        async def ask() -> None:
-            try:
-                await self._request(self.backend.whoami(credential, ROTATION_TIMEOUT))
-            except Rejected as e:
-                if self._stopping or self.proto is not None or credential != self.state.credential:
-                    return
-                self.deleted_detail = f"HTTP {e.status}: {e.detail}"[:200]
-                self._revoked = True
-                self.stats.last_error = "node deleted or credential revoked"
-                self.log.error(
-                    "The backend refused the stream (HTTP {status}) and does not know this node's "
-                    "credential any more (whoami {detail}): the node was deleted in llm-port or its "
-                    "credential revoked. To bring it back: sudo llmport-agent join {url} (an "
-                    "administrator approves the code it shows), or {help} and set "
-                    "LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN, then restart the agent; retrying every {every:.0f} s",
-                    status=http_status,
-                    detail=self.deleted_detail,
-                    url=self.config.backend_url,
-                    help=TOKEN_HELP,
-                    every=self.revoked_retry_seconds,
-                )
-            except (RouteMissing, Transient, CancelledError):
-                pass  # an April backend, or no answer: the refusals are counted as before
-
-        d = Deferred.fromCoroutine(ask())
-        d.addErrback(lambda f: self.log.failure("Asking the backend whoami failed", failure=f))
+        refusal.ask_whoami(self, http_status, credential)
 
     def _reenroll(self, token: str) -> None:
-        async def run() -> None:
-            if await self._enroll(token, reenroll=True):
-                self._reconnect_now()
-
-        d = Deferred.fromCoroutine(run())
-        d.addErrback(lambda f: self.log.failure("Re-enrollment failed", failure=f))
-        self._track_critical(d)
+        enrollment.reenroll(self, token)
 
     def _credential_revoked(self) -> None:
-        self._revoked = True
-        self.log.error(
-            "The backend refuses this node's credential (HTTP 403, {n} times): the node was probably "
-            "deleted or its credential revoked. To re-enroll, {help} and set "
-            "LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN, then restart the agent. Retrying every {every:.0f} s.",
-            n=self._refusals,
-            help=TOKEN_HELP,
-            every=self.revoked_retry_seconds,
-        )
+        refusal.credential_revoked(self)
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -838,63 +638,24 @@ class SessionService(Service):
 
     def note_activity(self) -> None:
         """A command arrived or is being worked on: poll fast from now on (for the window)."""
-        now = self._reactor.seconds()
-        was_active = self.poll_active(now)
-        self._last_activity = now
-        if not was_active and self.proto is not None:
-            self._schedule_poll()
+        polling.note_activity(self)
 
     def poll_active(self, now: float | None = None) -> bool:
         """True while polls go every COMMAND_POLL_INTERVAL_SEC (see the module docstring)."""
-        if self._busy is not None:
-            try:
-                if self._busy() > 0:
-                    return True
-            except Exception:
-                self.log.failure("Could not tell whether commands are running")
-                return True
-        last = self._last_activity
-        if last is None:
-            return False
-        now = self._reactor.seconds() if now is None else now
-        return now - last < self.config.command_poll_active_window_sec
+        return polling.poll_active(self, now)
 
     def poll_interval(self) -> float:
         """Seconds from the last frame sent to the next poll, as things stand now."""
-        if self.poll_active():
-            return self.config.command_poll_interval_sec
-        return self.config.poll_idle_interval
+        return polling.poll_interval(self)
 
     def _schedule_poll(self, since: float | None = None) -> None:
-        """
-        (Re)arm the poll: the next frame leaves at most one poll interval after the last one
-        sent (or after C{since}).
-        """
-        if self.proto is None or self._stopping:
-            return
-        if self.dispatch.push:
-            # The backend sends each command as it is queued: a poll would buy nothing.
-            self._cancel_poll()
-            return
-        now = self._reactor.seconds()
-        base = self._last_sent_at if since is None else since
-        delay = max(0.0, base + self.poll_interval() - now)
-        if self._poll is not None and self._poll.active():
-            self._poll.reset(delay)
-        else:
-            self._poll = self._reactor.callLater(delay, self._poll_now)
+        polling.schedule_poll(self, since)
 
     def _cancel_poll(self) -> None:
-        poll, self._poll = self._poll, None
-        if poll is not None and poll.active():
-            poll.cancel()
+        polling.cancel_poll(self)
 
     def _poll_now(self) -> None:
-        self._poll = None
-        # No seq: a poll has no side effects, and a frame without seq spares the backend its
-        # session-offset write (protocol 3.2).
-        if self.proto is not None and not self._send({"type": "poll"}, seq=False):
-            self._schedule_poll(since=self._reactor.seconds())
+        polling.poll_now(self)
 
     # -- dispatch mode (protocol 10.1) ---------------------------------------------------
 
@@ -916,184 +677,38 @@ class SessionService(Service):
 
     def _restore_dispatch_mode(self) -> None:
         """The mode remembered in the state file for this backend URL (loaded by now)."""
-        remembered = self.state.get("dispatch")
-        if (
-            isinstance(remembered, dict)
-            and remembered.get("backend") == token_fingerprint(self.config.backend_url)
-            and remembered.get("mode") == PUSH
-            and self.stats.opens == 0
-        ):
-            self.dispatch.restore(
-                PUSH, "remembered: the backend at this URL pushed commands before (polling resumes "
-                "at the first sign that it answers frames instead)",
-            )
+        polling.restore_dispatch_mode(self)
 
     def _say_dispatch_mode(self) -> None:
-        if self.dispatch.push:
-            self.log.info("Command dispatch: push, no polling ({reason})", reason=self.dispatch.reason)
-        else:
-            self.log.info(
-                "Command dispatch: polling, every {fast:g} s while active and {idle:g} s when idle "
-                "({reason}); it stops if the backend shows that it pushes commands",
-                fast=self.config.command_poll_interval_sec,
-                idle=self.config.poll_idle_interval,
-                reason=self.dispatch.reason,
-            )
+        polling.say_dispatch_mode(self)
 
     def _dispatch_changed(self, mode: str, reason: str) -> None:
-        self._dispatch_said = True
-        if mode == PUSH:
-            self.log.info("Command dispatch: push, polling stopped ({reason})", reason=reason)
-            self._cancel_poll()
-        else:
-            self.log.info("Command dispatch: back to polling ({reason})", reason=reason)
-            self._schedule_poll()
-        self.state.note(
-            dispatch={
-                # A fingerprint: the URL may carry user info.
-                "backend": token_fingerprint(self.config.backend_url),
-                "mode": mode,
-                "since": self._wallclock(),
-            }
-        )
+        polling.dispatch_changed(self, mode, reason)
 
     # -- rotation --------------------------------------------------------------------------
 
     def _rotation_tick(self) -> Deferred[None] | None:
-        last = self.state.get("last_rotation_at") or self.state.get("enrolled_at")
-        now = self._wallclock()
-        if last is None or float(last) > now + 3600:
-            # Never rotated, or the wall clock was ahead when we did (NTP corrected it since):
-            # count from now rather than postpone rotation for as long as the clock was wrong.
-            self.state.note(last_rotation_at=now)
-            return None
-        if now - float(last) < ROTATION_INTERVAL or self._rotating:
-            return None
-        proto = self.proto
-        if proto is None or proto.opened_at is None:
-            return None
-        if self._reactor.seconds() - proto.opened_at < 60:
-            return None
-        self.rotate().addErrback(lambda f: self.log.failure("Credential rotation failed", failure=f))
-        return None
+        return rotation.rotation_tick(self)
 
     def rotate(self) -> Deferred[bool]:
         """Rotate the credential now (see L{_rotate}); a stop waits for it."""
-        d = Deferred.fromCoroutine(self._rotate())
-        self._track_critical(d)
-        return d
+        return rotation.rotate(self)
 
     async def _rotate(self) -> bool:
-        """
-        Rotate the credential (protocol 2). The backend revokes the old credential before it
-        replies, so an unknown outcome keeps both: the new one if it arrived, else the old one.
-        """
-        old = self.state.credential
-        if not old:
-            return False
-        self._rotating = True
-        try:
-            try:
-                _, new = await self._request(self.backend.rotate(old, ROTATION_TIMEOUT))
-            except CancelledError:
-                self.log.warn(
-                    "Credential rotation was cut short by the stop; its outcome is unknown. The "
-                    "current credential stays in use; if the backend refuses it, this node needs a "
-                    "new enrollment token."
-                )
-                return False
-            except Rejected as e:
-                self.stats.rotation_errors += 1
-                self.log.warn(
-                    "Credential rotation refused ({detail}); keeping the current credential",
-                    detail=e.detail,
-                )
-                await self.state.update(last_rotation_at=self._wallclock())
-                return False
-            except Transient as e:
-                self.stats.rotation_errors += 1
-                self.log.warn(
-                    "Credential rotation outcome unknown ({error}); the backend may have revoked the "
-                    "current credential. It stays in use; if the backend refuses it, this node needs a "
-                    "new enrollment token.",
-                    error=str(e),
-                )
-                await self.state.update(last_rotation_at=self._wallclock())
-                return False
-            # The backend revoked the old credential before replying: it is useless now.
-            await self.state.update(
-                credential=new, previous_credential=None, last_rotation_at=self._wallclock()
-            )
-            self.stats.rotations += 1
-            self.log.info("Credential rotated; the new one is stored in {path}", path=self.state.path)
-            return True
-        finally:
-            self._rotating = False
+        return await rotation.rotate_now(self)
 
     # -- stop ------------------------------------------------------------------------------
 
     def _track_critical(self, d: Deferred[Any]) -> None:
         """Enrollment and rotation: a stop waits for them, or a credential could be lost."""
-        self._critical.add(d)
-
-        def done(result: object) -> object:
-            self._critical.discard(d)
-            return result
-
-        d.addBoth(done)
+        stop.track_critical(self, d)
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
-        self._stopping = True
-        if self._sleeping is not None:
-            self._sleeping.cancel()  # retry delays end at once
-        pending = [d for d in self._critical if not d.called]
-        if self._starting is not None and not self._starting.called:
-            pending.append(self._starting)
-        if pending:
-            # An enrollment or rotation whose request is in flight gets a moment to bring back
-            # its reply and store the credential (the backend may already have consumed the
-            # token / revoked the old one), then it is cancelled: a stop takes at most ~2 s,
-            # whatever REQUEST_TIMEOUT_SEC is.
-            from twisted.internet.defer import DeferredList
-
-            cancel = self._reactor.callLater(CRITICAL_STOP_GRACE, self._cancel_requests)
-            waiting: Deferred[Any] = DeferredList(pending, consumeErrors=True)
-            waiting.addTimeout(CRITICAL_STOP_GRACE + 1.0, self._reactor)
-            waiting.addErrback(lambda _: None)
-
-            def done(_: object) -> Deferred[None]:
-                if cancel.active():
-                    cancel.cancel()
-                self._cancel_requests()
-                return self._stop_connection()
-
-            return waiting.addCallback(done)
-        return self._stop_connection()
+        return stop.stop_service(self)
 
     def _cancel_requests(self) -> None:
-        for d in list(self._requests):
-            d.cancel()
+        stop.cancel_requests(self)
 
     def _stop_connection(self) -> Deferred[None]:
-        self._cancel_poll()
-        for loop_name in ("_rotation_loop",):
-            loop = getattr(self, loop_name)
-            if loop is not None and loop.running:
-                loop.stop()
-            setattr(self, loop_name, None)
-        client, self._client = self._client, None
-        proto = self.proto
-        if client is None:
-            return succeed(None)
-        if proto is not None:
-            proto.sendClose(code=1000, reason="agent stopping")
-            closed: Deferred[Any] = Deferred()
-            proto.is_closed.addBoth(lambda r: closed.callback(None) if not closed.called else None)
-            closed.addTimeout(5, self._reactor, onTimeoutCancel=lambda *_: None)
-
-            def stop_client(_: object) -> Deferred[None]:
-                return client.stopService()
-
-            return closed.addCallback(stop_client)
-        return client.stopService()
+        return stop.stop_connection(self)
