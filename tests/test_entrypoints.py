@@ -32,6 +32,11 @@ P = "LLM_PORT_NODE_AGENT_"
 
 class _FakeInstaller:
     calls: list[tuple[str, Any]] = []
+    systems: list[Any] = []
+
+    def __init__(self, system: Any = None) -> None:
+        # Installer(system): None is the root layout, a user-mode system for --user.
+        self.systems.append(system)
 
     def start(self, user: str | None = None) -> int:
         self.calls.append(("start", user))
@@ -53,6 +58,7 @@ class _FakeInstaller:
 class CliTests(SynchronousTestCase):
     def setUp(self) -> None:
         _FakeInstaller.calls = []
+        _FakeInstaller.systems = []
         self.patch(installer, "Installer", _FakeInstaller)
         self.runs: list[tuple[Any, bool]] = []
         self.patch(cli, "run_agent", lambda config, json_logs=False: self.runs.append((config, json_logs)) or 0)
@@ -137,6 +143,13 @@ class CliTests(SynchronousTestCase):
             ("status", "http://backend.example:8000"),
         ])
         self.assertEqual(self.runs, [])
+        self.assertEqual(_FakeInstaller.systems, [None, None, None, None])
+
+    def test_user_mode_stop_gets_the_user_layout(self) -> None:
+        self.patch(cli, "_user_system", lambda: "user-system")
+        self.assertEqual(self.main(["stop", "--user"])[0], 0)
+        self.assertEqual(_FakeInstaller.systems, ["user-system"])
+        self.assertEqual(_FakeInstaller.calls, [("stop", None)])
 
     def test_demo_and_devbackend_get_the_rest_of_the_line(self) -> None:
         seen: list[tuple[str, list[str]]] = []
