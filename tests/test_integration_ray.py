@@ -176,7 +176,11 @@ class RayClusterTests(AgentTestCase):
         token_dir = agent_a.config.ray_token_dir
         self.assertIn(f"{token_dir}:{token_dir}:ro", host["Binds"])
         self.assertIn(f"{store}:/models:ro", host["Binds"])
-        self.assertEqual(len(host["Binds"]), 2)
+        session_dir = agent_a.config.ray_session_dir
+        self.assertIn(f"{session_dir}:/tmp/ray:rw", host["Binds"])
+        self.assertEqual(len(host["Binds"]), 3)
+        # Ray's session directory reaches the host side (where the Serve log reader looks).
+        self.assertTrue(any(n.startswith("session_") for n in os.listdir(session_dir)), os.listdir(session_dir))
         self.assertEqual(os.stat(os.path.join(token_dir, "cluster.token")).st_mode & 0o777, 0o600)
 
         # A second start at the same address is a success that starts nothing.
