@@ -14,7 +14,6 @@ import re
 from typing import Any
 from urllib.parse import quote
 
-import treq
 from attrs import frozen
 from treq.client import HTTPClient
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
@@ -220,35 +219,14 @@ class BackendHTTP:
         token never appears in an exception.
         """
         path = SECRETS_PATH + quote(credential_ref, safe="")
-        headers: dict[bytes | str, bytes | str] = {"Authorization": f"Bearer {credential}"}
-        chunks: list[bytes] = []
-        size = 0
-
-        def collect(data: bytes) -> None:
-            nonlocal size
-            size += len(data)
-            if size > SECRET_BODY_LIMIT:
-                raise ValueError("answer too large")
-            chunks.append(data)
-
-        try:
-            d = self._http.get(self.url(path), headers=headers, unbuffered=True)
-            d.addTimeout(timeout, self._reactor)
-            response = await d
-            body_d = treq.collect(response, collect)
-            body_d.addTimeout(timeout, self._reactor)
-            await body_d
-        except (TimeoutError, CancelledError):
-            raise Transient(f"GET {SECRETS_PATH}...: no answer within {timeout:g} s") from None
-        except ValueError:
-            raise Transient(f"GET {SECRETS_PATH}...: the answer is larger than {SECRET_BODY_LIMIT} bytes") from None
-        except Exception as e:  # network errors of every kind
-            raise Transient(f"GET {SECRETS_PATH}...: {describe_network_error(e, self.client_cert)}") from None
-        content = b"".join(chunks)
-        if response.code in (401, 403, 404):
-            raise Rejected(response.code, _detail(content, (credential,)))
-        if response.code != 200:
-            raise Transient(f"GET {SECRETS_PATH}...: HTTP {response.code}")
+        # The messages name the route, not the member's credential_ref.
+        code, content = await self._get_bounded(
+            path, credential, timeout, SECRET_BODY_LIMIT, shown_path=f"{SECRETS_PATH}..."
+        )
+        if code in (401, 403, 404):
+            raise Rejected(code, _detail(content, (credential,)))
+        if code != 200:
+            raise Transient(f"GET {SECRETS_PATH}...: HTTP {code}")
         try:
             token = json.loads(content)["token"]
         except (ValueError, KeyError, TypeError):
@@ -321,33 +299,29 @@ class BackendHTTP:
         return _object(content, WHOAMI_PATH)
 
 
-    async def _get_bounded(self, path: str, credential: str, timeout: float, limit: int) -> tuple[int, bytes]:
-        """C{GET path} with the credential, reading at most C{limit} bytes of the answer."""
-        chunks: list[bytes] = []
-        size = 0
-
-        def collect(data: bytes) -> None:
-            nonlocal size
-            size += len(data)
-            if size > limit:
-                raise ValueError("answer too large")
-            chunks.append(data)
-
+    async def _get_bounded(
+        self, path: str, credential: str, timeout: float, limit: int, *, shown_path: str | None = None
+    ) -> tuple[int, bytes]:
+        """
+        C{GET path} with the credential, reading at most C{limit} bytes of the answer. Errors
+        name C{shown_path} (default: C{path}).
+        """
+        where = path if shown_path is None else shown_path
         headers: dict[bytes | str, bytes | str] = {"Authorization": f"Bearer {credential}"}
         try:
             d = self._http.get(self.url(path), headers=headers, unbuffered=True)
             d.addTimeout(timeout, self._reactor)
             response = await d
-            body_d = treq.collect(response, collect)
+            body_d = Deferred.fromCoroutine(read_body(response, limit))
             body_d.addTimeout(timeout, self._reactor)
-            await body_d
+            content = await body_d
         except (TimeoutError, CancelledError):
-            raise Transient(f"GET {path}: no answer within {timeout:g} s") from None
-        except ValueError:
-            raise Transient(f"GET {path}: the answer is larger than {limit} bytes") from None
+            raise Transient(f"GET {where}: no answer within {timeout:g} s") from None
+        except BodyTooLarge as e:
+            raise Transient(f"GET {where}: {e}") from None
         except Exception as e:  # network errors of every kind
-            raise Transient(f"GET {path}: {describe_network_error(e, self.client_cert)}") from None
-        return response.code, b"".join(chunks)
+            raise Transient(f"GET {where}: {describe_network_error(e, self.client_cert)}") from None
+        return response.code, content
 
     async def log_sink(self, credential: str, timeout: float | None = None) -> object:
         """

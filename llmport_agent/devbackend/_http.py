@@ -216,34 +216,6 @@ class TokensResource(JsonResource):
         super().__init__()
         self._backend = backend
 
-    def _ray_post(self, request: Request, path: list[str]) -> bytes:
-        """C{POST /dev/ray-environments} (reconcile) and C{.../<id>/teardown} (protocol 10.6)."""
-        b = self._backend
-        if len(path) == 3:
-            if path[2] != "teardown":
-                return json_response(request, 404, {"detail": "Not Found"})
-            try:
-                return json_response(request, 200, b.teardown_ray_environment(path[1]))
-            except KeyError:
-                return json_response(request, 404, {"detail": "Environment not found"})
-        body, errors = read_json_body(request)
-        if errors:
-            return json_response(request, 422, {"detail": errors})
-        try:
-            return json_response(request, 200, b.start_ray_environment(body if isinstance(body, dict) else {}))
-        except ValueError as e:
-            return json_response(request, 422, {"detail": str(e)})
-
-    def _cancel(self, request: Request, command_id: str) -> bytes:
-        """C{POST /dev/commands/<id>/cancel}: 409 when terminal or on the April generation."""
-        if command_id not in self._backend.state.commands:
-            return json_response(request, 404, {"detail": "Command not found"})
-        try:
-            command = self._backend.cancel_command(command_id)
-        except ValueError as e:
-            return json_response(request, 409, {"detail": str(e)})
-        return json_response(request, 200, command)
-
     def render_POST(self, request: Request) -> bytes:
         if not _admin_allowed(self._backend, request):
             return json_response(request, 401, {"detail": "Not authenticated"})

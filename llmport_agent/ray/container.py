@@ -21,6 +21,7 @@ from docker.types import DeviceRequest, Ulimit
 
 from .. import safefs
 from ..commands.base import POLICY_VIOLATION, RUNTIME_ERROR, CommandFailed
+from ..workloads.containers import start_created
 from ..workloads.spec import LABEL_AGENT_ID, LABEL_IMAGE
 from .bundle import RuntimeBundle
 
@@ -240,14 +241,7 @@ def create_and_start(client: docker.DockerClient, args: dict[str, Any]) -> dict[
         detach=True,
     )
     cid = created["Id"]
-    try:
-        api.start(cid)
-    except Exception:
-        try:
-            api.remove_container(cid, force=True)
-        except Exception:  # noqa: BLE001 - the start error is the one to report
-            pass
-        raise
+    start_created(api, cid)
     snap = snapshot(api.inspect_container(cid))
     return snap
 

@@ -322,6 +322,21 @@ def list_managed(
     return out
 
 
+def start_created(api: Any, cid: str) -> None:
+    """
+    Thread function: start the just created container C{cid}; when it fails to start it is
+    removed again, and the engine's start error re-raised.
+    """
+    try:
+        api.start(cid)
+    except Exception:
+        try:
+            api.remove_container(cid, force=True)
+        except Exception:  # noqa: BLE001 - the start error is the one to report
+            pass
+        raise
+
+
 def create_and_start(client: docker.DockerClient, args: dict[str, Any]) -> dict[str, Any]:
     """
     Create the container from L{spec.render} output and start it. A container that was
@@ -331,14 +346,7 @@ def create_and_start(client: docker.DockerClient, args: dict[str, Any]) -> dict[
     host_config = api.create_host_config(**args["host_config"])
     created = api.create_container(host_config=host_config, **args["create"])
     cid = created["Id"]
-    try:
-        api.start(cid)
-    except Exception:
-        try:
-            api.remove_container(cid, force=True)
-        except Exception:  # noqa: BLE001 - the start error is the one to report
-            pass
-        raise
+    start_created(api, cid)
     return {"id": cid, "warnings": created.get("Warnings") or []}
 
 
