@@ -54,10 +54,12 @@ def install_original(version: str) -> str:
     exe = os.path.join(venv, "bin", "llmport-agent")
     if os.access(exe, os.X_OK):
         return exe
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     try:
-        subprocess.run([sys.executable, "-m", "venv", venv], check=True, capture_output=True, timeout=300)
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True, capture_output=True, timeout=300,
+                       env=clean)
         subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", f"llmport-agent=={version}"],
-                       check=True, capture_output=True, timeout=600)
+                       check=True, capture_output=True, timeout=600, env=clean)
     except (OSError, subprocess.SubprocessError) as e:
         reason = f"the original agent {version} cannot be installed from the package index ({type(e).__name__})"
         if os.environ.get("CI") == "true":
@@ -88,7 +90,10 @@ class AdoptionTests(AgentTestCase):
         self.addCleanup(listening.stopListening)
 
     def original(self, exe: str, env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
-        full = {k: v for k, v in os.environ.items() if not k.startswith("LLM_PORT_NODE_AGENT_")}
+        # The original runs from its own venv: none of this interpreter's import paths (trial -j
+        # workers get PYTHONPATH = the parent's sys.path, whose older packages break its imports).
+        full = {k: v for k, v in os.environ.items()
+                if not k.startswith("LLM_PORT_NODE_AGENT_") and k not in ("PYTHONPATH", "PYTHONHOME")}
         full.update(env, DOCKER_HOST=self.env.host)
         out = open(log, "ab")
         self.addCleanup(out.close)
