@@ -102,7 +102,8 @@ class SandboxTests(AgentTestCase):
                 return f.read()
 
         agent_id = env["LLM_PORT_NODE_AGENT_AGENT_ID"]
-        await backend.wait_for(lambda: (backend.node_by_agent_id(agent_id) or {}).get("status") == "healthy"
+        # Enrolled (the first heartbeat may already have made the node "degraded") or exited.
+        await backend.wait_for(lambda: backend.node_by_agent_id(agent_id) is not None
                                or proc.poll() is not None, 60)
         self.assertIsNone(proc.poll(), output()[-3000:])
         with open(f"/proc/{proc.pid}/status") as f:
