@@ -88,6 +88,12 @@ class Harness:
                 "fetch_container_logs": HandlerSpec(
                     self._logs, lane="read", idempotent=True, deadline=30
                 ),
+                # A small read whose result is not kept after delivery (like get_ray_status).
+                "read_status": HandlerSpec(
+                    self._status, lane="read", idempotent=True, deadline=30, keep_result=False
+                ),
+                # A large result of a command that is not a read (never run again).
+                "big_write": HandlerSpec(self._big, lane="runtime", idempotent=True, deadline=60),
                 "boom": HandlerSpec(self._boom, lane="runtime", idempotent=True, deadline=60),
                 "fails": HandlerSpec(self._fails, lane="runtime", idempotent=True, deadline=60),
             }
@@ -134,6 +140,14 @@ class Harness:
     async def _logs(self, ctx: Any) -> dict[str, Any]:
         self.calls.append(("logs", ctx.command.id))
         return {"logs": "x" * 10000}
+
+    async def _status(self, ctx: Any) -> dict[str, Any]:
+        self.calls.append(("status", ctx.command.id))
+        return {"run": len(self.calls)}
+
+    async def _big(self, ctx: Any) -> dict[str, Any]:
+        self.calls.append(("big", ctx.command.id))
+        return {"report": "y" * 10000}
 
     async def _boom(self, ctx: Any) -> dict[str, Any]:
         raise RuntimeError("kaboom")

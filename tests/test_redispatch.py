@@ -198,3 +198,71 @@ class RedispatchTests(SynchronousTestCase):
         self.assertEqual([f["type"] for f in frames], ["command_progress", "command_ack", "command_progress"])
         self.assertEqual(len([e for e in logged if "re-dispatched" in str(e.get("log_format", ""))]), 1)
         self.assertEqual(len(h.calls), 1)
+
+    def test_delivered_read_whose_result_was_dropped_runs_again(self) -> None:
+        """
+        A read whose result was dropped once delivered (logs, statuses), listed again: run again
+        and answered with a new result after an ack, never with the stub that replaced it.
+        """
+        for kind, args in (("fetch_container_logs", {"runtime_id": "r", "tail": 5}), ("read_status", {})):
+            h = Harness(self)
+            c = command(kind, args)
+            h.deliver(c)
+            rec = h.journal.get(c["id"])
+            self.assertEqual(rec.state, DELIVERED)
+            self.assertIn("_dropped", rec.result_frame["result"], kind)
+            # The copy of the command is what a re-run needs; it stays while the result is gone.
+            self.assertEqual(rec.command["id"], c["id"])
+            before = len(h.frames_for(c["id"]))
+            self.reconnect(h, again(c))
+            frames = h.frames_for(c["id"])[before:]
+            self.assertEqual([f["type"] for f in frames][0], "command_ack", kind)
+            self.assertEqual([f["type"] for f in frames][-1], "command_result", kind)
+            result = frames[-1]["result"]
+            self.assertNotIn("_dropped", result, kind)
+            self.assertNotIn("replayed", result, kind)
+            self.assertTrue(frames[-1]["success"], kind)
+            self.assertEqual(len(h.calls), 2, kind)
+            self.assertEqual(h.pipeline.stats["rerun"], 1)
+            self.assertEqual(h.journal.get(c["id"]).state, DELIVERED)
+
+    def test_keep_result_false_drops_even_a_small_result(self) -> None:
+        """HandlerSpec.keep_result=False: a small result is dropped once delivered too."""
+        h = Harness(self)
+        c = command("read_status")
+        h.deliver(c)
+        self.assertEqual(h.frames_for(c["id"])[-1]["result"], {"run": 1})
+        self.assertIn("_dropped", h.journal.get(c["id"]).result_frame["result"])
+        # A small result of a spec that keeps results stays, and the command copy goes.
+        n = command("noop")
+        h.deliver(n)
+        rec = h.journal.get(n["id"])
+        self.assertEqual(rec.result_frame["result"], {"ok": True})
+        self.assertIsNone(rec.command)
+
+    def test_dropped_read_runs_again_after_an_agent_restart(self) -> None:
+        """The kept command copy is in the journal file: a restarted agent runs the read again too."""
+        h = Harness(self)
+        c = command("read_status")
+        h.deliver(c)
+        h.pipeline.stopService()
+        h2 = Harness(self, directory=h.dir)
+        self.assertEqual(h2.calls, [])
+        h2.pipeline.frame_received(hello(again(c)))
+        h2.drain()
+        self.assertEqual(h2.calls, [("status", c["id"])])
+        self.assertEqual(h2.frames_for(c["id"])[-1]["result"], {"run": 1})
+
+    def test_dropped_result_of_a_write_is_replayed_not_rerun(self) -> None:
+        """A large result of a command that is not a read: never run again; the stub is replayed."""
+        h = Harness(self)
+        c = command("big_write", {"runtime_id": "r"})
+        h.deliver(c)
+        rec = h.journal.get(c["id"])
+        self.assertIn("_dropped", rec.result_frame["result"])
+        self.assertIsNone(rec.command)
+        self.reconnect(h, again(c))
+        replay = h.frames_for(c["id"])[-1]
+        self.assertEqual(replay["type"], "command_result")
+        self.assertTrue(replay["result"]["replayed"])
+        self.assertEqual(h.calls, [("big", c["id"])])

@@ -47,6 +47,17 @@ DELIVERED = "delivered"  # result confirmed delivered
 #: Results larger than this (JSON characters, roughly) are dropped once delivered.
 SMALL_RESULT = 4096
 
+#: The key of the stub that replaces a result not kept after delivery.
+DROPPED = "_dropped"
+
+
+def result_dropped(rec: JournalRecord) -> bool:
+    """True when C{rec}'s result was delivered and then dropped from the journal."""
+    frame = rec.result_frame
+    result = frame.get("result") if isinstance(frame, dict) else None
+    return isinstance(result, dict) and DROPPED in result
+
+
 #: Result fields that hold a secret (the Ray cluster token of describe_ray_cluster's sealed
 #: hand-over, protocol 10.4/10.6): sent to the backend from memory, never written to the file.
 RESULT_SECRET_FIELDS = frozenset({"cluster_token"})
@@ -234,18 +245,29 @@ class CommandJournal:
             lambda f: log.failure("Could not record a change of command {id}", failure=f, id=command_id)
         )
 
-    def mark_delivered(self, command_id: str) -> Deferred[None]:
+    def mark_delivered(self, command_id: str, keep: bool = True, rerunnable: bool = False) -> Deferred[None]:
+        """
+        The backend confirmed the result. A result that is not to be kept (C{keep} false: logs,
+        statuses) or is large is dropped (L{result_dropped}). The record's copy of the command
+        is kept only then, for a C{rerunnable} read and when it is small, so that a re-listing
+        can run it again; otherwise it is dropped.
+        """
         rec = self.records.get(command_id)
         changes: dict[str, Any] = {"state": DELIVERED}
         kept = 0
+        command = None
         if rec is not None and rec.result_frame is not None:
             kept = _size(rec.result_frame)
-            if kept > SMALL_RESULT:
-                # Large results (logs, diagnostics) are not kept once delivered.
+            if not keep or kept > SMALL_RESULT:
                 small = {k: v for k, v in rec.result_frame.items() if k != "result"}
-                small["result"] = {"_dropped": "large result not kept after delivery"}
+                small["result"] = {DROPPED: "result not kept after delivery"}
                 changes["result_frame"] = small
                 kept = _size(small)
+                if rerunnable and rec.command is not None and _size(rec.command) <= SMALL_RESULT:
+                    command = rec.command
+                    kept += _size(command)
+        if rec is not None and rec.command is not None and command is None:
+            changes["command"] = None
         d = self.update(command_id, **changes)
         if rec is not None:
             self._index_delivered(rec, kept)

@@ -58,6 +58,7 @@ from llmport_agent.commands.journal import (
     RUNNING,
     CommandJournal,
     JournalRecord,
+    result_dropped,
 )
 from llmport_agent.commands.jsonsafe import json_problem
 from llmport_agent.commands.keepalive import ProgressKeepalive
@@ -185,7 +186,7 @@ class CommandPipeline(Service):
         self._intake_call: Any = None
         self.stats = {"received": 0, "duplicates": 0, "malformed": 0, "succeeded": 0, "failed": 0,
                       "timed_out": 0, "results_resent": 0, "deferred_by_stop": 0, "redispatched": 0,
-                      "replayed": 0}
+                      "replayed": 0, "rerun": 0}
         if calls is None:
             from llmport_agent.metrics import command_calls
 
@@ -486,6 +487,15 @@ class CommandPipeline(Service):
         if known.finished:
             if known.result_frame is None:
                 return
+            if known.state == DELIVERED and (fresh or redispatched) and result_dropped(known):
+                parsed = parse_command(known.command) if known.command is not None else None
+                spec = self.registry.get(known.command_type)
+                if isinstance(parsed, Command) and spec is not None and _rerunnable(spec):
+                    # Its result was delivered, then dropped (logs, statuses): a read is run
+                    # again rather than answered with a stub that would replace the backend's
+                    # copy of the result.
+                    self._rerun(known, parsed)
+                    return
             if known.state == DELIVERED and (fresh or redispatched):
                 known.state = FINISHED
                 self.journal.note(known.id, state=FINISHED)
@@ -512,6 +522,22 @@ class CommandPipeline(Service):
                 type=known.command_type,
                 state="running" if known.state == RUNNING else "queued",
             )
+
+    def _rerun(self, rec: JournalRecord, command: Command) -> None:
+        """Run a delivered read again for a backend that lists it as not done."""
+        self.stats["rerun"] += 1
+        self.log.info(
+            "Command {id} ({type}) was listed again after its result was delivered and no longer "
+            "kept; running it again",
+            id=rec.id,
+            type=rec.command_type,
+        )
+        rec.state = RECEIVED
+        rec.result_frame = None
+        rec.finished_at = None
+        self.journal.note(rec.id, state=RECEIVED, result_frame=None, finished_at=None)
+        self._send_ack(rec)
+        self._track(Deferred.fromCoroutine(self._run(rec, command, resumed=True)))
 
     async def _record(self, rec: JournalRecord) -> bool:
         """Journal a new command before anything else. False (and no ack) if that failed."""
@@ -820,14 +846,18 @@ class CommandPipeline(Service):
         rec.state = FINISHED
         rec.result_frame = frame
         rec.finished_at = self._wallclock()
-        rec.command = None
+        spec = self.registry.get(rec.command_type)
+        if spec is None or not _rerunnable(spec):
+            # A read is kept until delivered: if its result is then dropped, a re-listing runs
+            # it again (_listed_again).
+            rec.command = None
         # A finished command is never acked again (_send_ack): forget it, or a session that
         # stays up for months holds the id of every command it ever acked.
         self._acked_here.discard(rec.id)
         self.stats["succeeded" if success else "failed"] += 1
         try:
             await self.journal.update(
-                rec.id, state=FINISHED, result_frame=frame, finished_at=rec.finished_at, command=None
+                rec.id, state=FINISHED, result_frame=frame, finished_at=rec.finished_at, command=rec.command
             )
         except Exception as e:
             # Sending beats waiting for a disk that may never recover; it stays undelivered in
@@ -923,7 +953,10 @@ class CommandPipeline(Service):
                     self.log.failure("An after-result action of command {id} failed", id=rec.id)
             if rec.state == FINISHED:
                 rec.state = DELIVERED
-                self.journal.mark_delivered(rec.id).addErrback(
+                spec = self.registry.get(rec.command_type)
+                keep = spec is None or spec.keep_result
+                rerun = spec is not None and _rerunnable(spec)
+                self.journal.mark_delivered(rec.id, keep=keep, rerunnable=rerun).addErrback(
                     lambda f: self.log.failure("Could not record the delivery of {id}", failure=f, id=rec.id)
                 )
 
@@ -943,6 +976,11 @@ class CommandPipeline(Service):
             "stats": dict(self.stats),
             "lanes_busy": sorted(k for k in self._locks),
         }
+
+
+def _rerunnable(spec: HandlerSpec) -> bool:
+    """A read safe to run again: one whose result, once dropped, is answered by a new run."""
+    return spec.lane == "read" and spec.idempotent
 
 
 def _redispatched(obj: Any) -> bool:
