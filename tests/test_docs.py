@@ -65,7 +65,7 @@ class BuildTests(SynchronousTestCase):
         with open(os.path.join(out, "cli.html"), encoding="utf-8") as f:
             cli = f.read()
         for command in ("run", "config", "start", "join", "stop", "status", "doctor", "demo",
-                        "devbackend"):
+                        "devbackend", "devbackend join-requests", "devbackend approve", "devbackend reject"):
             self.assertIn(f"llmport-agent {command}", cli)
         self.assertIn("--env-file", cli)  # doctor's own parser
         self.assertIn("--generation", cli)  # devbackend's own parser

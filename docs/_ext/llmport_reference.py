@@ -101,6 +101,7 @@ def settings_rst() -> list[str]:
 def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     from llmport_agent.cli import build_parser
     from llmport_agent.demo import build_parser as demo_parser
+    from llmport_agent.devbackend.cli import ADMIN_VERBS, admin_parser
     from llmport_agent.devbackend.cli import build_parser as devbackend_parser
     from llmport_agent.doctor.run import build_parser as doctor_parser
 
@@ -113,6 +114,7 @@ def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
                     out.append((f"llmport-agent {name}", sub))
     out += [("llmport-agent doctor", doctor_parser()), ("llmport-agent demo", demo_parser()),
             ("llmport-agent devbackend", devbackend_parser())]
+    out += [(f"llmport-agent devbackend {verb}", admin_parser(verb)) for verb in ADMIN_VERBS]
     return out
 
 

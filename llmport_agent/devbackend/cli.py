@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="llmport-agent devbackend",
         description="Run a local stand-in of the llm-port backend's node-facing side "
         "(enrollment, rotation, the node stream, node files, a dev admin API under /dev).",
+        epilog="Join requests of a running stand-in are decided with: "
+        + "; ".join(f"llmport-agent devbackend {verb} ({what})" for verb, what in ADMIN_VERBS.items()) + ".",
     )
     parser.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 = any)")
     parser.add_argument("--interface", default="127.0.0.1",
@@ -116,6 +118,27 @@ def _tls(directory: str | None) -> TLSFiles | None:
     return files
 
 
+#: The administrator's verbs on join requests, and what each does.
+ADMIN_VERBS = {
+    "join-requests": "list the join requests waiting for a decision",
+    "approve": "approve a join request: the node collects its credential",
+    "reject": "reject a join request: the node is told why and stops asking",
+}
+
+
+def admin_parser(verb: str) -> argparse.ArgumentParser:
+    """The parser of one of L{ADMIN_VERBS}."""
+    parser = argparse.ArgumentParser(prog=f"llmport-agent devbackend {verb}", description=ADMIN_VERBS[verb])
+    if verb != "join-requests":
+        parser.add_argument("code", help="the code the node shows (or the request id)")
+    if verb == "reject":
+        parser.add_argument("--message", default=None, help="why (shown on the node)")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the stand-in backend")
+    parser.add_argument("--admin-token", default=os.environ.get("LLMPORT_DEVBACKEND_ADMIN_TOKEN"),
+                        help="the admin token the backend printed (default: $LLMPORT_DEVBACKEND_ADMIN_TOKEN)")
+    return parser
+
+
 def admin_main(argv: list[str]) -> int:
     """
     C{devbackend join-requests | approve CODE | reject CODE [--message M]}: decide join requests
@@ -127,13 +150,7 @@ def admin_main(argv: list[str]) -> int:
     import urllib.parse
     import urllib.request
 
-    parser = argparse.ArgumentParser(prog=f"llmport-agent devbackend {argv[0]}")
-    if argv[0] != "join-requests":
-        parser.add_argument("code", help="the code the node shows (or the request id)")
-    if argv[0] == "reject":
-        parser.add_argument("--message", default=None, help="why (shown on the node)")
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the stand-in backend")
-    parser.add_argument("--admin-token", default=os.environ.get("LLMPORT_DEVBACKEND_ADMIN_TOKEN"))
+    parser = admin_parser(argv[0])
     try:
         args = parser.parse_args(argv[1:])
     except SystemExit as e:
@@ -170,7 +187,7 @@ def admin_main(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     """Run the stand-in backend in the foreground; returns the exit status."""
-    if argv and argv[0] in ("join-requests", "approve", "reject"):
+    if argv and argv[0] in ADMIN_VERBS:
         return admin_main(argv)
     parser = build_parser()
     try:
