@@ -23,6 +23,7 @@ from typing import IO, Any
 from attrs import define, field
 
 from llmport_agent.config import PREFIX, SETTINGS, AgentConfig, ConfigError, load_config, mask
+from llmport_agent.previousbuild import NotKept, PreviousBuild
 
 #: Settings written into the unit itself (ReadWritePaths=, ExecStartPre=): a change needs
 #: `llmport-agent start` again, not only a restart. The configuration reference says so.
@@ -186,6 +187,8 @@ class System:
     #: C{--user}: a C{systemd --user} service of the invoking user, no root (the original's layout).
     user_mode: bool = False
     access: Callable[[str, int], bool] = os.access
+    #: Where the running agent's executable is read (C{<proc>/<MainPID>/exe}); tests move it.
+    proc: str = "/proc"
     out: IO[str] = field(factory=lambda: sys.stdout)
     err: IO[str] = field(factory=lambda: sys.stderr)
 
@@ -470,7 +473,9 @@ class Installer:
         if done.error:
             return 1, done.error
         text = (done.stderr or done.stdout or "").strip().splitlines()
-        return done.returncode, (text[-1] if text else f"exit status {done.returncode}")
+        # systemd's "Job for ... failed because ..." says what happened; the line after only where to look.
+        said = next((line for line in text if line.startswith("Job for ")), text[-1] if text else "")
+        return done.returncode, (said or f"exit status {done.returncode}")
 
     def _needs_systemd(self, what: str) -> str | None:
         if self.sys.which("systemctl") is None or not self.sys.systemd_running():
@@ -602,6 +607,8 @@ class Installer:
             )
         except ConfigError as e:
             return s.fail(f"configuration error: {e}; nothing was changed", EX_CONFIG)
+        old_exec = _exec_path(s.unit_path)
+        same_path = old_exec is not None and os.path.realpath(old_exec) == os.path.realpath(executable)
         undo = _Undo()
         try:
             for path, content, mode in ((s.env_path, env.text(), 0o600), (s.unit_path, text, 0o644)):
@@ -616,6 +623,15 @@ class Installer:
             return s.fail(f"could not write {e.filename or 'a file'} ({e.strerror}); nothing was changed")
         was_enabled = self._systemctl("is-enabled", "--quiet", UNIT_NAME)[0] == 0
         was_active = self._systemctl("is-active", "--quiet", UNIT_NAME)[0] == 0
+        # The previous build, when the unit ran the executable at this same path: the upgrade
+        # replaced it there, so going back needs a copy (previousbuild).
+        previous = PreviousBuild(executable, s.geteuid(), s.proc) if same_path else None
+        note = ""
+        if previous is not None and was_active:
+            try:
+                previous.keep_running(self._main_pid())
+            except (NotKept, OSError) as e:
+                note = f" (the running build could not be kept: {e})"
         # restart, never `enable --now`: that leaves a running old build running (an upgrade
         # replaced the executable and must run the new one).
         for step in (("daemon-reload",), ("enable", "--quiet", UNIT_NAME), ("restart", UNIT_NAME)):
@@ -624,6 +640,10 @@ class Installer:
                 if step[0] == "restart" and not was_enabled:
                     self._systemctl("disable", "--quiet", UNIT_NAME)
                 undo.run()
+                what = "the unit and configuration were"
+                if step[0] == "restart" and previous is not None:
+                    what, why = self._put_back(previous, what)
+                    note = note or why
                 self._systemctl("daemon-reload")
                 back = ""
                 if step[0] == "restart" and was_active:
@@ -631,8 +651,16 @@ class Installer:
                     again = self._systemctl("restart", UNIT_NAME)[0] == 0
                     back = (" and the agent was started again with them" if again else
                             " but the agent could not be started again with them")
-                return s.fail(f"systemctl {step[0]} failed ({message}); the unit and configuration were "
-                              f"put back as they were{back}. Details: {s.journal_hint} -n 50")
+                return s.fail(f"systemctl {step[0]} failed ({message}); {what} put back as they were{back}"
+                              f"{note}. Why: {s.journal_hint} -n 50; then install a build that starts and "
+                              "run start again")
+        kept = ""
+        if os.path.isfile(executable) and not os.path.islink(executable):
+            try:
+                PreviousBuild(executable, s.geteuid(), s.proc).keep_current()
+            except (NotKept, OSError) as e:
+                kept = (f"note: no copy of this build was kept beside it ({e}), so a failed later upgrade "
+                        "cannot go back to it")
         linger = ""
         if s.user_mode:
             linger = self._linger()
@@ -645,7 +673,37 @@ class Installer:
         s.say("  check it:       llmport-agent status" + (" --user" if s.user_mode else ""))
         if linger:
             s.say(linger)
+        if kept:
+            s.say(kept)
         return 0
+
+    def _main_pid(self) -> int:
+        rc, _ = self._systemctl("is-active", "--quiet", UNIT_NAME)
+        if rc != 0:
+            return 0
+        exe = self.sys.which("systemctl")
+        if exe is None:
+            return 0
+        from llmport_agent.inventory.tools import run_tool
+
+        scope = ["--user"] if self.sys.user_mode else []
+        done = run_tool([exe, *scope, "show", UNIT_NAME, "--property=MainPID"], 30, max_output=1 << 16,
+                        env=self.sys.environ)
+        for line in ("" if done.error else done.stdout).splitlines():
+            key, _, value = line.partition("=")
+            if key == "MainPID" and value.strip().isdigit():
+                return int(value.strip())
+        return 0
+
+    def _put_back(self, previous: PreviousBuild, what: str) -> tuple[str, str]:
+        """After a failed restart: the kept previous executable back in place (previousbuild)."""
+        try:
+            if previous.restore():
+                return (f"the previous executable (kept as {previous.kept}), the unit and the "
+                        "configuration were"), ""
+        except (NotKept, OSError) as e:
+            return what, f" (the previous executable could not be put back: {e}; the unit runs the new one)"
+        return what, ""
 
     def _linger(self) -> str:
         """C{loginctl enable-linger}: the user manager (and the agent) outlive the last login."""
@@ -827,6 +885,25 @@ def _me() -> str:
         return pwd.getpwuid(os.geteuid()).pw_name
     except KeyError:
         return str(os.geteuid())
+
+
+def _exec_path(unit_path: str) -> str | None:
+    """The program of an installed unit's C{ExecStart=} (C{None}: no unit, or none readable)."""
+    import shlex
+
+    try:
+        with open(unit_path, encoding="utf-8", errors="replace") as f:
+            text = f.read(1 << 20)
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("ExecStart="):
+            try:
+                words = shlex.split(line[len("ExecStart="):].lstrip("@-:+!"))
+            except ValueError:
+                return None
+            return words[0].replace("$$", "$").replace("%%", "%") if words else None
+    return None
 
 
 def _has_credential(state_path: str) -> bool:

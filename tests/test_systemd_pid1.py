@@ -164,6 +164,49 @@ class ShippedUnitTests(AnomalyGuard, TestCase):
         self.assertIn(node_id, state2)
         await deferToThread(box.run, "systemctl", "stop", UNIT)
 
+    async def test_a_failed_upgrade_goes_back_to_the_previous_build(self) -> None:
+        """A new build that never gets ready: `start` puts the previous executable back and restarts it."""
+        box = await self.boot()
+        b = await self.start_watched_backend()
+        agent_id = "agent-" + os.urandom(4).hex()
+        python = os.path.realpath(sys.executable)
+        await deferToThread(box.run, python, "-m", "venv", "--system-site-packages", "--without-pip",
+                            "/opt/llmport-agent")
+        exe = "/opt/llmport-agent/bin/llmport-agent"
+        good = (f"#!/bin/sh\nexport PYTHONPATH={ROOT} LLMPORT_TEST_BUILD=1\n"
+                "exec /opt/llmport-agent/bin/python -m llmport_agent.cli \"$@\"\n")
+        await deferToThread(box.write, exe, good, 0o755)
+        env = {"BACKEND_URL": b.url, "AGENT_ID": agent_id, "HOST": "127.0.0.1", "OPS_PORT": "0",
+               "ENROLLMENT_TOKEN": b.mint_token()["token"], "RECONNECT_MIN_SEC": "0.2", "RECONNECT_MAX_SEC": "1"}
+        cli = ["/opt/llmport-agent/bin/python", "-m", "llmport_agent.cli", "start"]
+        await deferToThread(box.run, "env", *(f"LLM_PORT_NODE_AGENT_{k}={v}" for k, v in env.items()), *cli)
+        pid = await self.up(box, b, agent_id)
+        node_id = b.node_by_agent_id(agent_id)["id"]  # type: ignore[index]
+        unit = (await deferToThread(box.run, "cat", "/etc/systemd/system/" + UNIT)).stdout
+        env_file = (await deferToThread(box.run, "cat", "/etc/llmport-agent.env")).stdout
+        # The new build as llm-port's install script puts it in place (install -m 0755): it exits at once.
+        self.allow_anomalies("stream", "the previous build's stream closes while the broken one is tried")
+        await deferToThread(box.write, "/opt/new-build", "#!/bin/sh\necho this build is broken >&2\nexit 1\n", 0o755)
+        await deferToThread(box.run, "install", "-m", "0755", "/opt/new-build", exe)
+        done = await deferToThread(box.run, "env", "LLM_PORT_NODE_AGENT_LOG_LEVEL=debug", *cli, check=False)
+        self.assertEqual(done.returncode, 1, done.stdout + done.stderr)
+        self.assertEqual(len(done.stderr.strip().splitlines()), 1, done.stderr)
+        self.assertIn("systemctl restart failed", done.stderr)
+        self.assertIn(f"the previous executable (kept as {exe}.previous), the unit and the configuration were "
+                      "put back as they were and the agent was started again with them", done.stderr)
+        self.assertIn("journalctl -u llmport-agent -n 50", done.stderr)
+        self.assertEqual((await deferToThread(box.run, "cat", exe)).stdout, good)
+        self.assertEqual((await deferToThread(box.run, "cat", "/etc/systemd/system/" + UNIT)).stdout, unit)
+        self.assertEqual((await deferToThread(box.run, "cat", "/etc/llmport-agent.env")).stdout, env_file)
+        await b.wait_for(lambda: self._restarted(box, pid), 60)
+        pid2 = await self.up(box, b, agent_id)
+        self.assertEqual(await deferToThread(self._build_of, box, pid2), "1")
+        self.assertEqual(b.node_by_agent_id(agent_id)["id"], node_id)  # type: ignore[index]
+        self.assertEqual(len(b.state.nodes), 1)  # type: ignore[attr-defined]
+        journal = await deferToThread(box.run, "journalctl", "-u", UNIT, "--no-pager", "-o", "cat")
+        self.assertIn("this build is broken", journal.stdout)
+        await deferToThread(box.run, "systemctl", "stop", UNIT)
+
     def _build_of(self, box: BootedSystemd, pid: str) -> str:
         environ = box.run("cat", f"/proc/{pid}/environ").stdout
         for item in environ.split("\0"):
