@@ -90,8 +90,11 @@ async def diagnostics(agent: AgentService) -> dict[str, Any]:
         try:
             from llmport_agent.workloads.diagnostics import engine_diagnostics
 
-            out["engine"] = await engine_diagnostics(agent.engine, agent.config.agent_id, agent.health.states()
-                                                     if hasattr(agent.health, "states") else None)
+            out["engine"] = await engine_diagnostics(
+                agent.engine, agent.config.agent_id,
+                agent.health.states() if hasattr(agent.health, "states") else None,
+                agent.adoption.snapshot() if getattr(agent, "adoption", None) is not None else None,
+            )
         except Exception as e:
             out["engine"] = {"error": f"{type(e).__name__}: {e}"}
     return out

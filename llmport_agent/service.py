@@ -298,6 +298,7 @@ class AgentService(MultiService):
         shipping = build_log_shipping(
             self.reactor, self.config, state_dir=state_dir, host=self.backend_host,
             secrets=self._secrets, engine=self.engine, docker_environ=self._docker_environ,
+            adoption=self.adoption,
         )
         self.log_shipping = shipping
         self.loki, self.loki_pool = shipping.shipper, shipping.http_pool
@@ -341,7 +342,7 @@ class AgentService(MultiService):
         shipping = build_log_shipping(
             self.reactor, attrs.evolve(self.config, loki_url=url), state_dir=self._state_dir,
             host=self.backend_host, secrets=self._secrets, engine=self.engine,
-            docker_environ=self._docker_environ,
+            docker_environ=self._docker_environ, adoption=self.adoption,
         )
         self.log_shipping = shipping
         self.loki, self.loki_pool = shipping.shipper, shipping.http_pool

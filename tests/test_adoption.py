@@ -27,12 +27,14 @@ import tempfile
 from typing import Any
 
 from twisted.internet import reactor
+from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SkipTest
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
+from llmport_agent.logs.testing import FakeLoki
 from llmport_agent.workloads.ports import port_is_free
 from llmport_agent.workloads.spec import LABEL_MANAGED, MANAGED_VALUE
 from tests.agentharness import AgentTestCase
@@ -173,15 +175,20 @@ class AdoptionTests(AgentTestCase):
         self.assertNotIn(LABEL_MANAGED, first.labels)
         stale = self.container(name2)
         stale.remove(force=True)
-        impostor = self.client.containers.run(OTHER_IMAGE, ["sh", "-c", "exec sleep 600"], name=name2, detach=True)
+        impostor = self.client.containers.run(OTHER_IMAGE, ["sh", "-c", "echo impostor-line; exec sleep 600"],
+                                              name=name2, detach=True)
         self.addCleanup(lambda: self.container(name2) and self.container(name2).remove(force=True))
         for n in (name, name3):
             self.addCleanup(lambda n=n: self.container(n) and self.container(n).remove(force=True))
         third = self.container(name3)
 
-        # This agent on the same state: same node, no new enrollment.
+        # This agent on the same state: same node, no new enrollment; its logs to a stand-in Loki.
+        loki = FakeLoki()
+        loki_port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Site(loki))
+        self.addCleanup(loki_port.stopListening)
         agent = self.start_agent(b, state_dir=d, token=False, docker_host=self.env.host, AGENT_ID=agent_id,
-                                 ADVERTISE_HOST="127.0.0.1")
+                                 ADVERTISE_HOST="127.0.0.1", LOKI_URL=f"http://127.0.0.1:{loki_port.getHost().port}",
+                                 LOG_FLUSH_INTERVAL_SEC="0.2")
         agent.workloads._port_free = lambda p: p == port or port_is_free(p)
         self.assertEqual(await self.wait_connected(b, agent), node_id)
         await agent.adoption.ready()
@@ -191,6 +198,12 @@ class AdoptionTests(AgentTestCase):
         refusal = [t for t in lines if f"Not adopting runtime {rid2}" in t]
         self.assertEqual(len(refusal), 1, lines[-20:])
         self.assertIn(OTHER_IMAGE, refusal[0])
+
+        # Its output ships to Loki as a runtime's does (protocol 8 labels); the refused one's never.
+        await b.wait_for(lambda: any("adopted-hello" in line for line in
+                                     loki.lines(job="node-container", runtime_id=rid)), 30)
+        entry = next(e for e in loki.entries(job="node-container") if e.labels.get("runtime_id") == rid)
+        self.assertEqual((entry.labels["container"], entry.labels["host"]), (name, "127.0.0.1"))
 
         # Managed like its own, through the backend's commands.
         stopped = await self.done(b, b.runtime_action(rid, "stop"))
@@ -227,6 +240,11 @@ class AdoptionTests(AgentTestCase):
         self.assertEqual(new.labels.get(LABEL_MANAGED), MANAGED_VALUE)
         self.assertIsNone(self.container(first.id[:12]))
         self.assertEqual(agent.adoption.snapshot(), {})
+        # The replaced container's shipping stopped; the labelled one ships under the same keys.
+        await b.wait_for(lambda: first.id not in agent.container_logs._tracked, 30)
+        await b.wait_for(lambda: sum("adopted-hello" in line for line in
+                                     loki.lines(job="node-container", runtime_id=rid, container=name)) >= 3, 30)
+        self.assertFalse([line for line in loki.lines(job="node-container") if "impostor-line" in line])
         await agent.state.flush()
         with open(state_path) as f:
             state = json.load(f)

@@ -138,6 +138,8 @@ class _Container:
     stream: _Stream | None = None
     queued: bool = False
     failures: int = 0
+    #: One of the original agent's containers, owned through the adoption (it has no labels).
+    adopted: bool = False
     retry_call: Any = None
     gone: bool = False
     die_check: Any = None
@@ -180,13 +182,14 @@ def parse_state(raw: bytes) -> dict[str, tuple[str, Position]]:
     return out
 
 
-def list_for_logs(client: Any, agent_id: str) -> list[dict[str, Any]]:
+def list_for_logs(client: Any, agent_id: str, adopted: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """
-    Thread function: the containers this agent owns (one engine call; another agent's are left
-    out): id, name, state, labels, created.
+    Thread function: the containers this agent owns (another agent's are left out), the
+    original agent's adopted ones included (C{adopted}: full id -> runtime id; they carry the
+    runtime id as a label here, and C{adopted: True}): id, name, state, labels, created.
     """
     out = []
-    for row in list_owned_rows(client, agent_id):
+    for row in list_owned_rows(client, agent_id, adopted):
         created = row.get("Created")
         out.append({
             "id": str(row["Id"]),
@@ -194,6 +197,7 @@ def list_for_logs(client: Any, agent_id: str) -> list[dict[str, Any]]:
             "state": str(row.get("State", "")),
             "labels": dict(row.get("Labels") or {}),
             "created": float(created) if isinstance(created, (int, float)) else None,
+            "adopted": bool(row.get("_adopted")),
         })
     return out
 
@@ -233,6 +237,8 @@ class ContainerLogSource(Service):
     @param stream_pool: runs the stream threads (default: a pool of C{streams + 1} threads).
     @param secrets: returns the exact secret values to mask in every line.
     @param state_dir: where C{container-logs.json} is kept; positions only in memory if C{None}.
+    @param adoption: the original agent's containers taken over (L{Adoption}: C{snapshot()},
+        C{subscribe()}), shipped like the agent's own until a labelled container replaces them.
     """
 
     log = Logger()
@@ -262,6 +268,7 @@ class ContainerLogSource(Service):
         pause_at: float = 0.8,
         backoff: Backoff | None = None,
         wallclock: Callable[[], float] = time.time,
+        adoption: Any = None,
     ) -> None:
         if streams < 1:
             raise ValueError(f"streams must be >= 1, not {streams!r}")
@@ -292,6 +299,10 @@ class ContainerLogSource(Service):
         self._pause_at = pause_at
         self._backoff = backoff if backoff is not None else Backoff(1.0, 30.0)
         self._wallclock = wallclock
+        self._adoption = adoption
+        #: Whether the open event stream has every container's events (adopted ones exist).
+        self._events_all = False
+        self._reconcile_more = False
 
         self._tracked: dict[str, _Container] = {}
         self._queue: deque[_Container] = deque()
@@ -346,6 +357,8 @@ class ContainerLogSource(Service):
         if not self._listening:
             self._listening = True
             self._engine.onAvailability(self._engine_changed)
+            if self._adoption is not None:
+                self._adoption.subscribe(self._adoption_changed)
         d = Deferred.fromCoroutine(self._start())
         d.addErrback(lambda f: self.log.failure("Starting the container log reader failed", failure=f))
         self._started = d
@@ -470,6 +483,28 @@ class ContainerLogSource(Service):
         self._start_events()
         self._reconcile_soon()
 
+    def _adopted(self) -> dict[str, str]:
+        """Adopted container id -> runtime id (a copy: it goes to a thread)."""
+        if self._adoption is None:
+            return {}
+        snapshot: dict[str, str] = self._adoption.snapshot()
+        return snapshot
+
+    def _adoption_changed(self) -> None:
+        """Adopted containers came or went (replaced by labelled ones, removed): list again."""
+        if self.running and not self._stopping and self._loaded and self._engine.available:
+            self._reconcile_soon()
+
+    def _refilter_events(self) -> None:
+        """Adopted containers carry no label: while there are any, the events of every container."""
+        control = self._events
+        if control is None or self._events_all == bool(self._adopted()):
+            return
+        self._events = None
+        self._events_d = None
+        control.close("the adopted containers changed")
+        self._start_events()
+
     def _client_now(self) -> Any:
         """Thread side: the stream threads' docker client (made on first use)."""
         with self._client_lock:
@@ -483,6 +518,7 @@ class ContainerLogSource(Service):
         control = StreamControl()
         self._events = control
         since = int(self._wallclock())
+        self._events_all = bool(self._adopted())
 
         def on_event(event: dict[str, Any]) -> None:
             self._reactor.callFromThread(self._on_event, event)
@@ -490,16 +526,17 @@ class ContainerLogSource(Service):
         def on_open() -> None:
             self._reactor.callFromThread(self._events_opened)
 
-        d = self._pool.run(self._events_thread, control, since, on_event, on_open)
+        d = self._pool.run(self._events_thread, control, since, on_event, on_open, not self._events_all)
         self._events_d = d
         d.addBoth(self._events_ended, control)
 
     def _events_thread(self, control: StreamControl, since: int,
-                       on_event: Callable[[dict[str, Any]], None], on_open: Callable[[], None]) -> str:
+                       on_event: Callable[[dict[str, Any]], None], on_open: Callable[[], None],
+                       labelled_only: bool = True) -> str:
         """Thread function: the engine's events for managed containers (as the health watcher reads them)."""
         from llmport_agent.workloads.health import _events_thread
 
-        return _events_thread(self._client_now(), control, since, on_event, on_open)
+        return _events_thread(self._client_now(), control, since, on_event, on_open, labelled_only)
 
     def _events_opened(self) -> None:
         self._events_failures = 0
@@ -507,6 +544,8 @@ class ContainerLogSource(Service):
         self._reconcile_soon()
 
     def _events_ended(self, result: Any, control: StreamControl) -> None:
+        if self._events is not None and self._events is not control:
+            return  # replaced by _refilter_events
         self._events_d = None
         self._events = None
         if self._stopping or control.closed:
@@ -543,10 +582,13 @@ class ContainerLogSource(Service):
         if c is None:
             if action not in _START_EVENTS and action != "create":
                 return
-            if not is_owned(attrs, self._agent_id):
-                return  # another agent's container (or one forging the managed label)
             name = str(attrs.get("name") or cid[:12])
-            c = _Container(cid, name, str(attrs.get(LABEL_RUNTIME_ID) or ""))
+            if is_owned(attrs, self._agent_id):
+                c = _Container(cid, name, str(attrs.get(LABEL_RUNTIME_ID) or ""))
+            elif cid in (adopted := self._adopted()):
+                c = _Container(cid, name, adopted[cid], adopted=True)
+            else:
+                return  # another agent's container (or one forging the managed label)
             c.created = self._wallclock()
             self._tracked[cid] = c
         if action in _START_EVENTS:
@@ -587,7 +629,11 @@ class ContainerLogSource(Service):
         self._schedule_reconcile()
 
     def _reconcile_soon(self) -> None:
-        if self._reconciling is not None or self._stopping or not self._engine.available:
+        if self._reconciling is not None:
+            self._reconcile_more = True  # a change during a list: list once more after it
+            return
+        self._reconcile_more = False
+        if self._stopping or not self._engine.available:
             return
         d = Deferred.fromCoroutine(self._reconcile())
         self._reconciling = d
@@ -596,12 +642,15 @@ class ContainerLogSource(Service):
             self._reconciling = None
             if isinstance(result, Failure) and not result.check(CancelledError):
                 self.log.failure("Listing containers for their logs failed", failure=result)
+            if self._reconcile_more:
+                self._reconcile_soon()
 
         d.addBoth(done)
 
     async def _reconcile(self) -> None:
         try:
-            rows = await self._engine.call(list_for_logs, self._agent_id, what="list managed containers for logs")
+            rows = await self._engine.call(list_for_logs, self._agent_id, self._adopted(),
+                                           what="list managed containers for logs")
         except Exception as e:
             message = str(getattr(e, "error_message", None) or e)
             if self._error is None:
@@ -618,6 +667,7 @@ class ContainerLogSource(Service):
                 name = str(row.get("name") or cid[:12])
                 runtime_id = str((row.get("labels") or {}).get(LABEL_RUNTIME_ID) or "")
                 running = row.get("state") in ("running", "restarting")
+                adopted = bool(row.get("adopted"))
             except (KeyError, TypeError, AttributeError):
                 continue
             seen.add(cid)
@@ -625,6 +675,7 @@ class ContainerLogSource(Service):
             if c is None:
                 c = _Container(cid, name, runtime_id)
                 self._tracked[cid] = c
+            c.adopted = adopted
             created = row.get("created")
             c.created = created if isinstance(created, float) else (c.created or now)
             c.name, c.runtime_id = name, runtime_id
@@ -633,8 +684,11 @@ class ContainerLogSource(Service):
             c.running = running
             self._want(c)
         for c in [c for cid, c in self._tracked.items() if cid not in seen]:
-            if c.stream is None:
+            if c.stream is None or c.adopted:
+                # An adopted container no longer listed is no longer this agent's (a labelled
+                # one replaced it, or it was removed): its stream is closed, its lines stop.
                 self._forget(c)
+        self._refilter_events()
 
     def _forget(self, c: _Container) -> None:
         c.gone = True

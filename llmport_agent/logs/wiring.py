@@ -60,6 +60,7 @@ def build_log_shipping(
     docker_environ: Mapping[str, str] | None = None,
     journal_directory: str | None = None,
     journal_units: tuple[str, ...] | None = None,
+    adoption: Any = None,
 ) -> LogShipping:
     """
     Build (not start) log shipping to C{config.loki_url}.
@@ -67,6 +68,7 @@ def build_log_shipping(
     @param host: returns the C{host} label (what the backend stores as the node host).
     @param secrets: returns the agent's secret values (token, credentials) to mask in every line.
     @param engine: the L{DockerEngine}, or C{None} for no container logs.
+    @param adoption: the original agent's containers taken over (their logs ship too).
     """
     from twisted.logger import LogLevel
 
@@ -126,7 +128,7 @@ def build_log_shipping(
     if engine is not None:
         containers = ContainerLogSource(
             reactor, engine, shipper, host, agent_id=c.agent_id, runner=pool, streams=c.loki_container_streams,
-            environ=docker_environ, secrets=all_secrets, state_dir=state_dir,
+            environ=docker_environ, secrets=all_secrets, state_dir=state_dir, adoption=adoption,
         )
     ray_serve = RayServeLogSource(
         reactor, shipper, host, pool, session_dir=c.ray_session_dir, state_dir=state_dir,

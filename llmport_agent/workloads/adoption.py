@@ -166,6 +166,7 @@ class Adoption:
     _ready: Deferred[None] | None = None
     _waiters: list[Deferred[None]] = field(factory=list)
     _retry: Any = None
+    _listeners: list[Callable[[], None]] = field(factory=list)
     log = Logger()
 
     # -- what the handlers use -----------------------------------------------------------
@@ -173,6 +174,21 @@ class Adoption:
     def snapshot(self) -> dict[str, str]:
         """container id -> runtime id, a copy (for a thread function)."""
         return dict(self.by_container)
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call C{listener()} whenever the set of adopted containers changes (reactor thread)."""
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    def _set(self, by_container: dict[str, str]) -> None:
+        if by_container == self.by_container:
+            return
+        self.by_container = by_container
+        for listener in list(self._listeners):
+            try:
+                listener()
+            except Exception:
+                self.log.failure("A listener of the adopted containers failed")
 
     def is_adopted(self, runtime_id: str) -> bool:
         return runtime_id in self.by_container.values()
@@ -243,7 +259,7 @@ class Adoption:
                     "its next deploy or update",
                     runtime_id=c.runtime_id, name=c.container_name, id=v.container_id[:12], image=c.image,
                 )
-        self.by_container = {rec["container_id"]: rid for rid, rec in adopted.items()}
+        self._set({rec["container_id"]: rid for rid, rec in adopted.items()})
         if adopted != previous:
             await self.state.update(adopted=adopted or None)
         if adopted:
@@ -263,8 +279,7 @@ class Adoption:
         changes: dict[str, Any] = {}
         old = [c for c, r in self.by_container.items() if r == runtime_id and c != cid]
         if old:
-            for c in old:
-                self.by_container.pop(c, None)
+            self._set({c: r for c, r in self.by_container.items() if c not in old})
             adopted = dict(self.state.get("adopted") or {})
             adopted.pop(runtime_id, None)
             changes["adopted"] = adopted or None
@@ -286,9 +301,7 @@ class Adoption:
 
     def removed(self, runtime_id: str) -> None:
         """C{remove_workload} succeeded: nothing of the runtime is left, in either agent's keys."""
-        gone = [c for c, r in self.by_container.items() if r == runtime_id]
-        for c in gone:
-            self.by_container.pop(c, None)
+        self._set({c: r for c, r in self.by_container.items() if r != runtime_id})
         changes: dict[str, Any] = {}
         adopted = dict(self.state.get("adopted") or {})
         if adopted.pop(runtime_id, None) is not None:

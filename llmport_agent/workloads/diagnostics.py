@@ -20,18 +20,19 @@ from .spec import (
 )
 
 
-def _collect(client: docker.DockerClient, agent_id: str) -> dict[str, Any]:
+def _collect(client: docker.DockerClient, agent_id: str, adopted: dict[str, str] | None = None) -> dict[str, Any]:
     api = client.api
     version = api.version()
     info = api.info()
-    rows = ops.list_owned_rows(client, agent_id)
+    rows = ops.list_owned_rows(client, agent_id, adopted)
     containers = []
     image_ids: dict[str, list[str]] = {}
     for row in rows:
         snap = ops.inspect(client, row["Id"])
         if snap is None:
             continue
-        labels = snap["labels"]
+        # An adopted container (the original agent's) has no labels: its row names its runtime.
+        labels = {**snap["labels"], **dict(row.get("Labels") or {})} if row.get("_adopted") else snap["labels"]
         containers.append(
             {
                 "name": snap["name"],
@@ -52,6 +53,7 @@ def _collect(client: docker.DockerClient, agent_id: str) -> dict[str, Any]:
                 "started_at": snap["started_at"],
                 "finished_at": snap["finished_at"],
                 "error": snap["error"],
+                "adopted": bool(row.get("_adopted")),
             }
         )
         image_ids.setdefault(snap["image_id"], []).append(snap["name"])
@@ -93,7 +95,8 @@ def _collect(client: docker.DockerClient, agent_id: str) -> dict[str, Any]:
 
 
 async def engine_diagnostics(
-    engine: DockerEngine, agent_id: str, health_states: dict[str, dict[str, Any]] | None = None
+    engine: DockerEngine, agent_id: str, health_states: dict[str, dict[str, Any]] | None = None,
+    adopted: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """
     The engine section of C{collect_diagnostics}. Never raises for an engine problem:
@@ -106,7 +109,7 @@ async def engine_diagnostics(
         "engine_calls": engine.calls,
     }
     try:
-        out.update(await engine.call(_collect, agent_id, what="collecting engine diagnostics"))
+        out.update(await engine.call(_collect, agent_id, adopted, what="collecting engine diagnostics"))
         out["available"] = True
     except EngineError as exc:
         out["available"] = engine.available

@@ -76,12 +76,17 @@ def _events_thread(
     since: int | None,
     on_event: Callable[[dict[str, Any]], None],
     on_open: Callable[[], None],
+    labelled_only: bool = True,
 ) -> str:
-    stream = client.api.events(
-        since=since,
-        decode=True,
-        filters={"type": "container", "label": f"{LABEL_MANAGED}={MANAGED_VALUE}"},
-    )
+    """
+    Thread function: the engine's container events, of containers with the managed label, or
+    (C{labelled_only=False}: adopted containers carry no label) of every container; the caller
+    keeps what it owns.
+    """
+    filters = {"type": "container"}
+    if labelled_only:
+        filters["label"] = f"{LABEL_MANAGED}={MANAGED_VALUE}"
+    stream = client.api.events(since=since, decode=True, filters=filters)
     control.attach(stream)
     on_open()
     for event in stream:
@@ -140,6 +145,9 @@ class HealthWatcher(Service):
         self._last_event_time: int | None = None
         self._busy: set[Deferred[Any]] = set()
         self.stream_open = False
+        #: Whether the open event stream has every container's events (adopted ones exist).
+        self._stream_all = False
+        self._subscribed = False
         self._stream_failures = 0
         self.events_seen = 0
         self._announce_pending = False
@@ -149,6 +157,9 @@ class HealthWatcher(Service):
     def startService(self) -> None:
         super().startService()
         self._engine.onAvailability(self._engineChanged)
+        if self.adoption is not None and not self._subscribed:
+            self._subscribed = True
+            self.adoption.subscribe(self._adoptionChanged)
         self._loop = LoopingCall(self._periodic)
         self._loop.clock = self._reactor
         self._loop.start(self.reconcile_interval, now=True).addErrback(
@@ -231,6 +242,7 @@ class HealthWatcher(Service):
         control = StreamControl()
         self._control = control
         since = self._last_event_time
+        self._stream_all = bool(self._adopted())
 
         def on_event(event: dict[str, Any]) -> None:
             self._engine.callFromThread(self._onEvent, event)
@@ -240,7 +252,8 @@ class HealthWatcher(Service):
 
         d = Deferred.fromCoroutine(
             self._engine.stream(
-                _events_thread, control, since, on_event, on_open, what="watching engine events"
+                _events_thread, control, since, on_event, on_open, not self._stream_all,
+                what="watching engine events",
             )
         )
         self._stream_task = d
@@ -253,7 +266,25 @@ class HealthWatcher(Service):
         # Catch up with whatever changed while the stream was down.
         self._track(self.reconcile())
 
+    def _adoptionChanged(self) -> None:
+        """
+        The adopted containers changed: they carry no label, so while there are any the event
+        stream takes every container's events (reopened when that changes), and they are read now.
+        """
+        if not self.running:
+            return
+        control = self._control
+        if self._stream_task is not None and control is not None and self._stream_all != bool(self._adopted()):
+            self._stream_task = None
+            self._control = None
+            self.stream_open = False
+            control.close("the adopted containers changed")
+            self._startStream()
+        self._track(self.reconcile())
+
     def _streamEnded(self, result: Any, control: StreamControl) -> None:
+        if self._control is not None and self._control is not control:
+            return  # a stream replaced by _adoptionChanged
         self._stream_task = None
         self.stream_open = False
         if not self.running or control.closed:
@@ -301,6 +332,11 @@ class HealthWatcher(Service):
         attributes = (event.get("Actor") or {}).get("Attributes") or {}
         runtime_id = attributes.get(LABEL_RUNTIME_ID)
         if not runtime_id or not ops.is_owned(attributes, self._settings.agent_id):
+            # An adopted container (no labels of its own): known by its id.
+            cid = event.get("id") or (event.get("Actor") or {}).get("ID")
+            runtime_id = self._adopted().get(cid) if isinstance(cid, str) else None
+            if runtime_id:
+                self._schedule(runtime_id)
             return
         canonical = attributes.get(LABEL_NAME)
         if canonical and attributes.get("name") and attributes.get("name") != canonical:
