@@ -80,7 +80,7 @@ class AdoptedLogsTests(SynchronousTestCase):
     def test_without_adopted_containers_only_labelled_events_then_reopened(self) -> None:
         self.engine = FakeEngine()
         adoption = FakeAdoption()
-        self.make(adoption=adoption)
+        source = self.make(adoption=adoption)
         (args, first), = self.streams.events()
         self.assertTrue(args[4])
         adopted = add_unlabelled(self.engine, "llm-port-late")
@@ -89,6 +89,8 @@ class AdoptedLogsTests(SynchronousTestCase):
         first.errback(Failure(StreamClosed("the adopted containers changed")))
         (args2, _), = self.streams.events()
         self.assertFalse(args2[4])
+        self.assertIs(source._events, args2[0])  # the old one's end did not forget the new one
+        self.assertIsNotNone(source._events_d)
         self.assertEqual([a[2] for a, _ in self.streams.follows()], [adopted])
 
     def test_a_start_event_of_an_adopted_container_opens_its_stream(self) -> None:
@@ -157,6 +159,49 @@ class HealthEventsTests(SynchronousTestCase):
         other = uuid.uuid4().hex * 2
         w._onEvent({"Action": "die", "id": other, "Actor": {"ID": other, "Attributes": {"name": "llm-port-b"}}})
         self.assertEqual(scheduled, ["rt-a"])
+
+
+class HealthStreamTests(SynchronousTestCase):
+    """The health watcher's event stream: labelled only until containers are adopted, then every container's."""
+
+    def test_the_stream_is_reopened_for_every_container_when_some_are_adopted(self) -> None:
+        from twisted.internet.defer import Deferred, succeed
+        from twisted.internet.task import Clock
+
+        from llmport_agent.workloads.health import HealthWatcher
+
+        streams: list[tuple[Any, tuple[Any, ...], Deferred[Any]]] = []
+
+        class Engine:
+            available = True
+
+            def onAvailability(self, listener: Any) -> None:
+                pass
+
+            def call(self, fn: Any, *args: Any, what: str | None = None) -> Deferred[Any]:
+                return succeed([])
+
+            async def stream(self, fn: Any, control: Any, *args: Any, what: str | None = None) -> Any:
+                d: Deferred[Any] = Deferred()
+                streams.append((control, args, d))
+                return await d
+
+        adoption = FakeAdoption()
+        w = HealthWatcher(Clock(), Engine(), type("S", (), {"agent_id": "node-a"})(),  # type: ignore[arg-type]
+                          lambda *a: None, adoption=adoption)
+        w.startService()
+        self.addCleanup(w.stopService)
+        (control, args, d), = streams
+        self.assertTrue(args[3])  # labelled_only
+        adoption.change({uuid.uuid4().hex * 2: "rt-a"})
+        self.assertTrue(control.closed)
+        d.errback(Failure(StreamClosed("the adopted containers changed")))  # the old thread ends
+        self.assertEqual(len(streams), 2)
+        control2, args2, _ = streams[1]
+        self.assertFalse(args2[3])
+        self.assertFalse(control2.closed)
+        self.assertIs(w._control, control2)
+        self.assertIsNotNone(w._stream_task)  # the old one's end did not forget the new one
 
 
 class DiagnosticsTests(SynchronousTestCase):
