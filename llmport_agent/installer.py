@@ -608,7 +608,9 @@ class Installer:
         except ConfigError as e:
             return s.fail(f"configuration error: {e}; nothing was changed", EX_CONFIG)
         old_exec = _exec_path(s.unit_path)
-        same_path = old_exec is not None and os.path.realpath(old_exec) == os.path.realpath(executable)
+        # Under $LLMPORT_AGENT_SYSTEM_ROOT (tests) only an executable inside it is copied or put back.
+        ours = not s.root or os.path.realpath(executable).startswith(os.path.realpath(s.root) + os.sep)
+        same_path = ours and old_exec is not None and os.path.realpath(old_exec) == os.path.realpath(executable)
         undo = _Undo()
         try:
             for path, content, mode in ((s.env_path, env.text(), 0o600), (s.unit_path, text, 0o644)):
@@ -655,7 +657,7 @@ class Installer:
                               f"{note}. Why: {s.journal_hint} -n 50; then install a build that starts and "
                               "run start again")
         kept = ""
-        if os.path.isfile(executable) and not os.path.islink(executable):
+        if ours and os.path.isfile(executable) and not os.path.islink(executable):
             try:
                 PreviousBuild(executable, s.geteuid(), s.proc).keep_current()
             except (NotKept, OSError) as e:
