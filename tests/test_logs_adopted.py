@@ -33,6 +33,9 @@ class FakeAdoption:
     def snapshot(self) -> dict[str, str]:
         return dict(self.by_container)
 
+    def runtime_of(self, container_id: str) -> str | None:
+        return self.by_container.get(container_id)
+
     def subscribe(self, listener: Callable[[], None]) -> None:
         self.listeners.append(listener)
 

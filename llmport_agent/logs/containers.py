@@ -585,8 +585,8 @@ class ContainerLogSource(Service):
             name = str(attrs.get("name") or cid[:12])
             if is_owned(attrs, self._agent_id):
                 c = _Container(cid, name, str(attrs.get(LABEL_RUNTIME_ID) or ""))
-            elif cid in (adopted := self._adopted()):
-                c = _Container(cid, name, adopted[cid], adopted=True)
+            elif self._adoption is not None and (adopted := self._adoption.runtime_of(cid)):
+                c = _Container(cid, name, str(adopted), adopted=True)
             else:
                 return  # another agent's container (or one forging the managed label)
             c.created = self._wallclock()

@@ -175,6 +175,10 @@ class Adoption:
         """container id -> runtime id, a copy (for a thread function)."""
         return dict(self.by_container)
 
+    def runtime_of(self, container_id: str) -> str | None:
+        """The runtime of an adopted container (its full id), or C{None}: one lookup, no copy."""
+        return self.by_container.get(container_id)
+
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call C{listener()} whenever the set of adopted containers changes (reactor thread)."""
         if listener not in self._listeners:

@@ -334,7 +334,8 @@ class HealthWatcher(Service):
         if not runtime_id or not ops.is_owned(attributes, self._settings.agent_id):
             # An adopted container (no labels of its own): known by its id.
             cid = event.get("id") or (event.get("Actor") or {}).get("ID")
-            runtime_id = self._adopted().get(cid) if isinstance(cid, str) else None
+            runtime_id = (self.adoption.runtime_of(cid)
+                          if self.adoption is not None and isinstance(cid, str) else None)
             if runtime_id:
                 self._schedule(runtime_id)
             return
