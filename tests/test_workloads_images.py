@@ -351,7 +351,11 @@ class ResumableTransferTests(TransferTests):
         self.assertIsNone(await self.rig.manager.images.inspect(parse_image_ref(self.ref)))
 
     async def test_stalled_download(self) -> None:
-        """A silent backend: dropped and resumed; a backend silent every time ends transfer_stalled."""
+        """
+        A silent backend: dropped and resumed; a backend silent every time ends transfer_stalled.
+        The resume it answers with silence (not even headers) is a stall too: bounded by the
+        stall time (2 s here), not by the 60 s of a first request, hence this test's timeout.
+        """
         self.rig.manager.images.resume_attempts = 1
         self.rig.manager.images.stall_sec = 2.0
         self.resource.stall_after = 256 * 1024
@@ -360,6 +364,8 @@ class ResumableTransferTests(TransferTests):
         self.assertEqual(cm.exception.error_code, "transfer_stalled")
         self.assertEqual([r["range"] for r in self.resource.requests][:2], [None, f"bytes={256 * 1024}-"])
         self.assertIsNone(await self.rig.manager.images.inspect(parse_image_ref(self.ref)))
+
+    test_stalled_download.timeout = 45  # type: ignore[attr-defined]
 
     async def test_pin_sent_and_mismatch_is_final(self) -> None:
         """expect_id/expect_rootfs go in the query; a 409 is server_image_mismatch, asked once."""

@@ -232,12 +232,12 @@ class ImageTransfer:
             params["expect_rootfs"] = expect_rootfs
         return self._backend_url + "/api/node-files/images/save?" + urlencode(params)
 
-    async def _get(self, url: str, token: str, ref: str, start: int | None) -> Any:
+    async def _get(self, url: str, token: str, ref: str, start: int | None, timeout: float = 60) -> Any:
         headers = {"Authorization": f"Bearer {token}", "Accept": "application/x-tar"}
         if start:
             headers["Range"] = f"bytes={start}-"
         try:
-            return await self._http.get(url, headers=headers, unbuffered=True, timeout=60)
+            return await self._http.get(url, headers=headers, unbuffered=True, timeout=timeout)
         except CancelledError:
             raise
         except Exception as exc:
@@ -447,7 +447,9 @@ class ImageTransfer:
                     await deferLater(clock, delay, lambda: None)
                     state["last_data"] = clock.seconds()
                     try:
-                        nxt = await self._get(url, token, ref, state["have"])
+                        # A resume answered by silence is a stall too: no longer than the
+                        # stall bound for its headers (the first request keeps 60 s).
+                        nxt = await self._get(url, token, ref, state["have"], timeout=min(60.0, self.stall_sec))
                     except CommandFailed as exc:
                         broke = exc.error_message
                         failures += 1
