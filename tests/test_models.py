@@ -532,6 +532,31 @@ class _StubSync:
         self.assertEqual(events[-1][2]["progress_pct"], 100.0)
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
+    def test_cancelled_while_connecting_is_a_cancellation(self) -> None:
+        """
+        A sync cancelled while its requests are still connecting fails with CancelledError,
+        not with the ConnectingCancelledError of a connection attempt (seen in a full run: a
+        cancelled sync reported the connection error instead of its cancellation).
+        """
+        from twisted.internet.address import IPv4Address
+        from twisted.internet.error import ConnectingCancelledError
+
+        class Connecting:
+            """A client whose every request is still connecting, as a cancel finds it."""
+
+            def get(self, url: str, **kw: Any) -> Deferred[Any]:
+                return Deferred(lambda d: d.errback(ConnectingCancelledError(IPv4Address("TCP", "127.0.0.1", 9))))
+
+        syncer = ModelSyncer(
+            self.clock, cast(HTTPClient, Connecting()), self.runner, store_dir=self.store,
+            backend_url="http://backend.invalid:8000/", credential=lambda: SECRET,
+            free_space=lambda path: self.free, rng=random.Random(1),
+        )
+        d = Deferred.fromCoroutine(syncer.sync(self.manifest, lambda *a, **k: None))
+        self.assertNoResult(d)
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+
     def test_gives_up_after_retry_max(self) -> None:
         """A backend that keeps failing ends in download_failed after retry_max retries."""
         self.repo.faults.fail_5xx_times = 1000

@@ -743,6 +743,10 @@ class ModelSyncer:
         d.addTimeout(timeout, self._reactor, onTimeoutCancel=timed_out)
         try:
             return await d
+        except error.ConnectingCancelledError:
+            # Cancelled from outside (the sync was cancelled) while still connecting; a timeout
+            # is a TimeoutError (timed_out), so this is the sync's cancellation, not a failure.
+            raise CancelledError() from None
         except _NETWORK_ERRORS as e:
             # A request cancelled from outside (the sync was cancelled) fails with the
             # cancellation wrapped in ResponseNeverReceived: that is no reason to retry.
