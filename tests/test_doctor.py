@@ -115,6 +115,24 @@ class FileTests(SynchronousTestCase):
         os.chmod(state_dir, 0o700)
         one(self, C.check_files(ctx), "state directory", OK)
 
+    def test_tls_client_key_open_to_others(self) -> None:
+        """The node's mTLS private key readable by other users is a failure naming the chmod."""
+        from tests.test_tls_client import make_client_pki
+
+        pki = make_client_pki(os.path.abspath(self.mktemp()))
+        for env, path in (({"LLM_PORT_NODE_AGENT_TLS_CLIENT_CERT": pki["cert"],
+                            "LLM_PORT_NODE_AGENT_TLS_CLIENT_KEY": pki["key"]}, pki["key"]),
+                          ({"LLM_PORT_NODE_AGENT_TLS_CLIENT_CERT": pki["both"]}, pki["both"])):
+            ctx = ctx_for(self, env)
+            os.chmod(path, 0o644)
+            f = one(self, C.check_files(ctx), "tls client key", FAIL)
+            self.assertIn("0644", f.detail)
+            self.assertEqual(f.fix, f"`sudo chmod 600 {path}`")
+            self.assertNotIn("PRIVATE KEY", f.line())
+            os.chmod(path, 0o600)
+            one(self, C.check_files(ctx), "tls client key", OK)
+        self.assertEqual(by_check(C.check_files(ctx_for(self)), "tls client key"), [])
+
     def test_store_with_a_link_out(self) -> None:
         ctx = ctx_for(self)
         store = ctx.config.model_store  # type: ignore[union-attr]

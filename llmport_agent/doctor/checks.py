@@ -582,7 +582,26 @@ def check_files(ctx: Context) -> list[Finding]:
                 else:
                     out.append(ok("state directory", f"{state_dir} mode {mode:04o}"))
     out.append(_env_file(ctx))
+    key = _client_key(ctx)
+    if key is not None:
+        out.append(key)
     return out
+
+
+def _client_key(ctx: Context) -> Finding | None:
+    """The TLS client key (C{TLS_CLIENT_KEY}, or the certificate file holding it): the agent's only."""
+    if ctx.config is None or not ctx.config.tls_client_cert:
+        return None
+    var = "TLS_CLIENT_KEY" if ctx.config.tls_client_key else "TLS_CLIENT_CERT"
+    path = ctx.config.tls_client_key or ctx.config.tls_client_cert
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError as e:
+        return fail("tls client key", f"cannot read {path} ({_err(e)})", "run the doctor as root (sudo)")
+    if mode & 0o077:
+        return fail("tls client key", f"LLM_PORT_NODE_AGENT_{var}={path} (the node's private key) is open to "
+                    f"other users (mode {mode:04o})", f"`sudo chmod 600 {path}`")
+    return ok("tls client key", f"{path} mode {mode:04o}")
 
 
 _SECRET_VARS = ("ENROLLMENT_TOKEN", "LOKI_PASSWORD", "LOKI_BEARER_TOKEN")

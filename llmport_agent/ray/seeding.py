@@ -37,10 +37,11 @@ from twisted.web.client import Agent, ResponseDone
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Site
+from twisted.web.server import NOT_DONE_YET
 
 from .. import safefs
 from ..commands.base import INVALID_COMMAND, CommandContext, CommandFailed, HandlerSpec
+from ..opshttp import BoundedSite
 from ..workloads.engine import DockerEngine, StreamControl
 from ..workloads.imageload import BodySource, load_thread
 from ..workloads.policy import parse_image_ref
@@ -251,7 +252,8 @@ class _FileSender:
                 s.bytes_sent += len(data)
         finally:
             s.active.discard(self)
-            self.request.unregisterProducer()
+            if self.request.channel is not None:  # None: the peer went away while a read ran
+                self.request.unregisterProducer()
         if self.stopped or self.offset <= self.end:
             if not self.stopped:
                 self.request.loseConnection()
@@ -318,9 +320,25 @@ class ImageResource(Resource):
         return NOT_DONE_YET
 
 
-class _QuietSite(Site):
+#: Connections the seeder holds at once beyond its downloads (peers retrying, a 401 or a 503).
+_EXTRA_CONNECTIONS = 16
+
+
+class _QuietSite(BoundedSite):
+    """
+    The seeder listens on a fabric address every machine of that network reaches, before any
+    token is checked: the ops endpoint's bounds (L{BoundedSite}: a capped number of connections,
+    headers within a deadline, no request body, so nothing is spooled to disk), and no access log.
+    """
+
     def log(self, request: Any) -> None:
         """No access log (the agent logs what matters itself)."""
+
+
+def seeding_site(state: _Serving, reactor: Any) -> _QuietSite:
+    """The HTTP site serving C{state}'s tar (its downloads plus L{_EXTRA_CONNECTIONS} at once)."""
+    return _QuietSite(ImageRoot(state), reactor, max_connections=state.max_active + _EXTRA_CONNECTIONS,
+                      idle_timeout=120.0)
 
 
 def _unicast_ip(value: object, key: str) -> str:
@@ -413,7 +431,7 @@ class ImageSeeding:
     async def _serve(self, ctx: CommandContext, fd: int, size: int, token: bytes, expected: int, timeout: float,
                      ip: str, port: int, image_id: str, started: float) -> dict[str, Any]:
         state = _Serving(self._reactor, self._pool, fd, size, token, expected, image_id)
-        site = _QuietSite(ImageRoot(state), timeout=120)
+        site = seeding_site(state, self._reactor)
         endpoint_type = TCP6ServerEndpoint if ":" in ip else TCP4ServerEndpoint
         try:
             listening = await endpoint_type(self._reactor, port, interface=ip).listen(site)
