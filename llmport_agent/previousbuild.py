@@ -8,7 +8,10 @@ previous executable is gone. This module keeps a copy of it as C{<executable>.pr
 
 - before the restart, from the running agent (C{/proc/<MainPID>/exe}) when that process runs
   the executable at this path and the file there has since been replaced (the first upgrade
-  from a build that kept no copy, or from the original agent's binary);
+  from a build that kept no copy, or from the original agent's binary); the link is read and
+  opened through one descriptor of C{/proc/<MainPID>}, and what was opened must be what the
+  link named, so a process that exits in between (its number reused by another program) is
+  never taken for the build;
 - after a restart that came up, from the executable itself (the build that last started).
 
 Only a regular file owned by the installing user (root for the system unit), in a directory of
@@ -98,9 +101,20 @@ class PreviousBuild:
         """
         if pid <= 0:
             return False
-        link = os.path.join(self.proc, str(pid), "exe")
+        # The link is read and opened through one descriptor of /proc/<pid>: the process, not its
+        # number (one that exits in between, its number taken by another program, fails both).
         try:
-            target = os.readlink(link)
+            proc_fd = os.open(os.path.join(self.proc, str(pid)), safefs.DIR_FLAGS)
+        except OSError:
+            return False
+        try:
+            return self._keep_running(proc_fd)
+        finally:
+            os.close(proc_fd)
+
+    def _keep_running(self, proc_fd: int) -> bool:
+        try:
+            target = os.readlink("exe", dir_fd=proc_fd)
         except OSError:
             return False
         names = {os.path.abspath(self.path), os.path.realpath(self.path)}
@@ -109,10 +123,16 @@ class PreviousBuild:
         dir_fd = self._open_dir()
         try:
             try:
-                src = os.open(link, os.O_RDONLY | os.O_CLOEXEC)  # the magic link: the running inode
+                src = os.open("exe", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc_fd)  # the running inode
             except OSError as e:
                 raise NotKept(f"the running build cannot be read ({e.strerror})") from None
             try:
+                try:
+                    opened = os.readlink(f"/proc/self/fd/{src}")
+                except OSError:
+                    opened = target
+                if opened != target:
+                    raise NotKept("the running process changed while its build was read")
                 st = os.fstat(src)
                 self._trusted(st, "the running build")
                 now = safefs.lstat_at(dir_fd, os.path.basename(self.path))

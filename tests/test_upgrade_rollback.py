@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
@@ -147,6 +148,42 @@ class FailedUpgradeTests(SynchronousTestCase):
         self.assertEqual(n.start(), 1)
         self.assertEqual(n.read(n.exe), BUILD_1)
         self.assertIn("the previous executable (kept as", n.h.err.getvalue())
+
+    def test_a_pid_taken_by_another_program_is_not_kept(self) -> None:
+        """
+        The unit's main process exits between the read of its exe link and the open, and its
+        number goes to a process running another root-owned program (a shell): that program is
+        never kept as the previous build, so a failed upgrade never puts it in place.
+        """
+        from llmport_agent import previousbuild
+
+        n = Node(self)
+        self.assertEqual(n.start(**agent_vars()), 0)
+        os.unlink(n.exe + ".previous")
+        n.h.active = "1"
+        n.running(BUILD_1)
+        other = n.h.path("/usr/bin/other")
+        os.makedirs(os.path.dirname(other))
+        shutil.copy(os.path.realpath(shutil.which("sh") or "/bin/sh"), other)
+        link = os.path.join(n.proc, "4242", "exe")
+        real_readlink = os.readlink
+        swapped: list[str] = []
+
+        def readlink(path: Any, *args: Any, **kw: Any) -> str:
+            target = real_readlink(path, *args, **kw)
+            if os.path.basename(str(path)) == "exe" and not swapped:
+                swapped.append(target)
+                os.unlink(link)  # the process exits; pid 4242 now runs `other`
+                os.symlink(other, link)
+            return target
+
+        self.patch(previousbuild.os, "readlink", readlink)
+        n.install(BROKEN)
+        self.assertEqual(n.start(), 1)
+        self.assertEqual(swapped, [n.exe + " (deleted)"])
+        self.assertFalse(os.path.lexists(n.exe + ".previous"))
+        self.assertEqual(n.read(n.exe), BROKEN)
+        self.assertIn("the running process changed while its build was read", n.h.err.getvalue())
 
     def test_a_running_interpreter_is_not_taken_for_the_build(self) -> None:
         n = Node(self)
