@@ -5,7 +5,9 @@ the life of the process. The kernel releases it however the process ends (a C{ki
 included), so a stale lock never blocks the next start.
 
 The holder writes its PID into the file (the lock is advisory: writing does not touch it), so a
-second agent can say which process holds it. The original agent leaves the file empty.
+second agent can say which process holds it. The original agent leaves the file empty. The file
+is opened without following a link and must be a regular file with one name: a hard link to
+another file (which the PID would overwrite) or a FIFO planted there is refused, untouched.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import stat
 
 from attrs import define, field
 
@@ -79,7 +82,15 @@ class InstanceLock:
             return
         directory = os.path.dirname(self.path)
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            # A hard link to another file (the PID would be written into it) or a FIFO or device
+            # planted in the state directory: never written, never locked.
+            os.close(fd)
+            what = "a hard link to another file" if stat.S_ISREG(st.st_mode) else "not a regular file"
+            raise OSError(errno.EPERM, f"the lock file is {what}; remove it (rm {self.path}) and start again",
+                          self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -55,6 +55,31 @@ class LockTests(SynchronousTestCase):
         second.acquire()
         second.release()
 
+    def test_a_hard_link_is_never_written(self) -> None:
+        """state.lock planted as a hard link to another file: refused, that file untouched."""
+        d = self.mktemp()
+        os.makedirs(d)
+        victim = os.path.join(d, "victim")
+        with open(victim, "w") as f:
+            f.write("precious\n")
+        lock = InstanceLock(os.path.join(d, "state.json"))
+        os.link(victim, lock.path)
+        e = self.assertRaises(OSError, lock.acquire)
+        self.assertIn("hard link", e.strerror)
+        self.assertIn(f"rm {lock.path}", e.strerror)
+        self.assertFalse(lock.held)
+        with open(victim) as f:
+            self.assertEqual(f.read(), "precious\n")
+
+    def test_a_fifo_is_refused_at_once(self) -> None:
+        d = self.mktemp()
+        os.makedirs(d)
+        lock = InstanceLock(os.path.join(d, "state.json"))
+        os.mkfifo(lock.path)
+        e = self.assertRaises(OSError, lock.acquire)
+        self.assertIn("not a regular file", e.strerror)
+        self.assertFalse(lock.held)
+
     def test_held_by_a_process_that_wrote_no_pid(self) -> None:
         d = self.mktemp()
         os.makedirs(d)
