@@ -134,11 +134,13 @@ class Joiner:
                 return self.fail(f"cannot reach the backend at {mask_url(self.url)} ({e}); nothing was "
                                  "changed. Check the URL and the network, then run join again.")
             else:
-                agent = self.member.get("agent_id") or self.config.agent_id
-                self.say(f"Already a member: this node is {agent!s} (node {self.member.get('node_id')}) on "
+                # The backend's words reach the terminal: bounded, no control characters (escapes).
+                agent = shown(str(self.member.get("agent_id") or self.config.agent_id), 200)
+                node = shown(str(self.member.get("node_id")), 200)
+                self.say(f"Already a member: this node is {agent} (node {node}) on "
                          f"{mask_url(self.url)}; nothing to approve, no new request. Starting the agent: "
                          "a running one is restarted with this build (an upgrade; state and workloads are kept).")
-                self.log.info("join: already a member as node {node_id}", node_id=self.member.get("node_id"))
+                self.log.info("join: already a member as node {node_id}", node_id=node)
                 return MEMBER
         # Writing the credential while an agent runs on this state would race it.
         self.lock = InstanceLock(self.state_path)
@@ -248,9 +250,10 @@ class Joiner:
 
     async def _approved(self, result: dict[str, Any]) -> int:
         credential, node_id = result.get("credential"), result.get("node_id")
-        if not isinstance(credential, str) or "." not in credential or not isinstance(node_id, str):
+        if (not isinstance(credential, str) or "." not in credential or not isinstance(node_id, str)
+                or not node_id or shown(node_id, 200) != node_id):
             await self._forget()
-            return self.fail("the backend approved the join but its reply carries no usable credential; "
+            return self.fail("the backend approved the join but its reply carries no usable credential or node id; "
                              "run join again (or use an enrollment token)")
         now = self.wallclock()
         host = result.get("host")
