@@ -449,7 +449,13 @@ def _makedirs(path: str, undo: _Undo, mode: int, uid: int = -1, gid: int = -1) -
         os.mkdir(d, mode)
         undo.directory(d)
         if uid >= 0 or gid >= 0:
-            os.chown(d, uid, gid)
+            # The directory just made, never what a link put in its place since names (a
+            # user who can write the parent would get any file of the host chowned to them).
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fchown(fd, uid, gid)
+            finally:
+                os.close(fd)
 
 
 # -- the commands --------------------------------------------------------------------------
