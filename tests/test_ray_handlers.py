@@ -22,10 +22,11 @@ from twisted.web.resource import Resource
 from llmport_agent.backend_http import BackendHTTP
 from llmport_agent.commands.base import CommandFailed
 from llmport_agent.ray import container as rc
-from llmport_agent.ray import imagepin
+from llmport_agent.ray import describe, imagepin
 from llmport_agent.ray.execs import ExecResult
 from llmport_agent.ray.handlers import (
     CURRENT_CLUSTER_FILE,
+    VERIFY_UNAVAILABLE,
     RayManager,
     RaySettings,
     _head_address,
@@ -34,6 +35,7 @@ from llmport_agent.ray.handlers import (
 from llmport_agent.ray.token import ClusterTokens
 from llmport_agent.workloads.policy import parse_allowlist
 from tests.support.context import RecordingContext, make_command
+from tests.test_ray_describe import APP, CANDIDATE, DEFAULTS, RUNNING
 
 LAYERS = ("sha256:" + "1" * 64,)
 IMAGE_ID = "sha256:" + "a" * 64
@@ -86,6 +88,10 @@ class FakeEngine:
         self.streams = 0
         self.hold_create: Deferred[None] | None = None
         self.helper_out = json.dumps({"alive": True, "version": "2.58.0", "num_nodes": 1, "nodes": []})
+        #: What the describe program prints (wrapped in its markers), or a full ExecResult.
+        self.describe_doc: dict[str, Any] | ExecResult = {"attached": True, "ray_version": "2.58.0", "nodes": [],
+                                                          "serve": {"running": False}, "apps": [], "errors": []}
+        self.programs: list[tuple[bytes | None, dict[str, str]]] = []
 
     async def call(self, fn: Any, *args: Any, what: str | None = None) -> Any:
         if fn is imagepin.image_identity:
@@ -115,7 +121,7 @@ class FakeEngine:
         if fn.__name__ == "exec_in":
             name, argv, env, stdin, timeout = args
             self.execs.append((list(argv), dict(env)))
-            return self._exec(list(argv))
+            return self._exec(list(argv), env, stdin)
         raise AssertionError(f"unexpected engine call {fn!r}")
 
     async def stream(self, fn: Any, control: Any, *args: Any, what: str | None = None) -> Any:
@@ -123,9 +129,17 @@ class FakeEngine:
         name, argv, env, stdin, timeout = args
         self.execs.append((list(argv), dict(env)))
         self.streams += 1
-        return self._exec(list(argv))
+        return self._exec(list(argv), env, stdin)
 
-    def _exec(self, argv: list[str]) -> ExecResult:
+    def _exec(self, argv: list[str], env: dict[str, str] | None = None, stdin: bytes | None = None) -> ExecResult:
+        if argv == ["python3", "-"]:
+            assert env is not None
+            self.programs.append((stdin, dict(env)))
+            if isinstance(self.describe_doc, ExecResult):
+                return self.describe_doc
+            begin, end = describe.markers(env["LLMPORT_DESCRIBE_NONCE"])
+            out = f"INFO worker.py -- Connecting\n{begin}{json.dumps(self.describe_doc)}{end}\n"
+            return ExecResult(0, out.encode(), b"")
         if argv == ["cat", CURRENT_CLUSTER_FILE]:
             return ExecResult(0 if self.cluster else 1, (self.cluster or "").encode(), b"")
         if argv[:2] == ["pgrep", "-c"]:
@@ -419,19 +433,130 @@ class RayHandlerTests(TestCase):
         self.assertEqual(self.engine.execs, [])
         self.assertEqual(self.engine.created, [])
 
-    async def test_describe_verify_says_why_it_cannot_compare(self) -> None:
+    def described_app(self, name: str = APP, configs: Any = (RUNNING,), **over: Any) -> dict[str, Any]:
+        app = {"name": name, "route_prefix": f"/{name}", "status": "RUNNING", "message": "",
+               "deployments": [{"name": "LLMServer:qwen", "status": "HEALTHY", "running_replicas": 1},
+                               {"name": "OpenAiIngress", "status": "HEALTHY", "running_replicas": 1}],
+               "llm_configs": list(configs), "defaults": [list(DEFAULTS)] * len(configs), "errors": []}
+        app.update(over)
+        return app
+
+    def described(self, *apps: dict[str, Any], **over: Any) -> dict[str, Any]:
+        doc = {"attached": True, "ray_version": "2.58.0", "gcs_address": "10.0.0.1:6379",
+               "nodes": [{"node_id": "h", "ip": "10.0.0.1", "hostname": "head", "alive": True, "is_head": True,
+                          "gpus": 1.0, "cpus": 4.0}],
+               "serve": {"running": True, "http_options": {"host": "0.0.0.0", "port": 8000}},
+               "apps": list(apps), "errors": []}
+        doc.update(over)
+        return doc
+
+    async def test_describe_reads_the_running_configs_and_compares_them_here(self) -> None:
+        await self.do("start_ray_head", self.head())
+        self.engine.describe_doc = self.described(
+            self.described_app(), self.described_app("someone-elses-app", configs=()))
+        verify = {APP: {"llm_configs": [CANDIDATE]}, "someone-elses-app": {"llm_configs": [CANDIDATE]},
+                  "llmport-gone": {"llm_configs": []}}
+        ran: list[str] = []
+        inline = self.ray._pool
+
+        class Recording:
+            def run(inner, fn: Any, *args: Any, **kw: Any) -> Deferred[Any]:  # noqa: N805
+                ran.append(getattr(fn, "__name__", ""))
+                return inline.run(fn, *args, **kw)
+
+        self.ray._pool = Recording()  # type: ignore[assignment]
+        before = len(self.engine.execs)
+        _c, r = await self.do("describe_ray_cluster", {"verify": verify})
+        # The program from the package's resource, on stdin, with a fresh nonce; nothing else runs.
+        (stdin, env), = self.engine.programs
+        self.assertEqual(stdin, describe.program())
+        self.assertGreaterEqual(len(env["LLMPORT_DESCRIBE_NONCE"]), 16)
+        self.assertEqual([a for a, _e in self.engine.execs[before:]], [["python3", "-"]])
+        # The container's words are read, and compared, on the pool (never on the reactor).
+        self.assertEqual([n for n in ran if n != "program"], ["parse_output", "compare"])
+        self.assertEqual((r["source"], r["attached"], r["ray_version"], r["gcs_address"]),
+                         ("ray", True, "2.58.0", "10.0.0.1:6379"))
+        self.assertEqual([(n["ip"], n["node_ip"], n["is_head"]) for n in r["nodes"]], [("10.0.0.1", "10.0.0.1", True)])
+        self.assertEqual(r["serve"], {"running": True, "http_options": {"host": "0.0.0.0", "port": 8000}})
+        apps = {a["name"]: a for a in r["apps"]}
+        self.assertEqual(apps[APP]["llm_configs"], [RUNNING])
+        self.assertEqual([d["name"] for d in apps[APP]["deployments"]], ["LLMServer:qwen", "OpenAiIngress"])
+        self.assertEqual(apps[APP]["verify"], {"equal": True, "diff": []})
+        self.assertEqual(apps["someone-elses-app"]["llm_configs"], [])
+        self.assertIsNone(apps["someone-elses-app"]["verify"]["equal"])
+        self.assertIn("not deployed by llm-port", apps["someone-elses-app"]["verify"]["explanation"])
+        self.assertEqual(r["errors"], ["verify: no application named llmport-gone runs on this cluster"])
+        self.assertNotIn("cluster_token", r)
+
+        other = {**CANDIDATE, "engine_kwargs": {**CANDIDATE["engine_kwargs"], "tool_call_parser": "llama3_json"}}
+        _c, r = await self.do("describe_ray_cluster", {"verify": {APP: {"llm_configs": [other]}}})
+        self.assertEqual(r["apps"][0]["verify"], {"equal": False, "diff": [
+            {"path": "llm_configs.0.engine_kwargs.tool_call_parser", "running": "hermes", "candidate": "llama3_json"}]})
+
+    async def test_describe_never_takes_the_containers_word_for_equal(self) -> None:
+        await self.do("start_ray_head", self.head())
+        self.engine.describe_doc = self.described(self.described_app(verify={"equal": True, "diff": []}))
+        _c, r = await self.do("describe_ray_cluster", {"verify": {APP: {"llm_configs": [{**CANDIDATE, "llm_engine": "x"}]}}})
+        self.assertFalse(r["apps"][0]["verify"]["equal"])
+        # An app whose configuration was not read completely is not compared at all.
+        self.engine.describe_doc = self.described(self.described_app(errors=["deployment LLMServer:qwen: gone"]))
+        _c, r = await self.do("describe_ray_cluster", {"verify": {APP: {"llm_configs": [CANDIDATE]}}})
+        self.assertIsNone(r["apps"][0]["verify"]["equal"])
+        self.assertIn("gone", r["apps"][0]["verify"]["explanation"])
+        self.assertEqual(r["apps"][0]["errors"], ["deployment LLMServer:qwen: gone"])
+        _c, r = await self.do("describe_ray_cluster", {"verify": {APP: {"llm_configs": "all of them"}}})
+        self.assertIsNone(r["apps"][0]["verify"]["equal"])
+        err = await self.fails("describe_ray_cluster", {"verify": [APP]})
+        self.assertEqual(err.error_code, "invalid_command")
+
+    async def test_describe_without_the_program_uses_the_helper_and_says_so(self) -> None:
         await self.do("start_ray_head", self.head())
         self.engine.helper_out = json.dumps({
-            "alive": True, "version": "2.58.0", "num_nodes": 1, "nodes": [], "available": True,
-            "apps": {"llmport-a": {"status": "RUNNING", "deployments": {}},
-                     "llmport-b": {"status": "RUNNING", "deployments": {}}}})
-        _c, r = await self.do("describe_ray_cluster", {"verify": {"llmport-a": {"llm_configs": [{"model": "m"}]}}})
-        apps = {a["name"]: a for a in r["apps"]}
-        self.assertEqual(set(apps), {"llmport-a", "llmport-b"})
-        verify = apps["llmport-a"]["verify"]
-        self.assertIsNone(verify["equal"])
-        self.assertIn("llm_configs", verify["explanation"])
-        self.assertNotIn("verify", apps["llmport-b"])
+            "alive": True, "version": "2.58.0", "num_nodes": 1, "nodes": [{"node_id": "h", "node_ip": "10.0.0.1"}],
+            "available": True, "apps": {APP: {"status": "RUNNING", "deployments": {"d": {"num_replicas_ready": 1}}}}})
+        for output, why in (
+            (ExecResult(127, b'OCI runtime exec failed: exec: "python3": executable file not found in $PATH\r\n', b""),
+             "exit 127"),
+            (ExecResult(0, b"Traceback (most recent call last): ... SyntaxError\n", b""), "no begin marker"),
+            (ExecResult(None, b"", b"", timed_out=True), "timed out"),
+            ({"ray_importable": False, "attached": False, "errors": ["import ray: ModuleNotFoundError: ray"]},
+             "cannot import ray"),
+        ):
+            self.engine.describe_doc = output
+            _c, r = await self.do("describe_ray_cluster", {"verify": {APP: {"llm_configs": [CANDIDATE]}}})
+            self.assertEqual(r["source"], "helper")
+            self.assertTrue(any(why in e and "helper" in e for e in r["errors"]), (why, r["errors"]))
+            self.assertTrue(r["attached"])
+            self.assertEqual([n["ip"] for n in r["nodes"]], ["10.0.0.1"])
+            (app,) = r["apps"]
+            self.assertIsNone(app["llm_configs"])
+            self.assertEqual(app["deployments"][0]["name"], "d")
+            self.assertEqual(app["verify"], {"equal": None, "diff": None, "explanation": VERIFY_UNAVAILABLE})
+
+    async def test_describe_when_the_program_file_is_missing(self) -> None:
+        await self.do("start_ray_head", self.head())
+
+        def missing() -> bytes:
+            raise FileNotFoundError("describe_cluster.py")
+
+        self.patch(describe, "program", missing)
+        _c, r = await self.do("describe_ray_cluster", {})
+        self.assertEqual(r["source"], "helper")
+        self.assertIn("reinstall the agent", r["errors"][0])
+        self.assertEqual(self.engine.programs, [])
+
+    async def test_describe_of_a_cluster_ray_cannot_attach_to(self) -> None:
+        await self.do("start_ray_head", self.head())
+        self.engine.describe_doc = {"attached": False, "ray_version": "2.58.0",
+                                    "errors": ["attach: ConnectionError: Could not find any running Ray instance."]}
+        ctx = RecordingContext(make_command("describe_ray_cluster", {
+            "hand_over_token": True, "verify": {APP: {"llm_configs": [CANDIDATE]}}}), self.clock)
+        r = await self.specs["describe_ray_cluster"].handler(ctx)
+        self.assertFalse(r["attached"])
+        self.assertNotIn("cluster_token", r)  # no live cluster, no hand-over
+        self.assertEqual(r["apps"], [])
+        self.assertIn("Could not find any running Ray instance", r["errors"][0])
+        self.assertIn(f"no application named {APP}", r["errors"][1])
 
     async def test_describe_hand_over(self) -> None:
         await self.do("start_ray_head", self.head())

@@ -36,8 +36,8 @@ from ..workloads.engine import DockerEngine, StreamClosed, StreamControl
 from ..workloads.gpus import GPU_UNAVAILABLE
 from ..workloads.images import ImageManager
 from ..workloads.policy import AllowEntry, PolicyError, parse_port
+from . import configdiff, describe, helpercli, imagepin
 from . import container as rc
-from . import helpercli, imagepin
 from .bundle import DEFAULT_CONTAINER_NAME, RuntimeBundle, filter_env, parse_bundle
 from .execs import ExecResult, exec_in, exec_stream
 from .token import ClusterTokens, ensure_dir
@@ -54,12 +54,18 @@ _APP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 #: Bytes of JSON the agent hands the helper on stdin (a compiled LLMServingArgs).
 _SERVE_DOC_LIMIT = 1024 * 1024
-#: Why C{describe_ray_cluster.verify} cannot compare: the runtime image's helper CLI has no
-#: verb that returns a running application's C{llm_configs}.
+#: Why C{describe_ray_cluster.verify} cannot compare when the inspection program could not
+#: run: the runtime image's helper CLI has no verb that returns a running app's C{llm_configs}.
 VERIFY_UNAVAILABLE = (
-    "not compared: the runtime image's helper (cluster-status, serve-status) does not report a "
-    "running application's llm_configs"
+    "not compared: the inspection program could not read the running configuration (see errors), "
+    "and the runtime image's helper (cluster-status, serve-status) does not report a running "
+    "application's llm_configs"
 )
+#: The inspection program's time (ray.init and the Serve controller's answers); with the
+#: helper's fallback it stays under the command's 120 s.
+_DESCRIBE_TIMEOUT = 45.0
+_FALLBACK_TIMEOUT = 30.0
+MAX_VERIFY_ERRORS = 16
 _ALREADY = (
     "already part of a ray cluster",
     "already running",
@@ -678,39 +684,36 @@ class RayManager:
         return {"deleted": True, "app_name": app}
 
     async def describe_ray_cluster(self, ctx: CommandContext) -> dict[str, Any]:
+        """
+        The running cluster as Ray itself reports it (the inspection program, L{describe}),
+        for a backend taking it over: members, Serve, each app's C{llm_configs} and, per
+        candidate in C{verify}, whether it is what runs (compared here, L{configdiff}).
+        When the program cannot run, the helper CLI answers what it can (no configurations).
+        """
         payload = _payload(ctx)
+        raw_verify = payload.get("verify")
+        if raw_verify is not None and not isinstance(raw_verify, Mapping):
+            raise CommandFailed(INVALID_COMMAND, "verify must be an object: {<app name>: {llm_configs: [...]}}")
+        wanted = describe.candidates(raw_verify)
         snap = await self.find_container(DEFAULT_CONTAINER_NAME)
         if snap is None or not rc.is_ours(snap, self.settings.agent_id) or not snap["running"]:
             return {"running": False, "container": rc.facts(snap) if snap is not None else None}
         errors: list[str] = []
-        _, doc = await self._helper(snap["name"], ["cluster-status"])
-        status = helpercli.cluster_status(doc, None)
-        _, serve_doc = await self._helper(snap["name"], ["serve-status"])
-        serve = helpercli.serve_status(serve_doc, None)
-        if serve.get("detail"):
-            errors.append(str(serve["detail"]))
-        raw_verify = payload.get("verify")
-        verify: Mapping[str, Any] = raw_verify if isinstance(raw_verify, Mapping) else {}
-        apps = []
-        for name, app in serve["apps"].items():
-            entry = {"name": name, "route_prefix": app.get("route_prefix") or f"/{name}",
-                     "status": app["status"], "deployments": app["deployments"], "llm_configs": None}
-            if name in verify:
-                # The helper's verbs (protocol 10.6) report no running llm_configs: no comparison.
-                entry["verify"] = {"equal": None, "diff": None, "explanation": VERIFY_UNAVAILABLE}
-            apps.append(entry)
-        result: dict[str, Any] = {
-            "running": True,
-            "container": rc.facts(snap),
-            "attached": bool(status["alive"]),
-            "ray_version": status["version"],
-            "gcs_address": status["cluster_address"],
-            "nodes": status["nodes"],
-            "serve": {"running": bool(serve["available"]), "http_options": None},
-            "apps": apps,
-            "errors": errors,
-        }
-        if _bool(payload, "hand_over_token", False) and status["alive"]:
+        inspection = await self._inspect(snap["name"], errors)
+        if inspection is not None and inspection.ray_importable:
+            result = self._described(snap, inspection, errors)
+            apps = {app.name: app for app in inspection.apps}
+        else:
+            result = await self._described_by_helper(snap, errors)
+            apps = {}
+        listed = set()
+        for entry in result["apps"]:
+            listed.add(entry["name"])
+            if entry["name"] in wanted:
+                entry["verify"] = await self._verify(entry["name"], apps.get(entry["name"]), wanted[entry["name"]])
+        for name in sorted(set(wanted) - listed)[:MAX_VERIFY_ERRORS]:
+            errors.append(f"verify: no application named {name} runs on this cluster")
+        if _bool(payload, "hand_over_token", False) and result["attached"]:
             token = await self.tokens.read()
             if token:
                 # The sealed hand-over (protocol 10.6): the backend encrypts it on arrival.
@@ -719,6 +722,112 @@ class RayManager:
             else:
                 result["token_error"] = "the cluster token file is missing or empty"
         return result
+
+    async def _inspect(self, name: str, errors: list[str]) -> describe.Inspection | None:
+        """The inspection program's report, or C{None} (and why, in C{errors})."""
+        try:
+            source = await self._pool.run(describe.program)
+        except OSError as exc:
+            errors.append(f"the inspection program is missing from this agent's installation ({exc}); reinstall "
+                          "the agent. Described with the runtime helper instead, which reports no llm_configs.")
+            self.log.warn("describe_ray_cluster: {why}", why=errors[-1])
+            return None
+        nonce = describe.new_nonce()
+        result = await self.exec(name, list(describe.ARGV), env=describe.program_env(nonce), stdin=source,
+                                 timeout=_DESCRIBE_TIMEOUT)
+        try:
+            # Up to OUTPUT_LIMIT of the container's words: parsed on the pool, not the reactor.
+            inspection = await self._pool.run(describe.parse_output, result.out, nonce)
+        except describe.BadOutput as exc:
+            how = f"timed out after {_DESCRIBE_TIMEOUT:.0f} s" if result.timed_out else f"exit {result.exit_code}"
+            errors.append(
+                f"the inspection program ({' '.join(describe.ARGV)}) gave no usable answer in {name} ({how}): {exc}"
+                f"{'; ' + result.detail(300) if result.detail(300) else ''}. Described with the runtime helper "
+                "instead, which reports no llm_configs."
+            )
+            self.log.warn("describe_ray_cluster: {why}", why=errors[-1])
+            return None
+        if not inspection.ray_importable:
+            errors.append(
+                f"python3 in {name} cannot import ray ({'; '.join(inspection.errors)[:300]}). Described with "
+                "the runtime helper instead, which reports no llm_configs."
+            )
+            return inspection
+        errors.extend(inspection.errors)
+        return inspection
+
+    def _described(self, snap: dict[str, Any], found: describe.Inspection, errors: list[str]) -> dict[str, Any]:
+        apps = []
+        for app in found.apps:
+            entry: dict[str, Any] = {
+                "name": app.name, "route_prefix": app.route_prefix, "status": app.status,
+                "message": app.message, "deployments": list(app.deployments),
+                "llm_configs": list(app.llm_configs),
+            }
+            if app.errors:
+                entry["errors"] = list(app.errors)
+            apps.append(entry)
+        return {
+            "running": True,
+            "container": rc.facts(snap),
+            "attached": found.attached,
+            "ray_version": found.ray_version,
+            "gcs_address": found.gcs_address,
+            "nodes": list(found.nodes),
+            "serve": {"running": found.serve_running, "http_options": found.http_options},
+            "apps": apps,
+            "errors": errors,
+            "source": "ray",
+        }
+
+    async def _described_by_helper(self, snap: dict[str, Any], errors: list[str]) -> dict[str, Any]:
+        _, doc = await self._helper(snap["name"], ["cluster-status"], timeout=_FALLBACK_TIMEOUT)
+        status = helpercli.cluster_status(doc, None)
+        _, serve_doc = await self._helper(snap["name"], ["serve-status"], timeout=_FALLBACK_TIMEOUT)
+        serve = helpercli.serve_status(serve_doc, None)
+        if serve.get("detail"):
+            errors.append(str(serve["detail"]))
+        apps = []
+        for name, app in serve["apps"].items():
+            deployments = [
+                {"name": dep_name, "status": dep["status"], "message": dep["message"],
+                 "running_replicas": dep["num_replicas_ready"], "num_replicas_ready": dep["num_replicas_ready"],
+                 "num_replicas_pending": dep["num_replicas_pending"]}
+                for dep_name, dep in app["deployments"].items()
+            ]
+            apps.append({"name": name, "route_prefix": app.get("route_prefix") or f"/{name}",
+                         "status": app["status"], "message": app["message"], "deployments": deployments,
+                         "llm_configs": None})
+        nodes = [{**n, "ip": n["node_ip"], "hostname": None} for n in status["nodes"]]
+        return {
+            "running": True,
+            "container": rc.facts(snap),
+            "attached": bool(status["alive"]),
+            "ray_version": status["version"],
+            "gcs_address": status["cluster_address"],
+            "nodes": nodes,
+            "serve": {"running": bool(serve["available"]), "http_options": None},
+            "apps": apps,
+            "errors": errors,
+            "source": "helper",
+        }
+
+    async def _verify(self, name: str, app: describe.App | None, candidate: Any) -> dict[str, Any]:
+        """One C{verify} answer: compared here, or C{equal: null} with the reason."""
+        def unknown(why: str) -> dict[str, Any]:
+            return {"equal": None, "diff": None, "explanation": why}
+
+        if isinstance(candidate, str):
+            return unknown(f"not compared: {candidate}")
+        if app is None:
+            return unknown(VERIFY_UNAVAILABLE)
+        if not app.ours:
+            return unknown(f"not compared: {name} was not deployed by llm-port (its name does not start with "
+                           f"{describe.APP_PREFIX}), so its configuration is not read")
+        if app.errors:
+            return unknown(f"not compared: the running configuration could not be read completely ({app.errors[0]})")
+        comparison = await self._pool.run(configdiff.compare, list(app.llm_configs), candidate, app.defaults)
+        return comparison.as_result()
 
 
 def ray_handler_specs(manager: RayManager) -> dict[str, HandlerSpec]:
