@@ -67,7 +67,7 @@ def is_route_missing(code: int, body: bytes) -> bool:
         return False
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(data, dict) and data.get("detail") == "Not Found"
 
@@ -96,7 +96,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 def _detail(body: bytes, secrets: tuple[str, ...] = ()) -> str:
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested too deep is not JSON either
         text = body[:200].decode("utf-8", "replace")
     else:
         if isinstance(data, dict) and "detail" in data:
@@ -185,7 +185,7 @@ class BackendHTTP:
             credential = data["credential"]
             if not isinstance(node_id, str) or not isinstance(credential, str) or "." not in credential:
                 raise ValueError("unexpected field types")
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise Transient(f"POST {ENROLL_PATH}: malformed reply ({type(e).__name__})") from None
         host_value = data.get("host")
         return Enrollment(node_id, credential, host_value if isinstance(host_value, str) else None)
@@ -207,7 +207,7 @@ class BackendHTTP:
             new = data["credential"]
             if not isinstance(new, str) or "." not in new:
                 raise ValueError
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise Transient(f"POST {ROTATE_PATH}: malformed reply") from None
         return str(data.get("node_id", "")), new
 
@@ -229,7 +229,7 @@ class BackendHTTP:
             raise Transient(f"GET {SECRETS_PATH}...: HTTP {code}")
         try:
             token = json.loads(content)["token"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise Transient(f"GET {SECRETS_PATH}...: malformed reply") from None
         if not isinstance(token, str) or not token.strip() or len(token) > 8192:
             raise Transient(f"GET {SECRETS_PATH}...: the reply carries no usable token")
@@ -347,7 +347,7 @@ class BackendHTTP:
 def _object(content: bytes, path: str) -> dict[str, Any]:
     try:
         data = json.loads(content)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise Transient(f"{path}: malformed reply (not JSON)") from None
     if not isinstance(data, dict):
         raise Transient(f"{path}: malformed reply (not an object)")

@@ -285,15 +285,16 @@ def check_credential(ctx: Context) -> list[Finding]:
         code, _h, body = _http(ctx, url + WHOAMI_PATH, headers=headers)
     except Exception as e:
         return [warn("credential", f"not checked: the backend did not answer ({_err(e)})", "check the backend first")]
-    from llmport_agent.backend_http import is_route_missing
+    from llmport_agent.backend_http import is_route_missing, shown
 
     route_missing = is_route_missing(code, body)
     if code == 200:
         try:
             node = json.loads(body).get("node_id", "")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             node = ""
-        return [ok("credential", f"the backend knows this node (node {node})")]
+        # The backend's words on the operator's terminal: bounded, no control characters.
+        return [ok("credential", f"the backend knows this node (node {shown(str(node), 200)})")]
     if code in (401, 403) or (code == 404 and not route_missing):
         return [fail("credential", f"the backend refuses this node's credential (whoami: HTTP {code}): the node "
                      "was deleted in llm-port or its credential revoked",

@@ -136,7 +136,7 @@ def line_fields(line: str, now_ns: int) -> tuple[int, str]:
     if text.startswith("{"):
         try:
             doc = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # a container's line: nested too deep is not JSON
             doc = None
         if isinstance(doc, dict):
             level = _level(doc.get("levelname", doc.get("level")))

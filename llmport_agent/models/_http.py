@@ -548,7 +548,7 @@ def detail_of(body: bytes) -> str:
     """The backend's C{{"detail": "..."}} message, if the body is one, else C{""}."""
     try:
         data = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return ""
     detail = data.get("detail") if isinstance(data, dict) else None
     if isinstance(detail, str):

@@ -812,7 +812,7 @@ class ModelSyncer:
             raise CommandFailed(DOWNLOAD_FAILED, f"The backend sent {what} larger than 64 MiB.")
         try:
             data = json.loads(body.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):
             raise CommandFailed(
                 DOWNLOAD_FAILED, f"The backend sent {what} that is not valid JSON."
             ) from None

@@ -41,7 +41,7 @@ def first_json_object(text: str) -> dict[str, Any] | None:
             tries += 1
             try:
                 value, _ = decoder.raw_decode(text, line_start)
-            except ValueError:
+            except (ValueError, RecursionError):  # the container's output: too deep is not JSON
                 value = None
             if isinstance(value, dict):
                 return value
@@ -155,7 +155,7 @@ def metrics_targets(text: str) -> dict[str, Any]:
     """C{get_ray_status.metrics} from Ray's discovery file: {enabled, targets [{address, port, url}]}."""
     try:
         groups = json.loads(text) if text.strip() else []
-    except ValueError:
+    except (ValueError, RecursionError):
         groups = []
     targets: list[dict[str, Any]] = []
     for group in groups[:64] if isinstance(groups, list) else []:

@@ -265,7 +265,7 @@ class ImageTransfer:
             doc = json.loads(body)
             if isinstance(doc, dict) and doc.get("detail") is not None:
                 detail = str(doc["detail"])
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
         detail = " ".join(detail.split())
         if response.code == 409:
