@@ -133,6 +133,26 @@ class FileTests(SynchronousTestCase):
             one(self, C.check_files(ctx), "tls client key", OK)
         self.assertEqual(by_check(C.check_files(ctx_for(self)), "tls client key"), [])
 
+    def test_loki_never_gets_the_backend_client_certificate(self) -> None:
+        """The doctor's push to Loki (another server) presents no client certificate, as the agent's."""
+        import ssl
+
+        from tests.test_tls_client import make_client_pki
+
+        pki = make_client_pki(os.path.abspath(self.mktemp()))
+        ctx = ctx_for(self, {"LLM_PORT_NODE_AGENT_TLS_CLIENT_CERT": pki["cert"],
+                             "LLM_PORT_NODE_AGENT_TLS_CLIENT_KEY": pki["key"],
+                             "LLM_PORT_NODE_AGENT_LOKI_URL": "https://127.0.0.1:9"})
+        loaded: list[Any] = []
+        real = ssl.SSLContext.load_cert_chain
+        self.patch(ssl.SSLContext, "load_cert_chain",
+                   lambda context, *a, **kw: (loaded.append(a), real(context, *a, **kw))[1])
+        f = one(self, C.check_loki(ctx), "loki", FAIL)
+        self.assertIn("did not answer", f.detail)
+        self.assertEqual(loaded, [])
+        C._tls_context(ctx, True)  # the backend's context still carries it
+        self.assertEqual(loaded, [(pki["cert"], pki["key"])])
+
     def test_store_with_a_link_out(self) -> None:
         ctx = ctx_for(self)
         store = ctx.config.model_store  # type: ignore[union-attr]

@@ -91,10 +91,11 @@ def _backend(ctx: Context) -> tuple[str, str, int, bool]:
     return ctx.config.backend_url, parts.hostname or "", parts.port or (443 if tls else 80), tls
 
 
-def _tls_context(ctx: Context, verify: bool) -> ssl.SSLContext:
+def _tls_context(ctx: Context, verify: bool, client: bool = True) -> ssl.SSLContext:
+    """The backend's TLS context; C{client=False} (Loki, another server): the CA only, no client certificate."""
     assert ctx.config is not None
     context = ssl.create_default_context(cafile=ctx.config.ca_bundle) if verify else ssl._create_unverified_context()
-    if ctx.config.tls_client_cert:
+    if client and ctx.config.tls_client_cert:
         context.load_cert_chain(ctx.config.tls_client_cert, ctx.config.tls_client_key)
     return context
 
@@ -734,7 +735,7 @@ def _post(ctx: Context, url: str, body: bytes, headers: Mapping[str, str]) -> tu
     conn: http.client.HTTPConnection
     if parts.scheme == "https":
         conn = http.client.HTTPSConnection(parts.hostname or "", parts.port or 443, timeout=ctx.timeout,
-                                           context=_tls_context(ctx, True) if ctx.config else None)
+                                           context=_tls_context(ctx, True, client=False) if ctx.config else None)
     else:
         conn = http.client.HTTPConnection(parts.hostname or "", parts.port or 80, timeout=ctx.timeout)
     try:
