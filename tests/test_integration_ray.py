@@ -6,7 +6,8 @@ the Ray test bundle image (Ray 2.58.0 from the package index, the helper CLI on 
 driven by the stand-in backend's Ray driver through the whole reconcile: image verified on
 both (by rootfs digest on the node whose config id differs), head started on 127.0.0.2,
 worker joined from 127.0.0.3, C{get_ray_status} shows 2 alive nodes, a trivial Serve app
-deployed and answering on its route on 127.0.0.1, deleted, worker leaves, head stops, both
+deployed and answering on its route on 127.0.0.1, described from Ray itself
+(C{describe_ray_cluster}: members, Serve, the app with no LLM configuration), deleted, worker leaves, head stops, both
 containers gone. Along the way: the cluster token is in no result, progress frame, event,
 journal line or log line.
 """
@@ -201,6 +202,25 @@ class RayClusterTests(AgentTestCase):
         response = await treq.get(f"http://127.0.0.1:{serve_port}/{app}", timeout=30, pool=pool)
         self.assertEqual(response.code, 200)
         self.assertEqual(json.loads(await response.content())["models"], ["tiny-model"])
+        # describe_ray_cluster from the real Ray (the inspection program, python3 in the image):
+        # both members, Serve, and the app, whose echo deployment holds no LLM configuration, so
+        # its llm_configs are [] and the backend's candidate differs by length.
+        candidate = {"llm_configs": [{"model_loading_config": {"model_id": "tiny-model"}}]}
+        rec = await self.command(backend, node_a, "describe_ray_cluster", {"verify": {app: candidate}})
+        self.assertEqual(rec["status"], "succeeded", rec.get("error_message"))
+        d = rec["result"]
+        self.assertEqual((d["source"], d["attached"], d["ray_version"]), ("ray", True, "2.58.0"), d["errors"])
+        self.assertEqual(d["errors"], [])
+        self.assertEqual(d["gcs_address"], f"127.0.0.2:{gcs_port}")
+        self.assertEqual(sorted((n["ip"], n["is_head"]) for n in d["nodes"] if n["alive"]),
+                         [("127.0.0.2", True), ("127.0.0.3", False)])
+        self.assertEqual((d["serve"]["running"], d["serve"]["http_options"]["port"]), (True, serve_port))
+        (described,) = [a for a in d["apps"] if a["name"] == app]
+        self.assertEqual((described["llm_configs"], described["route_prefix"]), ([], f"/{app}"))
+        self.assertEqual([dep["name"] for dep in described["deployments"]], ["echo"])
+        self.assertEqual(described["verify"], {"equal": False, "diff": [
+            {"path": "llm_configs", "running": 0, "candidate": 1, "length": True}]})
+        self.assertNotIn("cluster_token", d)
         deleted = await env.delete_app(app)
         self.assertTrue(deleted["deleted"])
         serve = await self.command(backend, node_a, "get_ray_serve_status", {"app_name": app, "runtime_bundle": bundle})

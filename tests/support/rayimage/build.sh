@@ -16,7 +16,10 @@ RAY_VERSION=2.58.0
 SUITE=bookworm
 recipe="v1 suite=$SUITE ray=$RAY_VERSION pkgs=python3,python3-venv,procps,ca-certificates extra=jinja2"
 base_key=$(printf '%s' "$recipe" | sha256sum | cut -c1-16)
-helper_key=$(cat "$here/helper.py" | sha256sum | cut -c1-16)
+# The top layer: the helper, and python3 on PATH running the venv's interpreter (as in a real
+# runtime image, where `python3 -` imports ray: describe_ray_cluster's inspection program).
+stage_recipe="v2 python3=/opt/ray/bin/python3"
+helper_key=$( (cat "$here/helper.py"; printf '%s' "$stage_recipe") | sha256sum | cut -c1-16)
 final="$cache/ray-$RAY_VERSION-$base_key-$helper_key.tar"
 if [ "${1:-}" = "--print-path" ]; then echo "$final"; exit 0; fi
 if [ -s "$final" ]; then echo "$final"; exit 0; fi
@@ -60,8 +63,11 @@ stage=$(mktemp -d "$cache/helper.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/usr/local/bin"
 install -m 0755 "$here/helper.py" "$stage/usr/local/bin/llm-port-ray-runtime"
+# A wrapper, not a link: the venv is found from the path the interpreter is started by.
+printf '#!/bin/sh\nexec /opt/ray/bin/python3 "$@"\n' >"$stage/usr/local/bin/python3"
+chmod 0755 "$stage/usr/local/bin/python3"
 cp "$base" "$final.tmp"
-tar -C "$stage" -rf "$final.tmp" ./usr/local/bin/llm-port-ray-runtime
+tar -C "$stage" -rf "$final.tmp" ./usr/local/bin/llm-port-ray-runtime ./usr/local/bin/python3
 mv "$final.tmp" "$final"
 # Older finals of this base are superseded by this helper.
 for f in "$cache"/ray-$RAY_VERSION-$base_key-*.tar; do [ "$f" = "$final" ] || rm -f "$f"; done
