@@ -75,13 +75,15 @@ def append_lines(
     path: str, lines: Iterable[bytes], write: Callable[[int, memoryview], int] | None = None
 ) -> None:
     """
-    Append lines to C{path} (mode 0600) and fsync, all or nothing. Blocking.
+    Append lines to C{path} (mode 0600; a symbolic link there is refused, never followed) and
+    fsync, all or nothing. Blocking.
 
     A full disk makes C{write} return short before it raises C{ENOSPC}: the part that fit is
     cut off again (C{ftruncate} to the size before), so no torn line is left to swallow the
     next record, and the error is raised (the caller counts the lines as not written).
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    # Never through a link (a journal is root's words: they must not land in another file).
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         append_all_or_nothing(fd, b"".join(lines), os.fstat(fd).st_size, path, write)
     finally:
