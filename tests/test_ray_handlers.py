@@ -473,7 +473,7 @@ class RayHandlerTests(TestCase):
         self.assertGreaterEqual(len(env["LLMPORT_DESCRIBE_NONCE"]), 16)
         self.assertEqual([a for a, _e in self.engine.execs[before:]], [["python3", "-"]])
         # The container's words are read, and compared, on the pool (never on the reactor).
-        self.assertEqual([n for n in ran if n != "program"], ["parse_output", "compare"])
+        self.assertEqual([n for n in ran if n != "program"], ["parse_output", "compare", "without_secrets"])
         self.assertEqual((r["source"], r["attached"], r["ray_version"], r["gcs_address"]),
                          ("ray", True, "2.58.0", "10.0.0.1:6379"))
         self.assertEqual([(n["ip"], n["node_ip"], n["is_head"]) for n in r["nodes"]], [("10.0.0.1", "10.0.0.1", True)])
@@ -532,6 +532,23 @@ class RayHandlerTests(TestCase):
             self.assertIsNone(app["llm_configs"])
             self.assertEqual(app["deployments"][0]["name"], "d")
             self.assertEqual(app["verify"], {"equal": None, "diff": None, "explanation": VERIFY_UNAVAILABLE})
+
+    async def test_describe_clears_the_token_from_what_the_container_printed(self) -> None:
+        """The container can read the token file; what it prints reaches the result without it."""
+        await self.do("start_ray_head", self.head())
+        leaky = self.described_app(message=f"token {TOKEN}", errors=[f"x{TOKEN}y"],
+                                   configs=[{**RUNNING, "engine_kwargs": {"k": TOKEN}}])
+        self.engine.describe_doc = self.described(leaky, errors=[TOKEN], gcs_address=TOKEN)
+        ctx = RecordingContext(make_command("describe_ray_cluster", {"hand_over_token": True}), self.clock)
+        r = await self.specs["describe_ray_cluster"].handler(ctx)
+        self.assertEqual(r.pop("cluster_token"), TOKEN)  # the sealed hand-over only
+        self.assertFalse(TOKEN in json.dumps(r), "the token is in the result")
+        self.assertEqual(r["apps"][0]["message"], "token ***")
+        self.assertEqual(r["apps"][0]["errors"], ["x***y"])
+        self.engine.describe_doc = ExecResult(1, f"Traceback: {TOKEN}".encode(), b"")
+        _c, r = await self.do("describe_ray_cluster", {})  # do() checks the result holds no token
+        self.assertEqual(r["source"], "helper")
+        self.assertIn("Traceback: ***", r["errors"][0])
 
     async def test_describe_when_the_program_file_is_missing(self) -> None:
         await self.do("start_ray_head", self.head())

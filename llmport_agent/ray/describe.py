@@ -256,3 +256,41 @@ def candidates(raw: Any) -> dict[str, Any]:
         else:
             out[name[:256]] = "the candidate has no llm_configs list"
     return out
+
+
+def without_secrets(obj: Any, secrets: list[str]) -> Any:
+    """
+    A copy of C{obj} (JSON values) with every exact occurrence of C{secrets} in its strings
+    replaced by C{***}: the container can read the cluster token and print it anywhere in
+    what it reports. Iterative; C{obj} is already bounded by L{parse_output}.
+    """
+    wanted = [s for s in secrets if s and len(s) >= 8]
+    if not wanted:
+        return obj
+
+    def clean(text: str) -> str:
+        for secret in wanted:
+            if secret in text:
+                text = text.replace(secret, "***")
+        return text
+
+    holder: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(obj, holder, 0)]
+    while stack:
+        value, parent, key = stack.pop()
+        if isinstance(value, dict):
+            out: dict[Any, Any] = {}
+            parent[key] = out
+            for k, v in value.items():
+                out[clean(k) if isinstance(k, str) else k] = None
+                stack.append((v, out, clean(k) if isinstance(k, str) else k))
+        elif isinstance(value, list | tuple):
+            items: list[Any] = [None] * len(value)
+            parent[key] = items
+            for i, v in enumerate(value):
+                stack.append((v, items, i))
+        elif isinstance(value, str):
+            parent[key] = clean(value)
+        else:
+            parent[key] = value
+    return holder[0]

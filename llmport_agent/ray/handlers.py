@@ -698,6 +698,9 @@ class RayManager:
         snap = await self.find_container(DEFAULT_CONTAINER_NAME)
         if snap is None or not rc.is_ours(snap, self.settings.agent_id) or not snap["running"]:
             return {"running": False, "container": rc.facts(snap) if snap is not None else None}
+        # Read first: the log scrubber then knows a token written before a restart, and what the
+        # container prints (it can read the token file) is cleared of it below.
+        token = await self.tokens.read()
         errors: list[str] = []
         inspection = await self._inspect(snap["name"], errors)
         if inspection is not None and inspection.ray_importable:
@@ -713,8 +716,8 @@ class RayManager:
                 entry["verify"] = await self._verify(entry["name"], apps.get(entry["name"]), wanted[entry["name"]])
         for name in sorted(set(wanted) - listed)[:MAX_VERIFY_ERRORS]:
             errors.append(f"verify: no application named {name} runs on this cluster")
+        result = await self._pool.run(describe.without_secrets, result, [*self.tokens.secrets(), token or ""])
         if _bool(payload, "hand_over_token", False) and result["attached"]:
-            token = await self.tokens.read()
             if token:
                 # The sealed hand-over (protocol 10.6): the backend encrypts it on arrival.
                 # Sent from memory: the journal file never holds it (journal.RESULT_SECRET_FIELDS).
