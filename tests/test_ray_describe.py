@@ -57,6 +57,7 @@ class ParseTests(SynchronousTestCase):
         )
         found = describe.parse_output(noisy, NONCE)
         self.assertTrue(found.attached)
+        self.assertEqual(describe.parse_output(noisy.encode() + b"\xff\xfe trailing bytes", NONCE), found)
         self.assertEqual(found.ray_version, "2.58.0")
 
     def test_missing_or_foreign_markers(self) -> None:
@@ -272,7 +273,7 @@ class ProgramTests(SynchronousTestCase):
         proc = subprocess.run([sys.executable, "-"], input=describe.program(), capture_output=True,
                               env=env, check=False, timeout=120)
         self.assertEqual(proc.returncode, 0, proc.stderr.decode()[-2000:])
-        return describe.parse_output(proc.stdout.decode(), NONCE)
+        return describe.parse_output(proc.stdout, NONCE)
 
     def scenario(self, **over: Any) -> dict[str, Any]:
         s: dict[str, Any] = {

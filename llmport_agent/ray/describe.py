@@ -200,12 +200,14 @@ def _app(raw: Any) -> App | None:
     )
 
 
-def parse_output(text: str, nonce: str) -> Inspection:
+def parse_output(output: bytes | str, nonce: str) -> Inspection:
     """
-    The program's document from its stdout, checked field by field.
+    The program's document from its stdout (bytes are decoded here, on the caller's pool),
+    checked field by field.
 
     @raise BadOutput: no markers, too large, not JSON, too deep, or not an object.
     """
+    text = output.decode("utf-8", "replace") if isinstance(output, bytes) else output
     if len(text) > MAX_OUTPUT:
         raise BadOutput(f"its output is larger than {MAX_OUTPUT} characters")
     begin, end = markers(nonce)

@@ -740,7 +740,7 @@ class RayManager:
                                  timeout=_DESCRIBE_TIMEOUT)
         try:
             # Up to OUTPUT_LIMIT of the container's words: parsed on the pool, not the reactor.
-            inspection = await self._pool.run(describe.parse_output, result.out, nonce)
+            inspection = await self._pool.run(describe.parse_output, result.stdout, nonce)
         except describe.BadOutput as exc:
             how = f"timed out after {_DESCRIBE_TIMEOUT:.0f} s" if result.timed_out else f"exit {result.exit_code}"
             errors.append(
