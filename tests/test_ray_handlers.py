@@ -519,6 +519,7 @@ class RayHandlerTests(TestCase):
              "exit 127"),
             (ExecResult(0, b"Traceback (most recent call last): ... SyntaxError\n", b""), "no begin marker"),
             (ExecResult(None, b"", b"", timed_out=True), "timed out"),
+            (ExecResult(0, b"x" * 100, b"", truncated=True), "output cut at"),
             ({"ray_importable": False, "attached": False, "errors": ["import ray: ModuleNotFoundError: ray"]},
              "cannot import ray"),
         ):

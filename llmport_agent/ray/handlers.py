@@ -39,7 +39,7 @@ from ..workloads.policy import AllowEntry, PolicyError, parse_port
 from . import configdiff, describe, helpercli, imagepin
 from . import container as rc
 from .bundle import DEFAULT_CONTAINER_NAME, RuntimeBundle, filter_env, parse_bundle
-from .execs import ExecResult, exec_in, exec_stream
+from .execs import OUTPUT_LIMIT, ExecResult, exec_in, exec_stream
 from .token import ClusterTokens, ensure_dir
 
 DEFAULT_RAY_VERSION = "2.58.0"
@@ -743,6 +743,8 @@ class RayManager:
             inspection = await self._pool.run(describe.parse_output, result.stdout, nonce)
         except describe.BadOutput as exc:
             how = f"timed out after {_DESCRIBE_TIMEOUT:.0f} s" if result.timed_out else f"exit {result.exit_code}"
+            if result.truncated:
+                how += f", output cut at {OUTPUT_LIMIT} bytes"
             errors.append(
                 f"the inspection program ({' '.join(describe.ARGV)}) gave no usable answer in {name} ({how}): {exc}"
                 f"{'; ' + result.detail(300) if result.detail(300) else ''}. Described with the runtime helper "
