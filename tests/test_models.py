@@ -614,6 +614,8 @@ class _StubSync:
         result = self.successResultOf(d)
         self.assertEqual(result["model_dir_name"], DIR_NAME)
         self.assertEqual(self.repo.requests[0].kind, "manifest")
+        # Up to 64 MiB of the backend's JSON: decoded on the pool, not on the reactor thread.
+        self.assertIn("_decode_manifest", self.runner.calls)
 
     def test_invalid_manifest_touches_nothing(self) -> None:
         """A traversal attempt is refused before the store is created or anything fetched."""

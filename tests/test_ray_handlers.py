@@ -391,6 +391,21 @@ class RayHandlerTests(TestCase):
         self.assertEqual(self.engine.removed, 1)
         self.assertTrue(any("does not mount the Ray session directory" in line for line in self.lines))
 
+    async def test_no_bundle_mount_comes_from_the_session_dir(self) -> None:
+        """
+        The runtime container writes RAY_SESSION_DIR (its /tmp/ray); the engine resolves a bind
+        source again at every start, so a directory there that it swapped for a link to / would
+        mount the host's root at the next restart: no bundle mount is taken from it.
+        """
+        inside = os.path.join(self.session_dir, "models")
+        os.makedirs(inside)
+        for host, target in ((inside, "/models"), (self.session_dir, "/data")):
+            err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(
+                mounts=[{"host_path": host, "container_path": target, "mode": "rw"}]), "ensure_container": True})
+            self.assertEqual(err.error_code, "policy_violation")
+            self.assertIn("RAY_SESSION_DIR", err.error_message)
+        self.assertEqual(self.engine.created, [])
+
     async def test_bundle_mount_at_tmp_ray_is_left_out(self) -> None:
         """A bundle mount at /tmp/ray never replaces the agent's; one over or under it is refused."""
         other = os.path.join(self.store, "elsewhere")

@@ -99,6 +99,15 @@ _NETWORK_ERRORS: tuple[type[BaseException], ...] = (
 ProgressCallback = Callable[..., None]
 
 
+def _decode_manifest(body: bytes, what: str) -> Manifest:
+    """Thread function: the backend's manifest, decoded and checked (L{parse_manifest})."""
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise CommandFailed(DOWNLOAD_FAILED, f"The backend sent {what} that is not valid JSON.") from None
+    return parse_manifest(data, "manifest")
+
+
 _Retry = Retry
 
 _RETRYABLE: tuple[type[BaseException], ...] = (_Retry, *_NETWORK_ERRORS)
@@ -810,13 +819,9 @@ class ModelSyncer:
                 )
         if len(body) > MAX_MANIFEST_BYTES:
             raise CommandFailed(DOWNLOAD_FAILED, f"The backend sent {what} larger than 64 MiB.")
-        try:
-            data = json.loads(body.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise CommandFailed(
-                DOWNLOAD_FAILED, f"The backend sent {what} that is not valid JSON."
-            ) from None
-        return parse_manifest(data, "manifest")
+        # Up to 64 MiB of JSON: decoded and checked on the pool, never on the reactor thread.
+        manifest: Manifest = await self._runner.run(_decode_manifest, body, what)
+        return manifest
 
     async def _fetch(self, run: _Run, blob: BlobSpec) -> None:
         """Download one blob into C{blobs/<hash>}, resuming, retrying and verifying."""

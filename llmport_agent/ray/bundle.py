@@ -217,9 +217,15 @@ def _capabilities(value: object) -> tuple[str, ...]:
 
 
 def _mounts(
-    value: object, allowed_roots: Iterable[str], reserved: Iterable[str], agent_owned: Iterable[str] = ()
+    value: object, allowed_roots: Iterable[str], reserved: Iterable[str], agent_owned: Iterable[str] = (),
+    container_written: Iterable[str] = (),
 ) -> tuple[tuple[Mount, ...], tuple[str, ...]]:
-    """(the admitted mounts, the container paths left out because the agent mounts them)."""
+    """
+    (the admitted mounts, the container paths left out because the agent mounts them). A host
+    path at or under a C{container_written} directory is refused: the runtime container writes
+    there, and the engine resolves a bind mount's source again at every start of the container,
+    so a directory it swapped for a link to C{/} would be followed out of the root then.
+    """
     if value is None:
         return (), ()
     if not isinstance(value, (list, tuple)):
@@ -229,6 +235,7 @@ def _mounts(
     roots = [posixpath.normpath(r) for r in allowed_roots if r]
     reserved_paths = [posixpath.normpath(r) for r in reserved if r]
     owned = {posixpath.normpath(r) for r in agent_owned if r}
+    written = [posixpath.normpath(r) for r in container_written if r]
     out: list[Mount] = []
     ignored: list[str] = []
     targets: set[str] = set()
@@ -244,6 +251,12 @@ def _mounts(
             if target not in ignored:
                 ignored.append(target)
             continue
+        if any(_under(host, w) for w in written):
+            raise _refused(
+                f"mounting host path {host!r}",
+                "the Ray runtime container writes that directory (RAY_SESSION_DIR), so nothing in it "
+                "is a mount source; the agent mounts it at /tmp/ray itself",
+            )
         root = next((r for r in roots if _under(host, r)), None)
         if root is None:
             raise _refused(
@@ -278,6 +291,7 @@ def parse_bundle(
     allowed_roots: Iterable[str],
     token_dir: str,
     agent_mounts: Iterable[str] = (),
+    container_written: Iterable[str] = (),
 ) -> RuntimeBundle:
     """
     Parse and admit a runtime bundle.
@@ -288,6 +302,8 @@ def parse_bundle(
     @param agent_mounts: container paths the agent mounts itself (C{/tmp/ray}): a bundle mount
         at exactly one of them is left out (L{RuntimeBundle.ignored_mounts}); one above or
         below it is refused.
+    @param container_written: host directories the runtime container writes (C{RAY_SESSION_DIR}):
+        no bundle mount comes from them.
     @raise CommandFailed: C{invalid_command} for a malformed bundle (no image, no digest...),
         C{policy_violation} for one the local policy refuses.
     """
@@ -347,7 +363,7 @@ def parse_bundle(
         except PolicyError as exc:
             raise _invalid(str(exc)) from None
     owned = tuple(agent_mounts)
-    mounts, ignored = _mounts(raw.get("mounts"), allowed_roots, [token_dir, *owned], owned)
+    mounts, ignored = _mounts(raw.get("mounts"), allowed_roots, [token_dir, *owned], owned, container_written)
     return RuntimeBundle(
         image=ref,
         digest=digest,

@@ -230,6 +230,7 @@ class RayManager:
             allowed_roots=self.settings.allowed_roots,
             token_dir=self.settings.token_dir,
             agent_mounts=(rc.SESSION_TARGET,) if self.settings.session_dir else (),
+            container_written=(self.settings.session_dir,) if self.settings.session_dir else (),
         )
         for target in bundle.ignored_mounts:
             self.log.info(
