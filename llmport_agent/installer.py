@@ -776,18 +776,28 @@ class Installer:
             return EX_FAIL
         body = _readyz(config.ops_port) if config.ops_port else None
         if body is not None:
-            agent = body.get("agent", {})
-            s.say(f"agent:      {body.get('status')} (version {agent.get('version', '?')}), node id "
-                  f"{agent.get('node_id') or '-'}, heartbeat status {agent.get('heartbeat_status', '?')}")
+            # Whatever answers on that loopback port (any local user can listen there while the
+            # agent is down): each value shown bounded and without control characters.
+            from llmport_agent.backend_http import shown
+
+            def w(value: object) -> str:
+                return shown(str(value), 200)
+
+            agent = body.get("agent")
+            agent = agent if isinstance(agent, dict) else {}
+            s.say(f"agent:      {w(body.get('status'))} (version {w(agent.get('version', '?'))}), node id "
+                  f"{w(agent.get('node_id') or '-')}, heartbeat status {w(agent.get('heartbeat_status', '?'))}")
             last = agent.get("last_heartbeat_at")
             if isinstance(last, int | float):
                 import time
 
                 s.say(f"heartbeat:  last sent {max(0.0, time.time() - last):.0f} s ago")
-            s.say(f"workloads:  {agent.get('workloads', 0)}, commands running: {agent.get('commands_running', 0)}")
-            for name, check in sorted(body.get("checks", {}).items()):
+            s.say(f"workloads:  {w(agent.get('workloads', 0))}, commands running: {w(agent.get('commands_running', 0))}")
+            checks = body.get("checks")
+            for name, check in sorted((checks if isinstance(checks, dict) else {}).items())[:32]:
+                check = check if isinstance(check, dict) else {}
                 mark = "ok " if check.get("ok") else "BAD"
-                s.say(f"  {mark} {name:<8} {check.get('detail', '')}")
+                s.say(f"  {mark} {w(name):<8} {w(check.get('detail', ''))}")
             if active is None:
                 active = True
             ready = bool(body.get("ready"))

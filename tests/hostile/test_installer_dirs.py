@@ -46,3 +46,32 @@ class MakedirsTests(SynchronousTestCase):
         for d in (os.path.join(base, "a"), target):
             st = os.lstat(d)
             self.assertEqual((st.st_uid, st.st_gid, st.st_mode & 0o777), (65534, 65534, 0o700))
+
+
+class StatusTests(SynchronousTestCase):
+    def test_what_answers_on_the_ops_port_reaches_the_terminal_without_escapes(self) -> None:
+        """
+        `sudo llmport-agent status` reads /readyz from the loopback ops port, where any local
+        user can listen while the agent is down: its words are shown without control characters,
+        and a body of the wrong shape does not crash it.
+        """
+        from llmport_agent.config import load_config
+        from tests.test_installer import Host
+
+        esc = "\x1b]0;owned\x07\x1b[2J"
+        body = {"status": "ok" + esc, "ready": True,
+                "agent": {"version": esc, "node_id": esc, "heartbeat_status": esc, "workloads": esc},
+                "checks": {"session" + esc: {"ok": True, "detail": esc}, "bad": "not an object"}}
+        h = Host(self, systemd=False)
+        self.patch(installer, "_readyz", lambda port: body)
+        config = load_config({"LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:9",
+                              "LLM_PORT_NODE_AGENT_STATE_PATH": os.path.join(h.root, "state.json")})
+        rc = installer.Installer(h.system()).status(config)
+        out = h.out.getvalue()
+        self.assertEqual(rc, 0, out)
+        self.assertNotIn("\x1b", out)
+        self.assertIn("agent:      ok?]0;owned??[2J (version", out)
+        self.assertIn("BAD bad", out)
+        body["checks"] = ["not", "a", "mapping"]
+        body["agent"] = "nor this"
+        self.assertEqual(installer.Installer(h.system()).status(config), 0)
