@@ -61,6 +61,11 @@ class ResultTests(SynchronousTestCase):
         self.assertEqual(exit_status([ok("a", "x"), warn("b", "y", "z")]), 1)
         self.assertEqual(exit_status([warn("b", "y", "z"), fail("c", "y", "z"), ok("a", "x")]), 2)
 
+    def test_a_line_carries_no_control_character(self) -> None:
+        """What a check quotes (a backend's, a loopback listener's words) reaches the terminal inert."""
+        self.assertEqual(fail("gpu health", "GPU 0\x1b]0;owned\x07 bad\nfake line", "do\x9bx").line(),
+                         "fail  gpu health          GPU 0?]0;owned? bad?fake line -> do?x")
+
     def test_line_names_the_fix(self) -> None:
         self.assertEqual(fail("env file", "mode 0644", "`chmod 600 f`").line(),
                          "fail  env file            mode 0644 -> `chmod 600 f`")

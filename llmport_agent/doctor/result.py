@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -11,6 +12,7 @@ OK = "ok"
 WARN = "warn"
 FAIL = "fail"
 _RANK = {OK: 0, WARN: 1, FAIL: 2}
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 @frozen
@@ -30,8 +32,10 @@ class Finding:
     fix: str = ""
 
     def line(self) -> str:
-        text = f"{self.status:<4}  {self.check:<18}  {self.detail}"
-        return f"{text} -> {self.fix}" if self.fix else text
+        # Details quote what others wrote (the backend, whatever answers on the ops port, file
+        # names): on a terminal, no control character (an escape sequence) gets through.
+        text = f"{self.status:<4}  {self.check:<18}  {_CONTROL.sub('?', self.detail)}"
+        return f"{text} -> {_CONTROL.sub('?', self.fix)}" if self.fix else text
 
     def as_dict(self) -> dict[str, Any]:
         return {"check": self.check, "status": self.status, "detail": self.detail, "fix": self.fix}

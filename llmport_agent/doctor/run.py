@@ -74,7 +74,7 @@ def readiness(ctx: Context) -> dict[str, Any] | None:
         body = conn.getresponse().read(1 << 20)
         data = json.loads(body)
         return data if isinstance(data, dict) and "checks" in data else None
-    except (OSError, ValueError, http.client.HTTPException):
+    except (OSError, ValueError, RecursionError, http.client.HTTPException):
         return None
     finally:
         conn.close()
