@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run as a systemd --user service (no root)")
     p_stop = sub.add_parser("stop", help="stop and disable the systemd unit (root; --user: your user service)")
     p_stop.add_argument("--user", action="store_true", dest="user_mode")
-    p_status = sub.add_parser("status", help="show enrollment and service status")
+    p_status = sub.add_parser("status", help="show enrollment and service status (--user: your user service)")
+    p_status.add_argument("--user", action="store_true", dest="user_mode")
     _add_setting_options(p_status)
     sub.add_parser("doctor", help="check this node and say what to fix (read-only; --json)")
     sub.add_parser("demo", help="run the end-to-end demo against the stand-in backend")
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         return _show_config(config, args.json)
     if args.command == "status":
-        return Installer().status(config)
+        return Installer(_user_system() if args.user_mode else None).status(config)
     code = run_agent(config, json_logs=getattr(args, "json_logs", False))
     leave(code)  # ends the process at once when the agent ran (the console script calls main)
     return code

@@ -742,8 +742,9 @@ class Installer:
         rc, message = self._systemctl("disable", "--now", "--quiet", UNIT_NAME)
         if rc != 0:
             return s.fail(f"systemctl disable --now failed ({message})")
+        again = "llmport-agent start --user" if s.user_mode else "sudo llmport-agent start"
         s.say("llmport-agent stopped and disabled (running commands were given their grace period); "
-              f"{s.unit_path}, {s.env_path} and the state are kept: `sudo llmport-agent start` starts it again")
+              f"{s.unit_path}, {s.env_path} and the state are kept: `{again}` starts it again")
         return 0
 
     # status -------------------------------------------------------------------------------
@@ -754,7 +755,8 @@ class Installer:
         if self.sys.which("systemctl") is not None and s.systemd_running():
             props = self._show()
             if not props or props.get("LoadState") == "not-found":
-                s.say("service:    not installed (sudo llmport-agent start installs it)")
+                how = "llmport-agent start --user" if s.user_mode else "sudo llmport-agent start"
+                s.say(f"service:    not installed ({how} installs it)")
                 active = False
             else:
                 active = props.get("ActiveState") == "active"

@@ -382,6 +382,14 @@ class UserModeTests(SynchronousTestCase):
         self.assertEqual(Installer(h.system(euid=1000, environ=environ, user_mode=True)).start(), 0)
         self.assertEqual(Installer(h.system(euid=1000, environ=environ, user_mode=True)).stop(), 0)
         self.assertEqual(h.calls()[-1], "--user disable --now --quiet llmport-agent.service")
+        said = h.out.getvalue().splitlines()[-1]
+        self.assertIn("`llmport-agent start --user` starts it again", said)
+        self.assertNotIn("sudo", said)
+
+    def test_status_user_asks_the_users_manager(self) -> None:
+        h, environ = self.user_host()
+        Installer(h.system(euid=1000, environ=environ, user_mode=True)).status()
+        self.assertTrue(any(c.startswith("--user show llmport-agent.service") for c in h.calls()), h.calls())
 
 
 class StopStatusTests(SynchronousTestCase):

@@ -1,13 +1,18 @@
 """
 A real systemd (PID 1) in private PID, mount and UTS namespaces, booted as design.md says:
-overlays on /etc, /var/lib and /opt (upper and work directories outside /tmp); tmpfs on /run,
-/srv, /tmp, /var/tmp and /var/log; every unit wanted or required by anything masked (except
-journald's), plus systemd-tmpfiles-setup and the udev, sysctl, modules-load, networking and
-docker units, so nothing inside acts on the host. Ended by a SIGKILL of that systemd.
+overlays on /etc, /var/lib, /opt and /home (upper and work directories outside /tmp); tmpfs on
+/run, /srv, /tmp, /var/tmp and /var/log (with a host's modes); every unit wanted or required by
+anything masked (except journald's), plus systemd-tmpfiles-setup and the udev, sysctl,
+modules-load, modprobe@, networking and docker units, so nothing inside acts on the host. With
+C{sessions}: the system bus, polkit and logind run (inside the private /run; the bus's
+activation directory emptied, the daemons that could act on the host through it masked, logind
+with no VTs and no IPC removal) and user managers start, their wanted units and tmpfiles masked.
+Ended by a SIGKILL of that systemd.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
@@ -19,26 +24,58 @@ SYSTEMD = "/lib/systemd/systemd"
 BOOT = r"""#!/bin/sh
 set -eu
 base="$1"
-for d in etc var/lib opt; do
+sessions="${2:-}"
+dirs="etc var/lib opt"
+# /home too where the host has one: nothing inside ever writes to the host's homes.
+[ -d /home ] && dirs="$dirs home"
+for d in $dirs; do
   n=$(echo "$d" | tr / _)
   mkdir -p "$base/$n.upper" "$base/$n.work"
   mount -t overlay overlay -o "lowerdir=/$d,upperdir=$base/$n.upper,workdir=$base/$n.work" "/$d"
 done
-for d in /run /srv /tmp /var/tmp /var/log; do mount -t tmpfs tmpfs "$d"; done
+# The modes of a real host's (a tmpfs is 1777 unless told): /srv is root's, not everyone's.
+for d in /run /srv /var/log; do mount -t tmpfs -o mode=755 tmpfs "$d"; done
+for d in /tmp /var/tmp; do mount -t tmpfs -o mode=1777 tmpfs "$d"; done
 masked=/etc/systemd/system
 for f in /etc/systemd/system/*.wants/* /etc/systemd/system/*.requires/* \
          /lib/systemd/system/*.wants/* /lib/systemd/system/*.requires/*; do
   [ -e "$f" ] || [ -L "$f" ] || continue
   n=$(basename "$f")
   case "$n" in systemd-journald*) continue;; esac
+  if [ -n "$sessions" ]; then case "$n" in dbus.socket|dbus.service|systemd-logind.service) continue;; esac; fi
   ln -sfn /dev/null "$masked/$n"
 done
 for n in systemd-tmpfiles-setup.service systemd-tmpfiles-setup-dev.service systemd-tmpfiles-clean.timer \
          systemd-udevd.service systemd-udev-trigger.service systemd-udev-settle.service \
          systemd-udevd-control.socket systemd-udevd-kernel.socket systemd-sysctl.service \
-         systemd-modules-load.service networking.service docker.service docker.socket containerd.service; do
+         systemd-modules-load.service modprobe@.service networking.service docker.service docker.socket \
+         containerd.service; do
   ln -sfn /dev/null "$masked/$n"
 done
+if [ -n "$sessions" ]; then
+  # Login sessions (logind, the system bus, polkit, user@.service): all inside the private /run.
+  # The bus activates nothing (its service directory is emptied); what could act on the host
+  # through it is masked anyway. logind: no VTs, no IPC removal (the IPC namespace is the host's).
+  mount -t tmpfs tmpfs /usr/share/dbus-1/system-services
+  for n in systemd-timedated.service systemd-hostnamed.service systemd-localed.service \
+           systemd-networkd.service systemd-timesyncd.service packagekit.service \
+           dbus-org.freedesktop.timesync1.service autovt@.service getty@.service; do
+    ln -sfn /dev/null "$masked/$n"
+  done
+  mkdir -p /etc/systemd/logind.conf.d /etc/systemd/user
+  printf '[Login]\nNAutoVTs=0\nReserveVT=0\nRemoveIPC=no\nKillUserProcesses=no\nUserStopDelaySec=1\nHandlePowerKey=ignore\nHandleSuspendKey=ignore\nHandleHibernateKey=ignore\nHandleLidSwitch=ignore\nHandleRebootKey=ignore\n' \
+    > /etc/systemd/logind.conf.d/pid1-test.conf
+  # The user managers: only their own bus (every other wanted user unit and tmpfiles masked).
+  for f in /etc/systemd/user/*.wants/* /lib/systemd/user/*.wants/*; do
+    [ -e "$f" ] || [ -L "$f" ] || continue
+    n=$(basename "$f")
+    [ "$n" = dbus.socket ] && continue
+    ln -sfn /dev/null "/etc/systemd/user/$n"
+  done
+  for n in systemd-tmpfiles-setup.service systemd-tmpfiles-clean.timer systemd-tmpfiles-clean.service; do
+    ln -sfn /dev/null "/etc/systemd/user/$n"
+  done
+fi
 printf '[Unit]\nDescription=pid1 test\nDefaultDependencies=no\n' > "$masked/pid1-test.target"
 echo booting > "$base/booted"
 exec /lib/systemd/systemd --system --unit=pid1-test.target
@@ -54,10 +91,32 @@ def unavailable() -> str | None:
     return None
 
 
+#: What login sessions inside need (Debian packages dbus, libpam-systemd, polkitd).
+SESSION_PARTS = {
+    "/usr/bin/dbus-daemon": "dbus",
+    "/lib/systemd/systemd-logind": "systemd",
+    "/lib/*/security/pam_systemd.so": "libpam-systemd",
+    "/usr/lib/polkit-1/polkitd": "polkitd",
+}
+
+
+def sessions_unavailable() -> str | None:
+    """Why login sessions (logind, linger, user@.service) cannot run inside, or None."""
+    missing = sorted({pkg for path, pkg in SESSION_PARTS.items()
+                      if not glob.glob(path) and not glob.glob("/usr" + path)})
+    if missing:
+        return "login sessions under the booted systemd need the Debian packages " + ", ".join(missing)
+    return None
+
+
 class BootedSystemd:
     """One booted systemd; L{run} drives it (C{nsenter} into its namespaces)."""
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, sessions: bool = False) -> None:
+        """
+        @param sessions: leave the system bus and logind unmasked (L{start_sessions}): login
+            sessions, linger and C{user@.service} work inside, with the bus activating nothing.
+        """
         self.base = base  # outside /tmp (the namespace mounts its own /tmp)
         os.makedirs(base, exist_ok=True)
         self.script = os.path.join(base, "boot.sh")
@@ -67,7 +126,7 @@ class BootedSystemd:
         self.log = open(os.path.join(base, "boot.log"), "wb")
         self.proc = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--mount", "--uts", "--propagation", "private", "--mount-proc",
-             self.script, base], stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+             self.script, base, "sessions" if sessions else ""], stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.pid = 0
 
     def wait_booted(self, timeout: float = 60) -> None:
@@ -99,6 +158,19 @@ class BootedSystemd:
             except OSError:
                 pass
         return 0
+
+    def start_sessions(self) -> None:
+        """The system bus, polkit (it answers logind's questions) and logind, started by hand."""
+        units = ["dbus.socket", "dbus.service", "systemd-logind.service"]
+        if os.path.exists("/lib/systemd/system/polkit.service"):
+            units.insert(2, "polkit.service")
+        self.run("systemctl", "start", *units)
+
+    def add_user(self, name: str) -> int:
+        """A user in the private /etc, its home under the private /var/lib (never /home); its uid."""
+        home = f"/var/lib/{name}-home"
+        self.run("useradd", "--home-dir", home, "--create-home", "--shell", "/bin/sh", "--user-group", name)
+        return int(self.run("id", "-u", name).stdout.strip())
 
     def boot_log(self) -> str:
         with open(os.path.join(self.base, "boot.log"), errors="replace") as f:
