@@ -104,7 +104,10 @@ def _str(value: Any, limit: int = _TEXT) -> str | None:
 def _flt(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return 0.0
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past any float (JSON integers have no bound)
+        return 0.0
     return number if math.isfinite(number) and number >= 0 else 0.0
 
 

@@ -75,7 +75,7 @@ def _port(value: object, key: str) -> int:
         raise ProbeInputError(f"{key} must be a port number from 1 to 65535")
     try:
         number = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer past any float
         raise ProbeInputError(f"{key} {str(value)[:20]!r} must be a port number from 1 to 65535") from None
     if not number.is_integer() or not 0 < number < 65536:
         raise ProbeInputError(f"{key} {str(value)[:20]} must be a port number from 1 to 65535")
@@ -90,7 +90,7 @@ def _seconds(payload: Mapping[str, Any], key: str, default: float, cap: float, m
         raise ProbeInputError(f"{key} must be a number of seconds")
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ProbeInputError(f"{key} {str(value)[:20]!r} must be a number of seconds") from None
     if number != number:  # NaN
         raise ProbeInputError(f"{key} must be a number of seconds")

@@ -104,7 +104,7 @@ def _opt_int(payload: Mapping[str, Any], key: str, maximum: int = 100000) -> int
         raise CommandFailed(INVALID_COMMAND, f"{key} must be a whole number")
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an integer past any float
         raise CommandFailed(INVALID_COMMAND, f"{key} must be a whole number, not {str(value)[:20]!r}") from None
     if not number.is_integer() or not 0 <= number <= maximum:
         raise CommandFailed(INVALID_COMMAND, f"{key} {value!r} must be a whole number from 0 to {maximum}")

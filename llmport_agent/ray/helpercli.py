@@ -52,7 +52,7 @@ def first_json_object(text: str) -> dict[str, Any] | None:
 def _float(value: Any) -> float:
     try:
         return float(value or 0.0)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return 0.0
 
 

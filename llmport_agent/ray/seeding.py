@@ -359,7 +359,7 @@ def _number(payload: Mapping[str, Any], key: str, default: float, low: float, hi
         raise CommandFailed(INVALID_COMMAND, f"{key} must be a number")
     if value < low:
         raise CommandFailed(INVALID_COMMAND, f"{key} must be at least {low:g}")
-    return min(float(value), high)
+    return float(min(value, high))  # compared first: an integer past any float is not converted
 
 
 def _token(value: object, key: str) -> bytes:

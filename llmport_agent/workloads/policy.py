@@ -313,7 +313,7 @@ def parse_cpus(value: object, field_name: str = "cpu_limit") -> int:
         raise PolicyError(f"{field_name} must be a number of CPUs such as '4' or '2.5'")
     try:
         cpus = float(value.strip()) if isinstance(value, str) else float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise PolicyError(
             f"{field_name} must be a number of CPUs such as '4' or '2.5', not {str(value)[:40]!r}"
         ) from None
