@@ -22,7 +22,15 @@ from typing import IO, Any
 
 from attrs import define, field
 
-from llmport_agent.config import PREFIX, SETTINGS, AgentConfig, ConfigError, load_config, mask
+from llmport_agent.config import (
+    PREFIX,
+    SETTINGS,
+    AgentConfig,
+    ConfigError,
+    load_config,
+    mask,
+    mask_url,
+)
 from llmport_agent.previousbuild import NotKept, PreviousBuild
 
 #: Settings written into the unit itself (ReadWritePaths=, ExecStartPre=): a change needs
@@ -884,7 +892,8 @@ class Installer:
             if new is None:
                 s.say(f"{key} removed from {s.env_path}")
             else:
-                shown = mask(new) if _is_secret(key) else new
+                # A URL's user info (Loki's basic auth) is a secret too.
+                shown = mask(new) if _is_secret(key) else mask_url(new) if "://" in new else new
                 s.say(f"{key}={shown} written to {s.env_path}")
         changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
         paths = {PREFIX + name for name in UNIT_PATH_SETTINGS} & changed

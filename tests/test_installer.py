@@ -455,6 +455,18 @@ class ConfigSetTests(SynchronousTestCase):
         self.assertEqual(inst.edit_config([], ["LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN"]), 0)
         self.assertNotIn("ENROLLMENT_TOKEN", open(env_path).read())
 
+    def test_a_url_password_is_not_shown(self) -> None:
+        """`config --set LOKI_URL=https://user:pass@...` writes it, and says so without the password."""
+        h = Host(self)
+        inst = Installer(h.system())
+        self.assertEqual(inst.edit_config(["BACKEND_URL=https://a.example",
+                                           "LOKI_URL=https://loki:s3cret-pw@logs.example"], []), 0)
+        out = h.out.getvalue()
+        self.assertNotIn("s3cret-pw", out)
+        self.assertIn("LLM_PORT_NODE_AGENT_LOKI_URL=https://loki:***@logs.example written to", out)
+        values = EnvFile.parse(open(h.path("/etc/llmport-agent.env")).read()).values()
+        self.assertEqual(values["LLM_PORT_NODE_AGENT_LOKI_URL"], "https://loki:s3cret-pw@logs.example")
+
     def test_restart_needed_when_running(self) -> None:
         h = Host(self)
         h.active = "1"
