@@ -332,15 +332,18 @@ class AgentService(MultiService):
 
     def _sink_found(self, url: str) -> None:
         """Start shipping to the sink the backend named (reactor thread, once)."""
-        import attrs
         from twisted.logger import globalLogPublisher
 
+        from llmport_agent.logs.sink import sink_config
         from llmport_agent.logs.wiring import build_log_shipping
 
         if self.log_shipping is not None or not self.running:
             return
+        config, note = sink_config(self.config, url)
+        if note:
+            self.log.warn("{note}", note=note)
         shipping = build_log_shipping(
-            self.reactor, attrs.evolve(self.config, loki_url=url), state_dir=self._state_dir,
+            self.reactor, config, state_dir=self._state_dir,
             host=self.backend_host, secrets=self._secrets, engine=self.engine,
             docker_environ=self._docker_environ, adoption=self.adoption,
         )

@@ -341,6 +341,28 @@ class AgentDiscoveryTests(AgentTestCase):
         await agent.stopService()
         self.assertFalse(agent.log_shipping.shipper.running)
 
+    async def test_the_operators_loki_credentials_never_go_to_the_backends_sink(self) -> None:
+        """
+        LOKI_USERNAME/LOKI_PASSWORD (or a bearer token) set without LOKI_URL: the sink the backend
+        names (a plain-HTTP backend's answer can be anyone's) gets none of them; one line says so.
+        """
+        loki, url = await self.loki()
+        backend = await self.start_backend(log_sink_url=url)
+        events = capture_events(self)
+        agent = self.start_agent(backend, LOG_FLUSH_INTERVAL_SEC="0.2", LOKI_USERNAME="ops",
+                                 LOKI_PASSWORD="loki-pw-s3cret")
+        await self.wait_connected(backend, agent)
+        await backend.wait_for(lambda: agent.log_shipping is not None, 10)
+        agent.log.info("a line after the sink was found")
+        await backend.wait_for(lambda: bool(loki.pushes), 10)
+        for push in loki.pushes:
+            self.assertNotIn("authorization", push.headers)
+        lines = [formatEvent(e) or "" for e in events]
+        self.assertTrue(any("LLM_PORT_NODE_AGENT_LOKI_PASSWORD" in line and "not sent to the log sink" in line
+                            for line in lines), lines)
+        self.assertFalse(any("s3cret" in line for line in lines))
+        await agent.stopService()
+
     async def test_no_sink(self) -> None:
         """No sink (404): nothing is shipped, diagnostics say the agent waits for one."""
         backend = await self.start_backend()
@@ -371,3 +393,20 @@ def defer_later(seconds: float) -> Deferred[None]:
 
     return deferLater(reactor, seconds, lambda: None)
 
+
+
+class SinkConfigTests(SynchronousTestCase):
+    def test_a_bearer_token_is_left_out_too(self) -> None:
+        from llmport_agent.config import load_config
+        from llmport_agent.logs.sink import sink_config
+
+        c = load_config({"LLM_PORT_NODE_AGENT_LOKI_BEARER_TOKEN": "loki-bearer-s3cret",
+                         "LLM_PORT_NODE_AGENT_LOKI_TENANT": "t1"})
+        out, note = sink_config(c, "https://u:p@logs.example")
+        self.assertEqual((out.loki_url, out.loki_bearer_token, out.loki_tenant),
+                         ("https://u:p@logs.example", None, "t1"))
+        assert note is not None
+        self.assertIn("LLM_PORT_NODE_AGENT_LOKI_BEARER_TOKEN", note)
+        self.assertNotIn("s3cret", note)
+        self.assertNotIn(":p@", note)
+        self.assertEqual(sink_config(load_config({}), "http://l.example")[1], None)

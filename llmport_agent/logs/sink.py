@@ -35,7 +35,7 @@ from twisted.python.failure import Failure
 from llmport_agent.backoff import Backoff
 from llmport_agent.config import mask_url
 
-__all__ = ["LogSinkDiscovery", "REASK_SEC", "ServiceSlot", "validate_sink_url"]
+__all__ = ["LogSinkDiscovery", "REASK_SEC", "ServiceSlot", "sink_config", "validate_sink_url"]
 
 #: Seconds between questions while the backend says it has no sink.
 REASK_SEC = 3600.0
@@ -69,6 +69,29 @@ def validate_sink_url(raw: object) -> str:
     if not port_ok:
         raise ValueError(f"loki_url {shown!r} has an invalid port")
     return value
+
+
+#: The operator's Loki secrets: for LOKI_URL, never sent to a sink the backend names.
+_LOKI_SECRETS = ("loki_username", "loki_password", "loki_password_file", "loki_bearer_token",
+                 "loki_bearer_token_file")
+
+
+def sink_config(config: Any, url: str) -> tuple[Any, str | None]:
+    """
+    The configuration that ships to the sink C{url} the backend named: C{LOKI_URL} set to it and
+    the operator's Loki credentials left out (they belong to an operator's C{LOKI_URL}; the
+    backend's sink authenticates with the user info in its URL), and the one line to log when
+    some were set.
+    """
+    import attrs
+
+    dropped = [name for name in _LOKI_SECRETS if getattr(config, name, None)]
+    note = None
+    if dropped:
+        names = ", ".join(f"LLM_PORT_NODE_AGENT_{n.upper()}" for n in dropped)
+        note = (f"{names} set without LOKI_URL: not sent to the log sink the backend named "
+                f"({mask_url(url)}); set LLM_PORT_NODE_AGENT_LOKI_URL to ship with them")
+    return attrs.evolve(config, loki_url=url, **{name: None for name in _LOKI_SECRETS}), note
 
 
 class LogSinkDiscovery(Service):
