@@ -147,18 +147,7 @@ class PreviousBuild:
 
     def keep_current(self) -> bool:
         """After a restart that came up: C{.previous} := the executable (C{False}: already equal)."""
-        dir_fd = self._open_dir()
-        try:
-            src, st = self._open_at(dir_fd, os.path.basename(self.path))
-            try:
-                if self._same_as(src, st, dir_fd, os.path.basename(self.kept)):
-                    return False
-                self._copy(src, st, dir_fd, os.path.basename(self.kept))
-            finally:
-                os.close(src)
-        finally:
-            os.close(dir_fd)
-        return True
+        return self._mirror(self.path, self.kept)
 
     def restore(self) -> bool:
         """
@@ -167,20 +156,24 @@ class PreviousBuild:
 
         @raise NotKept: there is no trustworthy copy.
         """
+        return self._mirror(self.kept, self.path)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _mirror(self, source: str, target: str) -> bool:
+        """C{target} := a copy of C{source} (both in the executable's directory); C{False}: equal."""
         dir_fd = self._open_dir()
         try:
-            src, st = self._open_at(dir_fd, os.path.basename(self.kept))
+            src, st = self._open_at(dir_fd, os.path.basename(source))
             try:
-                if self._same_as(src, st, dir_fd, os.path.basename(self.path)):
+                if self._same_as(src, st, dir_fd, os.path.basename(target)):
                     return False
-                self._copy(src, st, dir_fd, os.path.basename(self.path))
+                self._copy(src, st, dir_fd, os.path.basename(target))
             finally:
                 os.close(src)
         finally:
             os.close(dir_fd)
         return True
-
-    # -- helpers ----------------------------------------------------------------------------
 
     def _same_as(self, src: int, st: os.stat_result, dir_fd: int, name: str) -> bool:
         """Whether regular file C{name} holds the same bytes as C{src} (read from the start)."""
