@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from attrs import define
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
@@ -36,6 +37,20 @@ if TYPE_CHECKING:
 IMAGE_REF = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9._/-]*(?::[a-zA-Z0-9._-]+)?")
 
 _CHUNK = 64 * 1024
+
+
+@define
+class ImageFetch:
+    """
+    One C{GET .../images/save} answered with the tar: which node asked (by its credential),
+    for what, from which byte, how many bytes went out and whether the answer was finished.
+    """
+
+    node_id: str
+    reference: str
+    start: int
+    bytes_sent: int = 0
+    complete: bool = False
 _REDACTED = "<redacted>"
 
 
@@ -419,7 +434,7 @@ class ImageSaveResource(JsonResource):
 
     def render_GET(self, request: Request) -> bytes | int:
         try:
-            self._backend.state.authenticate(_header(request, b"authorization"))
+            node, _cred = self._backend.state.authenticate(_header(request, b"authorization"))
         except AuthError as e:
             return json_response(request, 401, {"detail": e.detail})
         image = _query(request, b"image")
@@ -480,7 +495,9 @@ class ImageSaveResource(JsonResource):
             request.setHeader(b"content-type", b"application/x-tar")
             if entry.image_size is not None:
                 request.setHeader(b"x-image-size", str(entry.image_size).encode("ascii"))
-        d = Deferred.fromCoroutine(self._stream(request, entry, start, end))
+        fetch = ImageFetch(node.id, reference, start)
+        self._backend.image_fetches.append(fetch)
+        d = Deferred.fromCoroutine(self._stream(request, entry, start, end, fetch))
         self._backend.track(d)
 
         def _failed(f: Failure) -> None:
@@ -490,7 +507,8 @@ class ImageSaveResource(JsonResource):
         return NOT_DONE_YET
 
     async def _stream(
-        self, request: Request, entry: ImageEntry, start: int = 0, end: int | None = None
+        self, request: Request, entry: ImageEntry, start: int = 0, end: int | None = None,
+        fetch: ImageFetch | None = None,
     ) -> None:
         runner = self._backend.runner
         pacer = _Pacer()
@@ -514,6 +532,8 @@ class ImageSaveResource(JsonResource):
                 if chunk:
                     request.write(chunk)
                     sent += len(chunk)
+                    if fetch is not None:
+                        fetch.bytes_sent = sent
                 if limit is not None and sent >= limit:
                     self.log.info("devbackend fault: image stream cut after {n} bytes", n=sent)
                     request.unregisterProducer()
@@ -524,6 +544,8 @@ class ImageSaveResource(JsonResource):
                 if not chunk:
                     request.unregisterProducer()
                     request.finish()
+                    if fetch is not None:
+                        fetch.complete = True
                     return
                 await pacer.ready()
         finally:
@@ -664,13 +686,14 @@ class DevApiResource(JsonResource):
         return json_response(request, 200, command)
 
     def _ray_post(self, request: Request, path: list[str]) -> bytes:
-        """C{POST /dev/ray-environments} (reconcile) and C{.../<id>/teardown} (protocol 10.6)."""
+        """C{POST /dev/ray-environments} (reconcile), C{.../<id>/teardown} and C{.../<id>/retry}."""
         b = self._backend
         if len(path) == 3:
-            if path[2] != "teardown":
+            action = {"teardown": b.teardown_ray_environment, "retry": b.retry_ray_environment}.get(path[2])
+            if action is None:
                 return json_response(request, 404, {"detail": "Not Found"})
             try:
-                return json_response(request, 200, b.teardown_ray_environment(path[1]))
+                return json_response(request, 200, action(path[1]))
             except KeyError:
                 return json_response(request, 404, {"detail": "Environment not found"})
         body, errors = read_json_body(request)

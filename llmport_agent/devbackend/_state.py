@@ -426,6 +426,9 @@ class BackendState:
         self.reaper_scale = reaper_scale
         #: Called with a node id when a command is queued for it (current generation: push).
         self.wake: Callable[[str], None] | None = None
+        #: Called with a command id once the command is terminal (its result, error code and
+        #: message set): the stand-in's Ray driver waits on it instead of polling.
+        self.finished: Callable[[str], None] | None = None
         self.token_ttl = token_ttl
         #: Keep a copy of every inbound frame (L{frames}); off for fleet benchmarks.
         self.keep_frames = keep_frames
@@ -828,12 +831,13 @@ class BackendState:
             {"event_type": status, "message": message, "payload": {}, "ts": stamp}
         )
         node = self.nodes.get(record.node_id)
-        if status == "canceled" or node is None:
-            return
-        self._runtime_on_result(node, record, False, None, message)
-        if record.command_type == "sync_model" and self._sync_model_id(record, None):
-            # A model copy that died with the stream (or was reaped) reads failed, not syncing.
-            self._model_sync_result(node, record, False, None, error_code, message)
+        if status != "canceled" and node is not None:
+            self._runtime_on_result(node, record, False, None, message)
+            if record.command_type == "sync_model" and self._sync_model_id(record, None):
+                # A model copy that died with the stream (or was reaped) reads failed, not syncing.
+                self._model_sync_result(node, record, False, None, error_code, message)
+        if self.finished is not None:
+            self.finished(record.id)
 
     # -- the current generation's reapers ---------------------------------------------------
 
@@ -1240,6 +1244,8 @@ class BackendState:
         if record.command_type == "sync_model" and self.current:
             # Read by the current generation only (the April one reads nothing of sync_model).
             self._model_sync_result(node, record, success, result, error_code, error_message)
+        if self.finished is not None:
+            self.finished(record.id)
 
     # -- model availability (the current backend reads sync_model, protocol 10.4) ------------
 

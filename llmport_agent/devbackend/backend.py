@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from attrs import define, frozen
 from autobahn.twisted.resource import WebSocketResource
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
@@ -33,6 +33,7 @@ from llmport_agent.devbackend._http import (
     ClusterSecretResource,
     DevApiResource,
     EnrollResource,
+    ImageFetch,
     ImageSaveResource,
     JsonResource,
     LogSinkResource,
@@ -42,6 +43,7 @@ from llmport_agent.devbackend._http import (
 from llmport_agent.devbackend._state import (
     GENERATION_CURRENT,
     REAPER_INTERVAL_SEC,
+    TERMINAL,
     AuthError,
     BackendState,
 )
@@ -246,6 +248,12 @@ class DevBackend:
         self.cluster_secrets: dict[str, ClusterSecret] = {}
         #: Ray environments driven through the dev admin API, by id (L{start_ray_environment}).
         self.ray_environments: dict[str, Any] = {}
+        #: Every answer of the image-save route that sent the tar (L{ImageFetch}), in order:
+        #: which node fetched what and how much of it.
+        self.image_fetches: list[ImageFetch] = []
+        # Deferreds waiting for a command to be terminal (L{when_terminal}), by command id.
+        self._terminal_waiters: dict[str, list[Deferred[dict[str, Any]]]] = {}
+        self.state.finished = self._command_finished
 
     # -- serving ----------------------------------------------------------------------------
 
@@ -428,9 +436,8 @@ class DevBackend:
 
     async def _stop(self) -> None:
         self._stop_sweeper()
-        for run in self.ray_environments.values():
-            if run.task is not None and not run.task.called:
-                run.task.cancel()
+        for env in self.ray_environments.values():
+            env.stop()
         port, self._port = self._port, None
         if port is not None:
             await port.stopListening()
@@ -559,6 +566,30 @@ class DevBackend:
             raw_override=raw_override,
         )
 
+    def when_terminal(self, command_id: str) -> Deferred[dict[str, Any]]:
+        """
+        Fire with the command's record once it is terminal (at once if it is); cancelling
+        the Deferred (e.g. C{addTimeout}) stops waiting. C{KeyError} for an unknown id.
+        """
+        record = self.command(command_id)
+        if record["status"] in TERMINAL:
+            return succeed(record)
+        waiters = self._terminal_waiters.setdefault(command_id, [])
+
+        def _cancel(d: Deferred[dict[str, Any]]) -> None:
+            if d in waiters:
+                waiters.remove(d)
+            if not waiters:
+                self._terminal_waiters.pop(command_id, None)
+
+        d: Deferred[dict[str, Any]] = Deferred(_cancel)
+        waiters.append(d)
+        return d
+
+    def _command_finished(self, command_id: str) -> None:
+        for d in self._terminal_waiters.pop(command_id, []):
+            d.callback(self.command(command_id))
+
     def cancel_command(self, command_id: str) -> dict[str, Any]:
         """
         Cancel a command that is not terminal (current generation): it becomes
@@ -568,11 +599,12 @@ class DevBackend:
         return self.state.cancel_command(command_id)
     def start_ray_environment(self, body: dict[str, Any]) -> dict[str, Any]:
         """
-        Reconcile a Ray environment in the background (the backend's order, protocol 10.6):
-        C{{head: {node_id, node_ip}, workers: [...], runtime_bundle, port?, num_cpus?, env?, id?}}.
-        Its state is L{ray_environment}. C{ValueError} for a malformed body or unknown node.
+        Drive a Ray environment up in the background (the newest backend's reconcile, protocol
+        10.6; L{llmport_agent.devbackend.rayenv}): C{{head: {node_id, node_ip}, workers: [...],
+        runtime_bundle, port?, num_cpus?, env?, seed_port?, id?}}. Its view is
+        L{ray_environment}. C{ValueError} for a malformed body or unknown node.
         """
-        from llmport_agent.devbackend.rayenv import EnvironmentRun, RayEnvironment, parse_node
+        from llmport_agent.devbackend.rayenv import RayEnvironment, parse_node
 
         head = parse_node(body.get("head"), "head")
         workers = [parse_node(w, "workers[]") for w in (body.get("workers") or [])]
@@ -585,31 +617,37 @@ class DevBackend:
         env_id = str(body.get("id") or "env-" + uuid.uuid4().hex[:8])
         if env_id in self.ray_environments:
             raise ValueError(f"environment {env_id} exists")
-        port = body.get("port", 6379)
-        num_cpus = body.get("num_cpus")
+
+        def whole(name: str, default: int | None) -> int | None:
+            value = body.get(name, default)
+            return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536 else default
+
         env = RayEnvironment(
             self, env_id, head, workers, bundle,
-            port=port if isinstance(port, int) and not isinstance(port, bool) else 6379,
-            num_cpus=num_cpus if isinstance(num_cpus, int) and not isinstance(num_cpus, bool) else None,
+            port=whole("port", 6379) or 6379,
+            num_cpus=whole("num_cpus", None),
+            seed_port=whole("seed_port", 8271) or 8271,
             env={str(k): str(v) for k, v in (body.get("env") or {}).items()} if isinstance(body.get("env"), dict) else {},
         )
-        run = EnvironmentRun(env)
-        self.ray_environments[env_id] = run
-        run.run(env.reconcile(), "ready")
-        return dict(run.view())
+        self.ray_environments[env_id] = env
+        env.want("running")
+        return env.view()
 
     def teardown_ray_environment(self, env_id: str) -> dict[str, Any]:
         """Workers leave, then the head stops (in the background). C{KeyError} when unknown."""
-        run = self.ray_environments[env_id]
-        if run.task is not None and not run.task.called:
-            run.task.cancel()
-        run.state, run.error = "tearing_down", None
-        run.run(run.env.teardown(), "torn_down")
-        return dict(run.view())
+        env = self.ray_environments[env_id]
+        env.want("stopped")
+        return dict(env.view())
+
+    def retry_ray_environment(self, env_id: str) -> dict[str, Any]:
+        """The operator's "try again": the failure and recovery memory forgotten, a pass now."""
+        env = self.ray_environments[env_id]
+        env.retry_now()
+        return dict(env.view())
 
     def ray_environment(self, env_id: str) -> dict[str, Any] | None:
-        run = self.ray_environments.get(env_id)
-        return dict(run.view()) if run is not None else None
+        env = self.ray_environments.get(env_id)
+        return dict(env.view()) if env is not None else None
 
     def add_cluster_secret(self, credential_ref: str, members: list[str], token: str | None = None) -> str:
         """Register a Ray cluster token served to C{members} (node ids); returns the token."""
