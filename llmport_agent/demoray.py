@@ -5,9 +5,12 @@ Two agents on one Docker engine (C{DOCKER_HOST}, else the default socket), each 
 runtime container (the second one named C{llm-port-ray-runtime-worker}: one engine cannot hold
 two containers of one name), from a local Ray runtime image (C{--ray-image}, default
 L{DEFAULT_IMAGE}, which C{tests/support/rayimage/build.sh} builds). The stand-in backend pins
-the image it finds, then reconciles the environment (image, runtime, head on 127.0.0.2, worker
-on 127.0.0.3, status until 2 nodes), deploys a trivial Serve app of the test image on
-127.0.0.1, reads it, deletes it and tears the cluster down.
+the image it finds and reconciles the environment as the newest llm-port backend does
+(L{llmport_agent.devbackend.rayenv}): the image probed on both nodes (both share the engine, so
+both already hold it and nothing moves), the Ray runtime checked, the head started on
+127.0.0.2, the worker joined from 127.0.0.3, the head's status until both are live, then one
+health check. It deploys a trivial Serve app of the test image on 127.0.0.1, reads it, deletes
+it and tears the cluster down.
 """
 
 from __future__ import annotations
@@ -47,7 +50,13 @@ async def demo_ray(
 
     from llmport_agent.config import load_config
     from llmport_agent.devbackend import DevBackend
-    from llmport_agent.devbackend.rayenv import EnvironmentFailed, RayEnvironment, RayNode
+    from llmport_agent.devbackend.rayenv import (
+        READY,
+        STOPPED,
+        EnvironmentFailed,
+        RayEnvironment,
+        RayNode,
+    )
     from llmport_agent.ray.imagepin import image_identity
     from llmport_agent.service import AgentService
 
@@ -103,16 +112,31 @@ async def demo_ray(
             backend, "demo-" + uuid.uuid4().hex[:6],
             head=RayNode(node_ids[0], "127.0.0.2"),
             workers=[RayNode(node_ids[1], "127.0.0.3", container_name="llm-port-ray-runtime-worker")],
-            bundle=bundle, port=_free_port(), num_cpus=1,
+            bundle=bundle, port=_free_port(), num_cpus=1, seed_port=_free_port(),
         )
         t0 = reactor.seconds()
-        status = await env.reconcile()
-        for step, node, cid, result in env.steps:
-            say(f"[backend] {step:<22} {('head' if node == node_ids[0] else 'worker'):<6} {result}"
-                f"  ({backend.command(cid).get('idempotency_key')})")
+        outcome = await env.up(timeout=600)
+
+        def who(node_id: str) -> str:
+            return "head" if node_id == node_ids[0] else "worker"
+
+        for step in env.steps:
+            rec = backend.command(step.command_id)
+            why = f" {rec.get('error_code')}" if rec.get("error_code") else ""
+            say(f"[backend] {rec['command_type']:<22} {who(step.node_id):<6} {rec['status']}{why}"
+                f"  ({rec.get('idempotency_key')})")
+        if outcome != READY:
+            say(f"demo --ray failed: the environment is {outcome}: {env.reason}")
+            return 1
+        status = env.cluster or {}
         say(f"[backend] cluster up in {reactor.seconds() - t0:.1f} s: Ray {status.get('version')}, "
             f"{status.get('num_nodes')} nodes: "
-            + ", ".join(f"{n['node_ip']}{' (head)' if n['is_head'] else ''}" for n in status.get("nodes", []) if n["alive"]))
+            + ", ".join(f"{n.get('node_ip')}{' (head)' if n.get('is_head') else ''}"
+                        for n in status.get("nodes", []) if n.get("alive")))
+        probes = env.probes
+        await env.check()
+        say(f"[backend] health check (get_ray_status with include_metrics on the head, every minute): "
+            f"{env.status}, {env.probes - probes} probe")
         serve_port = _free_port()
         app = "llmport-demo"
         run = await env.run_app(app, {"llm_configs": [{"model_loading_config": {"model_id": "demo-model"}}]},
@@ -124,13 +148,17 @@ async def demo_ray(
         say(f"[backend] Serve app {app} at {url}: HTTP {response.code} {json.loads(body) if response.code == 200 else body[:200]!r}")
         await env.delete_app(app)
         say(f"[backend] Serve app {app} deleted")
-        await env.teardown()
+        torn = await env.down(timeout=300)
+        env.stop()
         env = None
+        if torn != STOPPED:
+            say(f"demo --ray failed: teardown did not finish: {torn}")
+            return 1
         say("[backend] worker left, head stopped, both runtime containers removed")
         say(f"demo --ray finished in {time.monotonic() - started:.1f} s: OK")
         return 0
     except EnvironmentFailed as e:
-        say(f"demo --ray failed at {e.step}: {e}")
+        say(f"demo --ray failed: {e}")
         return 1
     except Exception as e:  # a step timed out or broke: say which, exit non-zero
         say(f"demo --ray failed: {type(e).__name__}: {e}")
@@ -138,7 +166,8 @@ async def demo_ray(
     finally:
         if env is not None:
             try:
-                await env.teardown()
+                await env.down(timeout=300)
+                env.stop()
             except Exception as e:  # noqa: BLE001 - best effort, said
                 say(f"[backend] teardown after the failure did not finish: {e}")
         for agent in agents:

@@ -194,6 +194,8 @@ class RayEnvironment:
     env: dict[str, str] = field(factory=dict)
     credential_ref: str = field(factory=lambda: "ray-" + uuid.uuid4().hex[:12])
     seed_port: int = SEED_PORT
+    #: How often the cluster is looked at once up (tests shorten it).
+    check_every: float = CHECK_EVERY_SEC
     #: The backend's key for deriving seeding tokens (the real one uses its master key).
     seed_key: bytes = field(factory=lambda: secrets.token_bytes(32), repr=False)
     desired: str = "running"
@@ -744,13 +746,13 @@ class RayEnvironment:
         if self._again:
             return 0.0
         if self.desired == "stopped":
-            return None if self.status == STOPPED else CHECK_EVERY_SEC
+            return None if self.status == STOPPED else self.check_every
         if self.converged_generation == self.generation:
             due = (self.recovery or {}).get("next_look_at")
-            return max(0.0, due - now) if due is not None else CHECK_EVERY_SEC
+            return max(0.0, due - now) if due is not None else self.check_every
         if self.retry is not None and self.retry.get("fingerprint") == self.fingerprint():
             return max(0.0, float(self.retry["next_attempt_at"]) - now)
-        return CHECK_EVERY_SEC
+        return self.check_every
 
     # -- the loop ----------------------------------------------------------------------------
 
