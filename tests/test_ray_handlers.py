@@ -75,10 +75,48 @@ class Pool:
             return fail(exc)
 
 
+RUNTIME_IMAGE = "llmport-test/ray-runtime:2.58.0"
+
+
+class FakeImageAPI:
+    """The engine's image names (inspect, tag, remove), as docker-py's low-level API answers."""
+
+    def __init__(self) -> None:
+        #: name:tag -> (id, layers)
+        self.names: dict[str, tuple[str, tuple[str, ...]]] = {}
+        #: Every name an image was ever given, in order (a foreign build must never get the bundle's).
+        self.tagged: list[tuple[str, str]] = []
+        self.removed: list[str] = []
+
+    def inspect_image(self, name: str) -> dict[str, Any]:
+        import docker
+
+        if name not in self.names:
+            raise docker.errors.NotFound(f"No such image: {name}")
+        image_id, layers = self.names[name]
+        return {"Id": image_id, "RepoDigests": [], "RootFS": {"Layers": list(layers)}}
+
+    def tag(self, image: str, repository: str, tag: str, force: bool = False) -> bool:
+        entry = next(v for v in self.names.values() if v[0] == image)
+        self.names[f"{repository}:{tag}"] = entry
+        self.tagged.append((f"{repository}:{tag}", image))
+        return True
+
+    def remove_image(self, name: str) -> None:
+        import docker
+
+        if name not in self.names:
+            raise docker.errors.NotFound(f"No such image: {name}")
+        del self.names[name]
+        self.removed.append(name)
+
+
 class FakeEngine:
     """Answers the Ray thread functions the way the engine and Ray in the container do."""
 
     def __init__(self) -> None:
+        self.api = FakeImageAPI()
+        self.client = type("Client", (), {"api": self.api})()
         self.identity = imagepin.Identity(True, IMAGE_ID, (), LAYERS)
         self.container: dict[str, Any] | None = None
         self.cluster: str | None = None  # what ray_current_cluster says while a raylet runs
@@ -93,9 +131,20 @@ class FakeEngine:
                                                           "serve": {"running": False}, "apps": [], "errors": []}
         self.programs: list[tuple[bytes | None, dict[str, str]]] = []
 
+    @property
+    def identity(self) -> imagepin.Identity:
+        return imagepin.image_identity(self.client, RUNTIME_IMAGE)  # type: ignore[arg-type]
+
+    @identity.setter
+    def identity(self, identity: imagepin.Identity) -> None:
+        """What the engine holds under the runtime image's name (absent: nothing)."""
+        self.api.names.pop(RUNTIME_IMAGE, None)
+        if identity.present:
+            self.api.names[RUNTIME_IMAGE] = (identity.image_id, identity.diff_ids)
+
     async def call(self, fn: Any, *args: Any, what: str | None = None) -> Any:
-        if fn is imagepin.image_identity:
-            return self.identity
+        if fn in (imagepin.image_identity, imagepin.adopt, imagepin.drop_name):
+            return fn(self.client, *args)
         if fn is rc.find:
             return self.container
         if fn is rc.create_and_start:
@@ -177,11 +226,26 @@ class RayHandlerTests(TestCase):
         self.tokens = ClusterTokens(self.clock, backend, lambda: "cred.secret", Pool(), self.token_dir)
         self.engine = FakeEngine()
         self.pulls: list[Any] = []
+        self.transfers: list[dict[str, Any]] = []
+        #: What the stand-in server's transfer loads: (id, layers), or a failure to raise.
+        self.served: tuple[str, tuple[str, ...]] | CommandFailed = (IMAGE_ID, LAYERS)
+        engine = self.engine
 
         class Images:
             async def pull(inner, ref: Any, progress: Any) -> dict[str, Any]:  # noqa: N805
                 self.pulls.append(ref)
                 raise CommandFailed("pull_failed", "no such image in the registry")
+
+            async def transfer(inner, ref: Any, progress: Any, *, expect_id: Any = None,  # noqa: N805
+                               expect_rootfs: Any = None, load_as: Any = None) -> dict[str, Any]:
+                self.transfers.append({"ref": ref.canonical, "expect_id": expect_id, "expect_rootfs": expect_rootfs,
+                                       "load_as": load_as.canonical if load_as is not None else None})
+                progress("Transferring from the backend", bytes_done=10)
+                if isinstance(self.served, CommandFailed):
+                    raise self.served
+                # The engine names the loaded image as the (filtered) archive says: load_as.
+                engine.api.names[(load_as or ref).canonical] = self.served
+                return {"bytes_done": 10}
 
         self.session_dir = os.path.abspath(self.mktemp())
         settings = RaySettings("agent-1", parse_allowlist("llmport-test"), (store, self.session_dir), self.token_dir,
@@ -347,19 +411,76 @@ class RayHandlerTests(TestCase):
         self.assertTrue(r["alive"])
         self.assertIn("first_json_object", ran)
 
-    async def test_image_mismatch_and_missing(self) -> None:
+    async def test_probe_fails_unless_verified(self) -> None:
+        """
+        fetch: false (the backend's probe): only the pinned build succeeds, verified; an absent
+        image is a failed runtime_image_missing, another build a failed runtime_image_mismatch
+        (the backend reads "succeeded" without verified as a broken node). Nothing is loaded.
+        """
+        probe = {"runtime_bundle": self.bundle(), "ensure_container": True, "fetch": False}
+        self.engine.identity = imagepin.Identity(False)
+        err = await self.fails("ensure_runtime_image", probe)
+        self.assertEqual(err.error_code, "runtime_image_missing")
+        self.assertEqual((err.result["verified"], err.result["present"]), (False, False))
         self.engine.identity = imagepin.Identity(True, "sha256:" + "9" * 64, (), ("sha256:" + "2" * 64,))
+        err = await self.fails("ensure_runtime_image", {**probe, "fetch": "false"})
+        self.assertEqual(err.error_code, "runtime_image_mismatch")
+        self.assertEqual((err.result["verified"], err.result["present"]), (False, True))
+        self.assertEqual((self.transfers, self.pulls, self.engine.created), ([], [], []))
+        self.engine.identity = imagepin.Identity(True, IMAGE_ID, (), LAYERS)
+        _c, r = await self.do("ensure_runtime_image", probe)
+        self.assertEqual((r["verified"], r["present"], r["matched_by"], r["created"]), (True, True, "rootfs_digest", True))
+
+    async def test_absent_or_other_build_loads_from_the_server(self) -> None:
+        """
+        Without source the pinned image comes from the llm-port server (expect_id and
+        expect_rootfs in the query), never from a registry; absent and another build alike.
+        """
+        for before in (imagepin.Identity(False), imagepin.Identity(True, "sha256:" + "9" * 64, (), ("sha256:" + "2" * 64,))):
+            self.engine.identity = before
+            self.transfers.clear()
+            ctx, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+            self.assertEqual((r["verified"], r["image_id"], r["running"]), (True, IMAGE_ID, True))
+            (t,) = self.transfers
+            self.assertEqual((t["ref"], t["expect_id"], t["expect_rootfs"]),
+                             (RUNTIME_IMAGE, IMAGE_ID, imagepin.rootfs_digest(LAYERS)))
+            self.assertTrue(t["load_as"].startswith(imagepin.PRIVATE_REPO + "/"), t["load_as"])
+            self.assertIn("transfer_image", [f["phase"] for f in ctx.frames])
+            # Only the bundle's name is left: the private one is gone.
+            self.assertEqual(sorted(self.engine.api.names), [RUNTIME_IMAGE])
+        self.assertEqual(self.pulls, [])
+
+    async def test_a_foreign_build_never_takes_the_bundle_name(self) -> None:
+        """
+        The server (or a peer) sends another build: runtime_image_mismatch, and the bundle's
+        name was never given to it, not even for a moment; the foreign image keeps no name.
+        """
+        foreign = ("sha256:" + "f" * 64, ("sha256:" + "e" * 64,))
+        self.served = foreign
+        self.engine.identity = imagepin.Identity(False)
         err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
         self.assertEqual(err.error_code, "runtime_image_mismatch")
-        self.assertEqual(len(self.pulls), 1)  # a different build: the pinned one is pulled first
+        self.assertIn("was not given the bundle's name", err.error_message)
+        self.assertNotIn(RUNTIME_IMAGE, self.engine.api.names)
+        self.assertEqual([n for n, _id in self.engine.api.tagged if n == RUNTIME_IMAGE], [])
+        self.assertEqual(self.engine.api.names, {})  # the private name went too
         self.assertEqual(self.engine.created, [])
-        self.engine.identity = imagepin.Identity(False)
+        # A node that holds another build under the name keeps it as it was (nothing moved).
+        old = imagepin.Identity(True, "sha256:" + "9" * 64, (), ("sha256:" + "2" * 64,))
+        self.engine.identity = old
         err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle()})
-        self.assertEqual(err.error_code, "runtime_image_missing")
-        self.assertIn("no such image in the registry", err.error_message)
-        _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "fetch": False})
-        self.assertEqual((r["verified"], r["present"]), (False, False))
-        self.assertEqual(len(self.pulls), 2)  # fetch: false only reports
+        self.assertEqual(err.error_code, "runtime_image_mismatch")
+        self.assertEqual(self.engine.api.names[RUNTIME_IMAGE][0], old.image_id)
+        self.assertEqual(self.engine.api.tagged, [])
+
+    async def test_server_failures_are_reported_with_their_codes(self) -> None:
+        self.engine.identity = imagepin.Identity(False)
+        for code in ("server_image_mismatch", "image_transfer_failed"):
+            self.served = CommandFailed(code, f"the server said {code}")
+            err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+            self.assertEqual(err.error_code, code)
+        self.assertEqual(self.engine.api.names, {})
+        self.assertEqual((self.pulls, self.engine.created), ([], []))
 
     async def test_ensure_runtime_image_and_container_reuse(self) -> None:
         _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})

@@ -35,7 +35,7 @@ from ..commands.base import (
 from ..workloads.engine import DockerEngine, StreamClosed, StreamControl
 from ..workloads.gpus import GPU_UNAVAILABLE
 from ..workloads.images import ImageManager
-from ..workloads.policy import AllowEntry, PolicyError, parse_port
+from ..workloads.policy import AllowEntry, PolicyError, parse_image_ref, parse_port
 from . import configdiff, describe, helpercli, imagepin
 from . import container as rc
 from .bundle import DEFAULT_CONTAINER_NAME, RuntimeBundle, filter_env, parse_bundle
@@ -183,7 +183,8 @@ class RayManager:
     """
     Runs the Ray commands against the runtime container.
 
-    @param images: pulls a missing runtime image (the workloads' L{ImageManager}).
+    @param images: loads a missing runtime image from the llm-port server (the workloads'
+        L{ImageManager}); never a registry pull.
     @param tokens: the cluster token (fetch, file, delete).
     @param pool: runs small file operations (the I/O pool).
     """
@@ -209,8 +210,11 @@ class RayManager:
         self._lifecycle = DeferredLock()
         #: The runtime container is created, started or replaced by one command at a time.
         self._container = DeferredLock()
-        #: Fetches a bundle image from a peer (C{source.peer_url}); set by peer seeding.
-        self.peer_loader: Callable[[RuntimeBundle, Mapping[str, Any], CommandContext], Awaitable[None]] | None = None
+        #: One runtime image load at a time (a second command finds it loaded).
+        self._loading = DeferredLock()
+        #: Fetches a bundle image from a peer (C{source.peer_url}) and loads it under the given
+        #: private name; set by peer seeding.
+        self.peer_loader: Callable[[RuntimeBundle, Mapping[str, Any], CommandContext, str], Awaitable[None]] | None = None
 
     # -- pieces -----------------------------------------------------------------------------
 
@@ -247,31 +251,80 @@ class RayManager:
         return imagepin.check(identity, bundle.digest, bundle.rootfs_digest, bundle.repo_digest)
 
     async def verify(self, bundle: RuntimeBundle, ctx: CommandContext, fetch: bool = True) -> imagepin.PinReport:
-        """The verified image (pulled when absent or different and C{fetch}); raises 10.4 codes."""
+        """
+        The verified image, or a failure with the codes of protocol 10.6. With C{fetch} an
+        image that is absent or another build is loaded (never pulled from a registry): from
+        the peer of C{source.peer_url}, else from the llm-port server. The load goes under a
+        private name; only an image that matches the pin is then given the bundle's name.
+
+        @raise CommandFailed: C{runtime_image_missing} / C{runtime_image_mismatch} (without
+            C{fetch}, or when what was loaded is another build), C{server_image_mismatch},
+            C{image_transfer_failed}, C{transfer_stalled}, C{image_seed_failed}.
+        """
         report = await self.identify(bundle)
-        if report.matched_by is not None or not fetch:
-            return report
         name = bundle.image.canonical
+        if report.matched_by is not None:
+            return report
+        if not fetch:
+            return imagepin.require_match(report, name, bundle.digest, bundle.rootfs_digest)
+        await self._loading.acquire()
+        try:
+            report = await self.identify(bundle)  # another command may have loaded it meanwhile
+            if report.matched_by is not None:
+                return report
+            loaded = await self._load(bundle, ctx, report)
+        finally:
+            self._loading.release()
+        if loaded.matched_by is None:
+            imagepin.require_match(
+                loaded, name, bundle.digest, bundle.rootfs_digest,
+                why=" (this is the build that was just loaded; it was not given the bundle's name)",
+            )
+        return imagepin.require_match(await self.identify(bundle), name, bundle.digest, bundle.rootfs_digest)
+
+    async def _load(self, bundle: RuntimeBundle, ctx: CommandContext, before: imagepin.PinReport) -> imagepin.PinReport:
+        """Load the pinned image under a private name and adopt it (L{imagepin.adopt})."""
+        name = bundle.image.canonical
+        ref = bundle.image
+        if ref.digest and not ref.tag:
+            raise CommandFailed(
+                INVALID_COMMAND,
+                f"The runtime image {name} names no tag: the agent loads only name:tag images "
+                "(from the llm-port server or a peer).",
+            )
         payload = ctx.command.payload
         source = payload.get("source") if isinstance(payload, Mapping) else None
-        why = ""
-        if isinstance(source, Mapping) and source.get("peer_url"):
-            if self.peer_loader is None:
-                raise CommandFailed(
-                    INVALID_COMMAND,
-                    "ensure_runtime_image from a peer (source.peer_url) is not supported by this agent yet; "
-                    "load the image on this node or make it pullable.",
+        state = "not present" if not before.identity.present else "a different build"
+        private = imagepin.private_name()
+        try:
+            if isinstance(source, Mapping) and source.get("peer_url"):
+                if self.peer_loader is None:
+                    raise CommandFailed(INVALID_COMMAND, "ensure_runtime_image from a peer is not available on this agent.")
+                ctx.progress("peer_download", f"Runtime image {name} is {state} here; fetching it from a peer")
+                self.log.info("Runtime image {image} is {state} here; fetching it from a peer", image=name, state=state)
+                await self.peer_loader(bundle, source, ctx, private)
+            else:
+                if self.images is None:
+                    raise CommandFailed(
+                        "image_transfer_failed", "Image transfer from the llm-port server is not configured on this node.")
+                ctx.progress("transfer_image", f"Runtime image {name} is {state} here; loading it from the llm-port server")
+                self.log.info("Runtime image {image} is {state} here; loading it from the llm-port server",
+                              image=name, state=state)
+                await self.images.transfer(
+                    ref, lambda msg, **kw: ctx.progress("transfer_image", msg, **kw),
+                    expect_id=bundle.digest, expect_rootfs=bundle.rootfs_digest,
+                    load_as=parse_image_ref(private),
                 )
-            await self.peer_loader(bundle, source, ctx)
-        else:
-            state = "not present" if not report.identity.present else "a different build"
-            ctx.progress("pull_image", f"Runtime image {name} is {state} here; pulling it")
+            return await self.engine.call(
+                imagepin.adopt, private, ref.familiar_name, ref.effective_tag, bundle.digest, bundle.rootfs_digest,
+                bundle.repo_digest, what=f"verifying the loaded image {name}",
+            )
+        except BaseException:
             try:
-                await self.images.pull(bundle.image, lambda msg, **kw: ctx.progress("pull_image", msg, **kw))
-            except CommandFailed as exc:
-                why = f" (pulling it failed: {exc.error_message})"
-        after = await self.identify(bundle)
-        return imagepin.require_match(after, name, bundle.digest, bundle.rootfs_digest, why=why)
+                await self.engine.call(imagepin.drop_name, private, what="removing a private image name")
+            except Exception as exc:  # noqa: BLE001 - the load's own failure is the one to report
+                self.log.warn("Could not remove the private image name {name}: {why}", name=private, why=exc)
+            raise
 
     async def find_container(self, name: str) -> dict[str, Any] | None:
         return await self.engine.call(rc.find, name, what=f"looking up container {name}")
@@ -390,8 +443,9 @@ class RayManager:
         payload = _payload(ctx)
         bundle = self.bundle(payload, required=True)
         assert bundle is not None
-        fetch = payload.get("fetch") is not False
-        report = await self.verify(bundle, ctx, fetch=fetch)
+        # fetch: false is the backend's probe: only a verified image succeeds; an absent one or
+        # another build is a failed result (runtime_image_missing / runtime_image_mismatch).
+        report = await self.verify(bundle, ctx, fetch=_bool(payload, "fetch", True))
         result = report.result(bundle.image.canonical, bundle.runtime_handler)
         if report.matched_by is not None and _bool(payload, "ensure_container", False):
             result.update(await self.ensure_container(bundle, report.identity.image_id))
