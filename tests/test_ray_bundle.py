@@ -188,6 +188,63 @@ class HelperAnswerTests(SynchronousTestCase):
         dead = helpercli.cluster_status(None, None)
         self.assertEqual((dead["alive"], dead["version"], dead["num_nodes"], dead["nodes"]), (False, None, 0, []))
 
+    def test_node_records_pass_through(self) -> None:
+        """
+        Every key of Ray's node record reaches the backend (it matches members by node_ip,
+        node_manager_address or node_name and reads resources and metrics_export_port), with
+        the keys it reads typed.
+        """
+        record = {"node_id": "n1", "node_ip": "10.0.0.2", "node_manager_address": "10.0.0.2",
+                  "node_manager_port": 40123, "node_name": "gpu-b", "alive": True, "is_head": False,
+                  "gpus": 8, "cpus": 64.0, "metrics_export_port": 8089, "ray_version": "2.58.0",
+                  "resources": {"GPU": 8.0, "CPU": 64.0, "accelerator_type:H100": 1.0},
+                  "labels": {"ray.io/node-id": "n1"}, "object_store_memory": None}
+        out = helpercli.cluster_status({"alive": True, "version": "2.58.0", "num_nodes": 1, "nodes": [record]}, None)
+        node = out["nodes"][0]
+        for key, value in record.items():
+            self.assertEqual(node[key], float(value) if key in ("gpus", "cpus") else value, key)
+        self.assertEqual(node["state"], "ALIVE")
+        # A record that names only its IP (the test image's helper, older helpers): the backend's
+        # second key is filled in; a node name the helper gave is kept.
+        bare = helpercli.node_record({"node_id": "n2", "node_ip": "10.0.0.3", "alive": False})
+        self.assertEqual((bare["node_manager_address"], bare["node_name"], bare["state"]), ("10.0.0.3", None, "DEAD"))
+        # The state Ray reports is kept (the backend also takes UP/ACTIVE as live).
+        up = helpercli.node_record({"node_id": "n3", "state": "up"})
+        self.assertEqual((up["state"], up["alive"]), ("UP", True))
+        self.assertEqual(json.loads(json.dumps(out)), out)
+
+    def test_node_records_are_bounded(self) -> None:
+        """A container's node records are copied within bounds; what is not JSON is left out."""
+        hostile = {"node_id": "n1", "node_ip": "10.0.0.2", "alive": True, "gpus": float("nan"),
+                   "cpus": float("inf"), "huge": "x" * 100000, "deep": {"a": {"b": {"c": {"d": {"e": 1}}}}},
+                   "many": list(range(10000)), "nan": float("nan"), "big": 10**40,
+                   **{f"k{i}": i for i in range(500)}}
+        node = helpercli.node_record(hostile)
+        text = json.dumps(node, allow_nan=False)  # raises on NaN/inf
+        self.assertLess(len(text), 20 * 1024)
+        self.assertEqual((node["gpus"], node["cpus"]), (0.0, 0.0))
+        self.assertNotIn("nan", node)
+        self.assertNotIn("big", node)
+        self.assertLessEqual(len(node.get("huge", "")), 1024)
+        self.assertNotIn("e", json.dumps(node.get("deep", {})))
+        self.assertLessEqual(len(node.get("many", [])), 256)
+        self.assertEqual((node["node_id"], node["node_ip"], node["alive"]), ("n1", "10.0.0.2", True))
+        many = helpercli.cluster_status({"alive": True, "nodes": [{"node_id": str(i)} for i in range(5000)]}, None)
+        self.assertEqual(len(many["nodes"]), helpercli.MAX_NODES)
+
+    def test_serve_status_active(self) -> None:
+        """active: at least one app, every app RUNNING and every deployment healthy (the original's rule)."""
+        def doc(*apps: tuple[str, str]) -> dict[str, Any]:
+            return {"available": True, "applications": {
+                f"a{i}": {"status": s, "deployments": {"d": {"status": d}}} for i, (s, d) in enumerate(apps)}}
+
+        self.assertTrue(helpercli.serve_status(doc(("RUNNING", "HEALTHY"), ("RUNNING", "UP")), None)["active"])
+        self.assertFalse(helpercli.serve_status(doc(("RUNNING", "HEALTHY"), ("DEPLOYING", "UPDATING")), None)["active"])
+        self.assertFalse(helpercli.serve_status(doc(("RUNNING", "UNHEALTHY")), None)["active"])
+        self.assertFalse(helpercli.serve_status(doc(), None)["active"])
+        self.assertFalse(helpercli.serve_status({"available": False, "applications": {}}, None)["active"])
+        self.assertFalse(helpercli.serve_status(None, None)["active"])
+
     def test_serve_status_shape(self) -> None:
         doc = {"available": True, "applications": {"a": {"status": "RUNNING", "deployments": {
             "LLMServer:m": {"status": "HEALTHY", "num_replicas_ready": 1}}}, "b": {"status": "DEPLOYING"}}}

@@ -22,7 +22,7 @@ from twisted.web.resource import Resource
 from llmport_agent.backend_http import BackendHTTP
 from llmport_agent.commands.base import CommandFailed
 from llmport_agent.ray import container as rc
-from llmport_agent.ray import describe, imagepin
+from llmport_agent.ray import describe, helpercli, imagepin
 from llmport_agent.ray.execs import ExecResult
 from llmport_agent.ray.handlers import (
     CURRENT_CLUSTER_FILE,
@@ -157,6 +157,8 @@ class FakeEngine:
             return ExecResult(0, b"Stopped all 5 Ray processes.\n", b"")
         if argv[:2] == ["ray", "--version"]:
             return ExecResult(0, b"ray, version 2.58.0\n", b"")
+        if argv == ["cat", helpercli.METRICS_DISCOVERY_FILE]:
+            return ExecResult(0, json.dumps([{"targets": ["10.0.0.1:8089"]}]).encode(), b"")
         if argv[0] == "llm-port-ray-runtime":
             return ExecResult(0, ("INFO connecting\n" + self.helper_out + "\n").encode(), b"")
         raise AssertionError(f"unexpected exec {argv}")
@@ -327,6 +329,55 @@ class RayHandlerTests(TestCase):
         await self.do("start_ray_head", self.head())
         _c, r = await self.do("get_ray_status", {"include_serve": False})
         self.assertEqual((r["alive"], r["version"], r["num_nodes"]), (True, "2.58.0", 1))
+
+    async def test_health_check_probe_passes_node_records_through(self) -> None:
+        """
+        The backend's minute health check (get_ray_status {runtime_bundle, include_metrics}):
+        each nodes[] record carries every key the helper gave (the backend matches members by
+        node_ip, node_manager_address or node_name), the Serve status carries active, and the
+        metrics targets are there.
+        """
+        await self.do("start_ray_head", self.head())
+        head = {"node_id": "h", "node_ip": "10.0.0.1", "node_manager_address": "10.0.0.1", "node_name": "gpu-a",
+                "alive": True, "is_head": True, "state": "ALIVE", "gpus": 8.0, "cpus": 64.0,
+                "metrics_export_port": 8089, "resources": {"GPU": 8.0, "CPU": 64.0}}
+        worker = {**head, "node_id": "w", "node_ip": "10.0.0.2", "node_manager_address": "10.0.0.2",
+                  "node_name": "gpu-b", "is_head": False}
+        self.engine.helper_out = json.dumps({
+            "alive": True, "version": "2.58.0", "num_nodes": 2, "nodes": [head, worker],
+            "available": True, "applications": {"llmport-d1": {"status": "RUNNING", "deployments": {
+                "LLMServer:m": {"status": "HEALTHY", "num_replicas_ready": 1}}}}})
+        _c, r = await self.do("get_ray_status", {"runtime_bundle": self.bundle(), "include_metrics": True})
+        self.assertEqual(r["nodes"], [head, worker])
+        self.assertTrue(r["serve"]["active"])
+        self.assertEqual([t["url"] for t in r["metrics"]["targets"]], ["http://10.0.0.1:8089/metrics"])
+
+    async def test_recovery_leave_then_join_gets_a_fresh_container(self) -> None:
+        """
+        The backend's recovery of a lost worker is leave_ray_cluster then a fresh
+        join_ray_cluster: leave REMOVES the runtime container (and the token), so the join
+        creates a new one and runs ray start in it.
+        """
+        join = {"head_address": "10.0.0.1:6379", "credential_ref": REF, "runtime_bundle": self.bundle()}
+        await self.do("join_ray_cluster", join)
+        self.assertEqual(len(self.engine.created), 1)
+        _c, r = await self.do("leave_ray_cluster", {"runtime_bundle": self.bundle()})
+        self.assertEqual((r["left"], r["stopped"], r["removed"], r["token_deleted"]), (True, True, True, True))
+        self.assertIsNone(self.engine.container)
+        self.assertEqual(self.engine.removed, 1)
+        # Without a bundle (the teardown's payload): the agent's default container is removed too.
+        await self.do("join_ray_cluster", join)
+        _c, r = await self.do("leave_ray_cluster", {"version": "2.58.0"})
+        self.assertTrue(r["removed"])
+        self.assertIsNone(self.engine.container)
+        _c, r = await self.do("join_ray_cluster", join)
+        self.assertFalse(r["already_member"])
+        self.assertEqual(len(self.engine.created), 3)
+        self.assertEqual(len(self.starts()), 3)
+        # The head's recovery: stop_ray {force} removes it the same way.
+        _c, r = await self.do("stop_ray", {"force": True, "version": "2.58.0"})
+        self.assertTrue(r["removed"])
+        self.assertIsNone(self.engine.container)
 
     async def test_helper_answer_parsed_off_the_reactor(self) -> None:
         """

@@ -604,7 +604,8 @@ class RayManager:
         await self._token_best_effort(payload)
         _, doc = await self._helper(snap["name"], ["cluster-status"])
         expected = payload.get("expected_version")
-        status = helpercli.cluster_status(doc, str(expected) if expected else None)
+        # Ray's node records, passed through bounded: copied on the pool, not the reactor.
+        status = await self._pool.run(helpercli.cluster_status, doc, str(expected)[:64] if expected else None)
         if _bool(payload, "include_serve", True) and status["alive"]:
             _, serve_doc = await self._helper(snap["name"], ["serve-status"])
             status["serve"] = helpercli.serve_status(serve_doc, None)
@@ -623,7 +624,7 @@ class RayManager:
         bundle = self.bundle(payload)
         snap = await self.running_container(bundle)
         if snap is None:
-            return {"available": False, "apps": {}, "detail": "no Ray runtime container runs on this node"}
+            return {"available": False, "active": False, "apps": {}, "detail": "no Ray runtime container runs on this node"}
         await self._token_best_effort(payload)
         argv = ["serve-status", *(["--app-name", app] if app else [])]
         _, doc = await self._helper(snap["name"], argv)
@@ -788,7 +789,7 @@ class RayManager:
 
     async def _described_by_helper(self, snap: dict[str, Any], errors: list[str]) -> dict[str, Any]:
         _, doc = await self._helper(snap["name"], ["cluster-status"], timeout=_FALLBACK_TIMEOUT)
-        status = helpercli.cluster_status(doc, None)
+        status = await self._pool.run(helpercli.cluster_status, doc, None)
         _, serve_doc = await self._helper(snap["name"], ["serve-status"], timeout=_FALLBACK_TIMEOUT)
         serve = helpercli.serve_status(serve_doc, None)
         if serve.get("detail"):
