@@ -102,6 +102,19 @@ class BundlePolicyTests(SynchronousTestCase):
         b = parse(bundle(env={"LD_PRELOAD": "/x.so", "RAY_DEDUP_LOGS": "0", "RAY_AUTH_MODE": "off"}))
         self.assertEqual(dict(b.env), {"RAY_DEDUP_LOGS": "0"})
 
+    def test_cluster_token_is_not_an_env_name(self) -> None:
+        """
+        Ray reads RAY_AUTH_TOKEN before RAY_AUTH_TOKEN_PATH: a bundle's env carrying it would
+        replace the cluster token in the container; it never passes (nor any RAY_AUTH_ name).
+        """
+        self.assertEqual(filter_env({"RAY_AUTH_TOKEN": "attacker", "RAY_AUTH_SOMETHING_NEW": "x", "RAY_X": "1"}),
+                         {"RAY_X": "1"})
+        b = parse(bundle(env={"RAY_AUTH_TOKEN": "attacker"}))
+        self.assertEqual(dict(b.env), {})
+        args = rc.create_args(b, DIGEST, TOKENS, "agent-1")
+        self.assertNotIn("RAY_AUTH_TOKEN", args["env"])
+        self.assertEqual(args["env"]["RAY_AUTH_TOKEN_PATH"], TOKENS + "/cluster.token")
+
     def test_only_the_bundle_reaches_the_engine(self) -> None:
         b = parse(bundle(requirements={"gpus": "none", "capabilities": ["IPC_LOCK"], "devices": ["/dev/infiniband"],
                                        "shm_size": "1g"}))

@@ -224,7 +224,8 @@ class RayHandlerTests(TestCase):
     def head(self, **over: Any) -> dict[str, Any]:
         p = {"credential_ref": REF, "port": 6379, "node_ip_address": "10.0.0.1", "include_dashboard": False,
              "runtime_bundle": self.bundle(), "env": {"NCCL_SOCKET_IFNAME": "ib0", "PATH": "/evil",
-                                                     "RAY_AUTH_TOKEN_PATH": "/tmp/x", "CUDA_VISIBLE_DEVICES": "0"}}
+                                                     "RAY_AUTH_TOKEN_PATH": "/tmp/x", "CUDA_VISIBLE_DEVICES": "0",
+                                                     "RAY_AUTH_TOKEN": "attacker-token"}}
         p.update(over)
         return p
 

@@ -35,8 +35,11 @@ DEFAULT_CONTAINER_NAME = "llm-port-ray-runtime"
 #: Keys of C{env} that reach C{ray start} (and of the bundle's env that reach the container).
 ENV_PREFIXES = ("VLLM_", "HF_", "NCCL_", "CUDA_", "RAY_", "UCX_")
 #: The agent decides these: a bundle or an environment must not turn auth off, point Ray at
-#: another token or pick GPUs behind the engine's back.
-RESERVED_ENV = frozenset({"RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "CUDA_VISIBLE_DEVICES"})
+#: another token or pick GPUs behind the engine's back. C{RAY_AUTH_TOKEN} is among them: Ray
+#: reads it before C{RAY_AUTH_TOKEN_PATH}, so it would replace the cluster token.
+RESERVED_ENV = frozenset({"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "CUDA_VISIBLE_DEVICES"})
+#: Every name under this prefix is the agent's too (Ray's token authentication settings).
+RESERVED_ENV_PREFIX = "RAY_AUTH_"
 
 #: Devices a bundle may ask for: RDMA (InfiniBand/RoCE verbs), AMD GPUs, NVIDIA nodes.
 _DEVICE_ROOTS = ("/dev/infiniband", "/dev/kfd", "/dev/dri")
@@ -126,7 +129,8 @@ def _under(path: str, root: str) -> bool:
 
 def filter_env(env: object, *, drop_reserved: bool = True) -> dict[str, str]:
     """
-    The keys of C{env} that may pass (one of L{ENV_PREFIXES}, not L{RESERVED_ENV}), values as
+    The keys of C{env} that may pass (one of L{ENV_PREFIXES}, not L{RESERVED_ENV} nor under
+    L{RESERVED_ENV_PREFIX}), values as
     strings; anything else is dropped. Bounded: 128 keys, 4096 characters a value.
 
     @raise CommandFailed: C{env} is not an object.
@@ -141,7 +145,7 @@ def filter_env(env: object, *, drop_reserved: bool = True) -> dict[str, str]:
             break
         if not isinstance(key, str) or not _KEY_RE.match(key) or not key.startswith(ENV_PREFIXES):
             continue
-        if drop_reserved and key in RESERVED_ENV:
+        if drop_reserved and (key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIX)):
             continue
         if isinstance(value, bool):
             text = "1" if value else "0"
