@@ -11,7 +11,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmport_agent.commands.base import CommandFailed
 from llmport_agent.ray import container as rc
 from llmport_agent.ray import helpercli, imagepin
-from llmport_agent.ray.bundle import filter_env, parse_bundle
+from llmport_agent.ray.bundle import check_layout, filter_env, parse_bundle
 from llmport_agent.ray.execs import _Reader
 from llmport_agent.workloads.policy import parse_allowlist
 
@@ -91,6 +91,47 @@ class BundlePolicyTests(SynchronousTestCase):
         self.refused(bundle(requirements={"network_mode": "bridge"}))
         self.refused(bundle(requirements={"ulimits": {"rtprio": 99}}))
         self.refused(bundle(requirements={"security_opt": ["seccomp=unconfined"]}))
+
+    def test_no_source_where_a_container_writes(self) -> None:
+        """
+        The engine resolves a bind source again at every start: no bundle mount lies inside the
+        model store (workloads write it), and no read-write mount holds another mount's source.
+        """
+        def strict(raw: Any) -> Any:
+            return parse_bundle(raw, allowlist=parse_allowlist("registry.local:5000/llm-port"),
+                                allowed_roots=(STORE, "/data"), token_dir=TOKENS, workload_written=(STORE,),
+                                agent_sources=(STORE, "/var/lib/llm-port/ray"))
+
+        self.assertEqual(strict(bundle()).mounts[0].host_path, STORE)  # the store itself: fine
+        for mounts in (
+            [{"host_path": STORE + "/hub", "container_path": "/models"}],
+            [{"host_path": STORE + "/hub/x", "container_path": "/models", "mode": "rw"}],
+            [{"host_path": "/data", "container_path": "/d", "mode": "rw"},
+             {"host_path": "/data/x", "container_path": "/x"}],
+        ):
+            with self.assertRaises(CommandFailed) as cm:
+                strict(bundle(mounts=mounts))
+            self.assertEqual(cm.exception.error_code, "policy_violation")
+        # A read-write mount holding an agent's source (the store, the session or token directory).
+        for roots, host in (((STORE, "/srv"), "/srv"), (("/var",), "/var"), (("/var/run",), "/var/run")):
+            with self.assertRaises(CommandFailed):
+                parse_bundle(bundle(mounts=[{"host_path": host, "container_path": "/h", "mode": "rw"}]),
+                             allowlist=parse_allowlist("registry.local:5000/llm-port"), allowed_roots=roots,
+                             token_dir=TOKENS, agent_sources=(STORE, "/var/lib/llm-port/ray"))
+        # Read-only, the same mounts are fine; /data/x beside a read-only /data too.
+        strict(bundle(mounts=[{"host_path": "/data", "container_path": "/d"}, {"host_path": "/data/x",
+                                                                             "container_path": "/x"}]))
+
+    def test_the_agents_own_sources_lie_outside_container_written_directories(self) -> None:
+        check_layout(STORE, "/var/lib/llm-port/ray", TOKENS)
+        for store, session, tokens, word in ((STORE, STORE + "/ray", TOKENS, "RAY_SESSION_DIR"),
+                                             (STORE, "/var/lib/llm-port/ray", STORE + "/.tok", "RAY_TOKEN_DIR"),
+                                             ("/var/lib/llm-port/ray/models", "/var/lib/llm-port/ray", TOKENS,
+                                              "MODEL_STORE")):
+            with self.assertRaises(CommandFailed) as cm:
+                check_layout(store, session, tokens)
+            self.assertEqual(cm.exception.error_code, "policy_violation")
+            self.assertIn(word, cm.exception.error_message)
 
     def test_env_filtered(self) -> None:
         env = filter_env({"NCCL_IB_HCA": "mlx5_0", "VLLM_HOST_IP": "10.0.0.1", "LD_PRELOAD": "/x.so",
@@ -316,3 +357,19 @@ class HostPathLinkTests(SynchronousTestCase):
             rc._check_host_paths([(os.path.join(store, "escape"), store)])
         self.assertEqual(cm.exception.error_code, "policy_violation")
         self.assertIn("symbolic link", cm.exception.error_message)
+
+    def test_a_link_below_the_root_is_refused_even_pointing_inside_it(self) -> None:
+        """
+        A link below the root is refused even when it points inside the root today: the engine
+        follows it again at every start, and what it points to can change.
+        """
+        import os
+
+        store = os.path.abspath(self.mktemp())
+        os.makedirs(os.path.join(store, "real"))
+        os.symlink(os.path.join(store, "real"), os.path.join(store, "alias"))
+        os.symlink("real", os.path.join(store, "relative"))
+        for name in ("alias", "relative"):
+            with self.assertRaises(CommandFailed) as cm:
+                rc._check_host_paths([(os.path.join(store, name), store)])
+            self.assertEqual(cm.exception.error_code, "policy_violation")

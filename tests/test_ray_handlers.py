@@ -85,6 +85,7 @@ class FakeEngine:
         self.execs: list[tuple[list[str], dict[str, str]]] = []
         self.created: list[dict[str, Any]] = []
         self.removed = 0
+        self.updated = 0
         self.streams = 0
         self.hold_create: Deferred[None] | None = None
         self.helper_out = json.dumps({"alive": True, "version": "2.58.0", "num_nodes": 1, "nodes": []})
@@ -107,6 +108,7 @@ class FakeEngine:
                 "id": "c" * 64, "name": args_["name"], "labels": dict(args_["labels"]), "running": True,
                 "status": "running", "started_at": "now", "image": None, "image_id": args_["image_id"],
                 "mounts": {(b.split(":")[0], b.split(":")[1], b.endswith(":ro")) for b in args_["binds"]},
+                "restart_policy": rc.RESTART_POLICY,
             }
             return self.container
         if fn is rc.remove:
@@ -114,10 +116,11 @@ class FakeEngine:
             self.container = None
             self.cluster = None
             return True
-        if fn is rc.start:
+        if fn is rc.never_restart:
             assert self.container is not None
-            self.container["running"] = True
-            return self.container
+            self.container["restart_policy"] = rc.RESTART_POLICY
+            self.updated += 1
+            return None
         if fn.__name__ == "exec_in":
             name, argv, env, stdin, timeout = args
             self.execs.append((list(argv), dict(env)))
@@ -186,8 +189,10 @@ class RayHandlerTests(TestCase):
                 raise CommandFailed("pull_failed", "no such image in the registry")
 
         self.session_dir = os.path.abspath(self.mktemp())
-        settings = RaySettings("agent-1", parse_allowlist("llmport-test"), (store, self.session_dir), self.token_dir,
-                               session_dir=self.session_dir)
+        self.extra_root = os.path.abspath(self.mktemp())
+        os.makedirs(self.extra_root)
+        settings = RaySettings("agent-1", parse_allowlist("llmport-test"), (store, self.extra_root, self.session_dir),
+                               self.token_dir, session_dir=self.session_dir, model_store=store)
         self.ray = RayManager(self.clock, self.engine, Images(), self.tokens, settings, Pool())  # type: ignore[arg-type]
         self.specs = ray_handler_specs(self.ray)
         self.lines: list[str] = []
@@ -418,11 +423,63 @@ class RayHandlerTests(TestCase):
         self.assertEqual((r["verified"], r["matched_by"], r["created"]), (True, "rootfs_digest", True))
         _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
         self.assertFalse(r["created"])
-        other = os.path.join(self.store, "sub")
+        other = os.path.join(self.extra_root, "sub")
         bundle = self.bundle(mounts=[{"host_path": other, "container_path": "/models"}])
         _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": bundle, "ensure_container": True})
         self.assertTrue(r["created"])
         self.assertEqual(self.engine.removed, 1)
+
+    async def test_a_container_with_more_mounts_than_the_bundle_is_recreated(self) -> None:
+        await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        assert self.engine.container is not None
+        self.engine.container["mounts"].add(("/", "/host", False))
+        _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        self.assertTrue(r["created"])
+        self.assertEqual(self.engine.removed, 1)
+        self.assertNotIn(("/", "/host", False), self.engine.container["mounts"])
+
+    async def test_a_stopped_runtime_container_is_created_afresh_never_started(self) -> None:
+        """
+        The engine resolves a bind source again at every start: a stopped runtime container is
+        removed and created from the bundle with its host paths checked again, never started.
+        """
+        await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        assert self.engine.container is not None
+        self.engine.container.update(running=False, status="exited")
+        _c, r = await self.do("join_ray_cluster", {"head_address": "10.0.0.1:6379", "credential_ref": REF,
+                                                   "runtime_bundle": self.bundle()})
+        self.assertTrue(r["joined"])
+        self.assertEqual((self.engine.removed, len(self.engine.created)), (1, 2))
+        self.assertTrue(self.engine.container["running"])
+
+    async def test_an_older_agents_restarting_container_stops_restarting_on_its_own(self) -> None:
+        """A running container created with unless-stopped (an earlier agent) is updated in place, not killed."""
+        await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        assert self.engine.container is not None
+        self.engine.container["restart_policy"] = "unless-stopped"
+        _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        self.assertFalse(r["created"])
+        self.assertEqual((self.engine.updated, self.engine.removed), (1, 0))
+        self.assertEqual(self.engine.container["restart_policy"], "no")
+
+    async def test_no_bundle_mount_from_inside_the_model_store(self) -> None:
+        """
+        Workloads write the model store (download_from_hf mounts it read-write); a directory in
+        it could be swapped for a link to / before the engine resolves the source again: only
+        the store itself is a mount source, and no read-write mount holds another source.
+        """
+        inside = os.path.join(self.store, "hub")
+        os.makedirs(inside)
+        for mounts, word in (
+            ([{"host_path": inside, "container_path": "/models"}], "inside the model store"),
+            ([{"host_path": self.extra_root, "container_path": "/data", "mode": "rw"},
+              {"host_path": os.path.join(self.extra_root, "x"), "container_path": "/x"}], "read-write"),
+        ):
+            err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(mounts=mounts),
+                                                            "ensure_container": True})
+            self.assertEqual(err.error_code, "policy_violation")
+            self.assertIn(word, err.error_message)
+        self.assertEqual(self.engine.created, [])
 
     async def test_container_mounts_the_session_dir(self) -> None:
         """The host's RAY_SESSION_DIR is made (0700) and mounted read-write at /tmp/ray."""

@@ -38,7 +38,7 @@ from ..workloads.images import ImageManager
 from ..workloads.policy import AllowEntry, PolicyError, parse_port
 from . import configdiff, describe, helpercli, imagepin
 from . import container as rc
-from .bundle import DEFAULT_CONTAINER_NAME, RuntimeBundle, filter_env, parse_bundle
+from .bundle import DEFAULT_CONTAINER_NAME, RuntimeBundle, check_layout, filter_env, parse_bundle
 from .execs import OUTPUT_LIMIT, ExecResult, exec_in, exec_stream
 from .token import ClusterTokens, ensure_dir
 
@@ -80,6 +80,8 @@ class RaySettings:
     @ivar allowed_roots: host directories bundle mounts may come from.
     @ivar token_dir: C{RAY_TOKEN_DIR}.
     @ivar session_dir: C{RAY_SESSION_DIR}, mounted at C{/tmp/ray} (none when empty).
+    @ivar model_store: C{MODEL_STORE}, which workload containers may write: a bundle mount is
+        the store itself, never a path inside it.
     """
 
     agent_id: str
@@ -87,6 +89,7 @@ class RaySettings:
     allowed_roots: tuple[str, ...]
     token_dir: str
     session_dir: str = ""
+    model_store: str = ""
 
 
 def _payload(ctx: CommandContext) -> dict[str, Any]:
@@ -224,13 +227,17 @@ class RayManager:
                     "runtime container (there is no Ray on the host).",
                 )
             return None
+        s = self.settings
+        check_layout(s.model_store, s.session_dir, s.token_dir)
         bundle = parse_bundle(
             raw,
-            allowlist=self.settings.allowlist,
-            allowed_roots=self.settings.allowed_roots,
-            token_dir=self.settings.token_dir,
-            agent_mounts=(rc.SESSION_TARGET,) if self.settings.session_dir else (),
-            container_written=(self.settings.session_dir,) if self.settings.session_dir else (),
+            allowlist=s.allowlist,
+            allowed_roots=s.allowed_roots,
+            token_dir=s.token_dir,
+            agent_mounts=(rc.SESSION_TARGET,) if s.session_dir else (),
+            container_written=(s.session_dir,) if s.session_dir else (),
+            workload_written=(s.model_store,) if s.model_store else (),
+            agent_sources=tuple(p for p in (s.model_store, s.session_dir) if p),
         )
         for target in bundle.ignored_mounts:
             self.log.info(
@@ -291,10 +298,16 @@ class RayManager:
             if not rc.is_ours(snap, self.settings.agent_id):
                 raise rc.foreign(bundle.name)
             reason = rc.drift(snap, bundle, image_id, token_dir, self.settings.session_dir or None)
-            if reason is None:
-                if not snap["running"]:
-                    snap = await self.engine.call(rc.start, snap["id"], what=f"starting {bundle.name}")
+            if reason is None and snap["running"]:
+                if snap.get("restart_policy", rc.RESTART_POLICY) != rc.RESTART_POLICY:
+                    await self.engine.call(rc.never_restart, snap["id"], what=f"updating {bundle.name}")
+                    self.log.info("The Ray runtime container {name} no longer restarts on its own (restart policy "
+                                  "{was!r} -> {now!r})", name=bundle.name, was=snap["restart_policy"],
+                                  now=rc.RESTART_POLICY)
                 return {"container": bundle.name, "created": False, "running": True}
+            # A stopped one is never started: the engine would resolve its mount sources again
+            # unchecked. It is created afresh from the bundle, its host paths checked again.
+            reason = reason or f"it is {snap['status'] or 'stopped'}; a stopped runtime container is created afresh"
             self.log.info("Recreating the Ray runtime container {name}: {reason}", name=bundle.name, reason=reason)
             await self.engine.call(rc.remove, snap["id"], what=f"removing {bundle.name}")
         if bundle.gpus is not None and bundle.accelerator_vendor == "nvidia" and getattr(self.engine, "kind", "docker") == "podman":
