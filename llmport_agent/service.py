@@ -457,6 +457,7 @@ class AgentService(MultiService):
                 allowed_roots=tuple(os.path.abspath(r) for r in roots),
                 token_dir=c.ray_token_dir,
                 session_dir=os.path.abspath(session_dir) if session_dir else "",
+                model_store=os.path.abspath(c.model_store) if c.model_store else "",
             ),
             self.io_pool,
         )

@@ -126,18 +126,23 @@ class RayClusterTests(AgentTestCase):
             self.assertEqual((rec["status"], rec["error_code"]), ("failed", code), rec.get("error_message"))
         self.assertEqual(self.env_a.client().containers.list(all=True, filters={"label": "io.llmport.ray-runtime"}), [])
 
-        # A different build under the pinned name: reported by fetch: false, refused otherwise
-        # (after a pull that fails: the registry is a dead loopback port).
-        pinned = f"{DEAD_REGISTRY}/llmport-test/ray-runtime:2.58.0"
-        self.env_a.client().api.tag(IMAGE, f"{DEAD_REGISTRY}/llmport-test/ray-runtime", "2.58.0")
+        # The backend's probe (fetch: false): another build under the pinned name is a failed
+        # runtime_image_mismatch, an absent image a failed runtime_image_missing. Without
+        # fetch: false the image is asked of the llm-port server (never a registry), which does
+        # not hold these: a failed transfer, and the other build keeps its own name only.
+        pinned = "llmport-test/ray-runtime-other:2.58.0"
+        self.env_a.client().api.tag(IMAGE, "llmport-test/ray-runtime-other", "2.58.0")
         other = {**bundle, "image": pinned, "digest": "sha256:" + "0" * 64, "rootfs_digest": "sha256:" + "1" * 64}
-        rec = await self.command(backend, node_a, "ensure_runtime_image", {"runtime_bundle": other, "fetch": False})
-        self.assertEqual((rec["result"]["verified"], rec["result"]["present"]), (False, True))
-        rec = await self.command(backend, node_a, "ensure_runtime_image", {"runtime_bundle": other})
-        self.assertEqual((rec["status"], rec["error_code"]), ("failed", "runtime_image_mismatch"), rec.get("error_message"))
         rec = await self.command(backend, node_a, "ensure_runtime_image",
-                                 {"runtime_bundle": {**other, "image": f"{DEAD_REGISTRY}/llmport-test/absent:1"}})
+                                 {"runtime_bundle": other, "fetch": False, "ensure_container": True})
+        self.assertEqual((rec["status"], rec["error_code"]), ("failed", "runtime_image_mismatch"), rec.get("error_message"))
+        absent = {**other, "image": "llmport-test/absent:1"}
+        rec = await self.command(backend, node_a, "ensure_runtime_image", {"runtime_bundle": absent, "fetch": False})
         self.assertEqual((rec["status"], rec["error_code"]), ("failed", "runtime_image_missing"), rec.get("error_message"))
+        rec = await self.command(backend, node_a, "ensure_runtime_image", {"runtime_bundle": other})
+        self.assertEqual((rec["status"], rec["error_code"]), ("failed", "image_transfer_failed"), rec.get("error_message"))
+        self.assertIn("HTTP 404", rec["error_message"])
+        self.assertEqual(self.env_a.client().api.inspect_image(pinned)["Id"], info_a["Id"])
         self.env_a.remove_image(pinned)
         gcs_port, serve_port = free_port(), free_port()
         env = RayEnvironment(

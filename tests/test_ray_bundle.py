@@ -11,7 +11,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmport_agent.commands.base import CommandFailed
 from llmport_agent.ray import container as rc
 from llmport_agent.ray import helpercli, imagepin
-from llmport_agent.ray.bundle import filter_env, parse_bundle
+from llmport_agent.ray.bundle import check_layout, filter_env, parse_bundle
 from llmport_agent.ray.execs import _Reader
 from llmport_agent.workloads.policy import parse_allowlist
 
@@ -92,6 +92,47 @@ class BundlePolicyTests(SynchronousTestCase):
         self.refused(bundle(requirements={"ulimits": {"rtprio": 99}}))
         self.refused(bundle(requirements={"security_opt": ["seccomp=unconfined"]}))
 
+    def test_no_source_where_a_container_writes(self) -> None:
+        """
+        The engine resolves a bind source again at every start: no bundle mount lies inside the
+        model store (workloads write it), and no read-write mount holds another mount's source.
+        """
+        def strict(raw: Any) -> Any:
+            return parse_bundle(raw, allowlist=parse_allowlist("registry.local:5000/llm-port"),
+                                allowed_roots=(STORE, "/data"), token_dir=TOKENS, workload_written=(STORE,),
+                                agent_sources=(STORE, "/var/lib/llm-port/ray"))
+
+        self.assertEqual(strict(bundle()).mounts[0].host_path, STORE)  # the store itself: fine
+        for mounts in (
+            [{"host_path": STORE + "/hub", "container_path": "/models"}],
+            [{"host_path": STORE + "/hub/x", "container_path": "/models", "mode": "rw"}],
+            [{"host_path": "/data", "container_path": "/d", "mode": "rw"},
+             {"host_path": "/data/x", "container_path": "/x"}],
+        ):
+            with self.assertRaises(CommandFailed) as cm:
+                strict(bundle(mounts=mounts))
+            self.assertEqual(cm.exception.error_code, "policy_violation")
+        # A read-write mount holding an agent's source (the store, the session or token directory).
+        for roots, host in (((STORE, "/srv"), "/srv"), (("/var",), "/var"), (("/var/run",), "/var/run")):
+            with self.assertRaises(CommandFailed):
+                parse_bundle(bundle(mounts=[{"host_path": host, "container_path": "/h", "mode": "rw"}]),
+                             allowlist=parse_allowlist("registry.local:5000/llm-port"), allowed_roots=roots,
+                             token_dir=TOKENS, agent_sources=(STORE, "/var/lib/llm-port/ray"))
+        # Read-only, the same mounts are fine; /data/x beside a read-only /data too.
+        strict(bundle(mounts=[{"host_path": "/data", "container_path": "/d"}, {"host_path": "/data/x",
+                                                                             "container_path": "/x"}]))
+
+    def test_the_agents_own_sources_lie_outside_container_written_directories(self) -> None:
+        check_layout(STORE, "/var/lib/llm-port/ray", TOKENS)
+        for store, session, tokens, word in ((STORE, STORE + "/ray", TOKENS, "RAY_SESSION_DIR"),
+                                             (STORE, "/var/lib/llm-port/ray", STORE + "/.tok", "RAY_TOKEN_DIR"),
+                                             ("/var/lib/llm-port/ray/models", "/var/lib/llm-port/ray", TOKENS,
+                                              "MODEL_STORE")):
+            with self.assertRaises(CommandFailed) as cm:
+                check_layout(store, session, tokens)
+            self.assertEqual(cm.exception.error_code, "policy_violation")
+            self.assertIn(word, cm.exception.error_message)
+
     def test_env_filtered(self) -> None:
         env = filter_env({"NCCL_IB_HCA": "mlx5_0", "VLLM_HOST_IP": "10.0.0.1", "LD_PRELOAD": "/x.so",
                           "PATH": "/evil", "RAY_AUTH_MODE": "off", "RAY_AUTH_TOKEN_PATH": "/tmp/t",
@@ -101,6 +142,19 @@ class BundlePolicyTests(SynchronousTestCase):
                                "RAY_memory_monitor_refresh_ms": "0", "UCX_NET_DEVICES": "mlx5_0:1"})
         b = parse(bundle(env={"LD_PRELOAD": "/x.so", "RAY_DEDUP_LOGS": "0", "RAY_AUTH_MODE": "off"}))
         self.assertEqual(dict(b.env), {"RAY_DEDUP_LOGS": "0"})
+
+    def test_cluster_token_is_not_an_env_name(self) -> None:
+        """
+        Ray reads RAY_AUTH_TOKEN before RAY_AUTH_TOKEN_PATH: a bundle's env carrying it would
+        replace the cluster token in the container; it never passes (nor any RAY_AUTH_ name).
+        """
+        self.assertEqual(filter_env({"RAY_AUTH_TOKEN": "attacker", "RAY_AUTH_SOMETHING_NEW": "x", "RAY_X": "1"}),
+                         {"RAY_X": "1"})
+        b = parse(bundle(env={"RAY_AUTH_TOKEN": "attacker"}))
+        self.assertEqual(dict(b.env), {})
+        args = rc.create_args(b, DIGEST, TOKENS, "agent-1")
+        self.assertNotIn("RAY_AUTH_TOKEN", args["env"])
+        self.assertEqual(args["env"]["RAY_AUTH_TOKEN_PATH"], TOKENS + "/cluster.token")
 
     def test_only_the_bundle_reaches_the_engine(self) -> None:
         b = parse(bundle(requirements={"gpus": "none", "capabilities": ["IPC_LOCK"], "devices": ["/dev/infiniband"],
@@ -188,6 +242,63 @@ class HelperAnswerTests(SynchronousTestCase):
         dead = helpercli.cluster_status(None, None)
         self.assertEqual((dead["alive"], dead["version"], dead["num_nodes"], dead["nodes"]), (False, None, 0, []))
 
+    def test_node_records_pass_through(self) -> None:
+        """
+        Every key of Ray's node record reaches the backend (it matches members by node_ip,
+        node_manager_address or node_name and reads resources and metrics_export_port), with
+        the keys it reads typed.
+        """
+        record = {"node_id": "n1", "node_ip": "10.0.0.2", "node_manager_address": "10.0.0.2",
+                  "node_manager_port": 40123, "node_name": "gpu-b", "alive": True, "is_head": False,
+                  "gpus": 8, "cpus": 64.0, "metrics_export_port": 8089, "ray_version": "2.58.0",
+                  "resources": {"GPU": 8.0, "CPU": 64.0, "accelerator_type:H100": 1.0},
+                  "labels": {"ray.io/node-id": "n1"}, "object_store_memory": None}
+        out = helpercli.cluster_status({"alive": True, "version": "2.58.0", "num_nodes": 1, "nodes": [record]}, None)
+        node = out["nodes"][0]
+        for key, value in record.items():
+            self.assertEqual(node[key], float(value) if key in ("gpus", "cpus") else value, key)
+        self.assertEqual(node["state"], "ALIVE")
+        # A record that names only its IP (the test image's helper, older helpers): the backend's
+        # second key is filled in; a node name the helper gave is kept.
+        bare = helpercli.node_record({"node_id": "n2", "node_ip": "10.0.0.3", "alive": False})
+        self.assertEqual((bare["node_manager_address"], bare["node_name"], bare["state"]), ("10.0.0.3", None, "DEAD"))
+        # The state Ray reports is kept (the backend also takes UP/ACTIVE as live).
+        up = helpercli.node_record({"node_id": "n3", "state": "up"})
+        self.assertEqual((up["state"], up["alive"]), ("UP", True))
+        self.assertEqual(json.loads(json.dumps(out)), out)
+
+    def test_node_records_are_bounded(self) -> None:
+        """A container's node records are copied within bounds; what is not JSON is left out."""
+        hostile = {"node_id": "n1", "node_ip": "10.0.0.2", "alive": True, "gpus": float("nan"),
+                   "cpus": float("inf"), "huge": "x" * 100000, "deep": {"a": {"b": {"c": {"d": {"e": 1}}}}},
+                   "many": list(range(10000)), "nan": float("nan"), "big": 10**40,
+                   **{f"k{i}": i for i in range(500)}}
+        node = helpercli.node_record(hostile)
+        text = json.dumps(node, allow_nan=False)  # raises on NaN/inf
+        self.assertLess(len(text), 20 * 1024)
+        self.assertEqual((node["gpus"], node["cpus"]), (0.0, 0.0))
+        self.assertNotIn("nan", node)
+        self.assertNotIn("big", node)
+        self.assertLessEqual(len(node.get("huge", "")), 1024)
+        self.assertNotIn("e", json.dumps(node.get("deep", {})))
+        self.assertLessEqual(len(node.get("many", [])), 256)
+        self.assertEqual((node["node_id"], node["node_ip"], node["alive"]), ("n1", "10.0.0.2", True))
+        many = helpercli.cluster_status({"alive": True, "nodes": [{"node_id": str(i)} for i in range(5000)]}, None)
+        self.assertEqual(len(many["nodes"]), helpercli.MAX_NODES)
+
+    def test_serve_status_active(self) -> None:
+        """active: at least one app, every app RUNNING and every deployment healthy (the original's rule)."""
+        def doc(*apps: tuple[str, str]) -> dict[str, Any]:
+            return {"available": True, "applications": {
+                f"a{i}": {"status": s, "deployments": {"d": {"status": d}}} for i, (s, d) in enumerate(apps)}}
+
+        self.assertTrue(helpercli.serve_status(doc(("RUNNING", "HEALTHY"), ("RUNNING", "UP")), None)["active"])
+        self.assertFalse(helpercli.serve_status(doc(("RUNNING", "HEALTHY"), ("DEPLOYING", "UPDATING")), None)["active"])
+        self.assertFalse(helpercli.serve_status(doc(("RUNNING", "UNHEALTHY")), None)["active"])
+        self.assertFalse(helpercli.serve_status(doc(), None)["active"])
+        self.assertFalse(helpercli.serve_status({"available": False, "applications": {}}, None)["active"])
+        self.assertFalse(helpercli.serve_status(None, None)["active"])
+
     def test_serve_status_shape(self) -> None:
         doc = {"available": True, "applications": {"a": {"status": "RUNNING", "deployments": {
             "LLMServer:m": {"status": "HEALTHY", "num_replicas_ready": 1}}}, "b": {"status": "DEPLOYING"}}}
@@ -246,3 +357,19 @@ class HostPathLinkTests(SynchronousTestCase):
             rc._check_host_paths([(os.path.join(store, "escape"), store)])
         self.assertEqual(cm.exception.error_code, "policy_violation")
         self.assertIn("symbolic link", cm.exception.error_message)
+
+    def test_a_link_below_the_root_is_refused_even_pointing_inside_it(self) -> None:
+        """
+        A link below the root is refused even when it points inside the root today: the engine
+        follows it again at every start, and what it points to can change.
+        """
+        import os
+
+        store = os.path.abspath(self.mktemp())
+        os.makedirs(os.path.join(store, "real"))
+        os.symlink(os.path.join(store, "real"), os.path.join(store, "alias"))
+        os.symlink("real", os.path.join(store, "relative"))
+        for name in ("alias", "relative"):
+            with self.assertRaises(CommandFailed) as cm:
+                rc._check_host_paths([(os.path.join(store, name), store)])
+            self.assertEqual(cm.exception.error_code, "policy_violation")

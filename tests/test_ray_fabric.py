@@ -10,8 +10,13 @@ import socket
 from typing import Any
 
 from twisted.internet import reactor as real_reactor
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred, ensureDeferred
-from twisted.internet.task import Clock
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.task import Clock, deferLater
+from twisted.internet.testing import StringTransport
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
@@ -151,6 +156,8 @@ class InputTests(TestCase):
             ({"port": 1}, "ip is required"),
             ({"ip": "fabric-host", "port": 1}, "not an IP address"),
             ({"ip": "0.0.0.0", "port": 1}, "unicast"),
+            ({"ip": "224.0.0.1", "port": 1}, "unicast"),
+            ({"ip": "ff02::1", "port": 1}, "unicast"),
             ({"ip": "127.0.0.2", "port": 0}, "port"),
             ({"ip": "127.0.0.2", "port": 70000}, "port"),
             ({"ip": "127.0.0.2", "port": "x"}, "port"),
@@ -167,6 +174,8 @@ class InputTests(TestCase):
             ({"target_ip": "127.0.0.2", "target_port": True}, "target_port"),
             ({"target_ip": "127.0.0.2", "target_port": 5, "source_ip": "me"}, "source_ip"),
             ({"target_ip": "127.0.0.2", "target_port": 5, "source_ip": "::1"}, "both be IPv4"),
+            ({"target_ip": "239.1.2.3", "target_port": 5}, "unicast"),
+            ({"target_ip": "127.0.0.2", "target_port": 5, "source_ip": "224.0.0.5"}, "unicast"),
         ]:
             answer = await fabric.connect(Clock(), payload)
             self.assertEqual((answer["reachable"], answer["attempts"]), (False, 0), payload)
@@ -263,6 +272,157 @@ class ClockTimeoutTests(TestCase):
         self.assertLessEqual(r.clock.seconds(), total + fabric.MAX_TIMEOUT_SEC)
         self.assertGreater(answer["attempts"], 1)
         self.assertLessEqual(answer["attempts"], int(total / fabric.MAX_TIMEOUT_SEC) + 1)
+
+
+class OriginalListener(Protocol):
+    """
+    A byte-exact stand-in of the original agent 0.1.13's probe listener (its
+    C{run_ephemeral_listener}): read up to the first C{\\n}, decode and strip it, compare it
+    with the token, write C{ACK\\n} or C{ERR_AUTH\\n}, close.
+    """
+
+    def __init__(self, token: str, seen: list[bytes]) -> None:
+        self.token = token
+        self.seen = seen
+        self.buf = b""
+
+    def dataReceived(self, data: bytes) -> None:
+        self.buf += data
+        if b"\n" not in self.buf:
+            return
+        line = self.buf[: self.buf.index(b"\n") + 1]
+        self.seen.append(line)
+        given = line.decode("utf-8").strip()
+        self.transport.write(b"ERR_AUTH\n" if self.token and given != self.token else b"ACK\n")
+        self.transport.loseConnection()
+
+
+class OriginalProber(Protocol):
+    """
+    A byte-exact stand-in of the original agent's prober (its C{run_ephemeral_connect}):
+    write C{<token>\\n}, read one line, reachable when it strips to C{ACK}.
+    """
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.buf = b""
+        self.reachable: Deferred[tuple[bool, bytes]] = Deferred()
+
+    def connectionMade(self) -> None:
+        self.transport.write((self.token or "probe").encode() + b"\n")
+
+    def dataReceived(self, data: bytes) -> None:
+        self.buf += data
+        if b"\n" in self.buf and not self.reachable.called:
+            line = self.buf[: self.buf.index(b"\n") + 1]
+            self.reachable.callback((line.strip() == b"ACK", line))
+
+    def connectionLost(self, reason: Any = None) -> None:
+        if not self.reachable.called:
+            self.reachable.callback((False, self.buf))
+
+
+class MixedFleetTests(TestCase):
+    """This agent's prober and listener against the original agent's, over loopback."""
+
+    async def test_original_listener_accepts_this_probe(self) -> None:
+        seen: list[bytes] = []
+        factory = Factory.forProtocol(lambda: OriginalListener(TOKEN, seen))
+        port = real_reactor.listenTCP(0, factory, interface="127.0.0.2")
+        self.addCleanup(port.stopListening)
+        answer = await fabric.connect(real_reactor, {"target_ip": "127.0.0.2", "target_port": port.getHost().port,
+                                                     "probe_token": TOKEN, "source_ip": "127.0.0.3"})
+        self.assertTrue(answer["reachable"], answer)
+        self.assertEqual(seen, [TOKEN.encode() + b"\r\n"])
+        wrong = await fabric.connect(real_reactor, {"target_ip": "127.0.0.2", "target_port": port.getHost().port,
+                                                    "probe_token": "guess"})
+        self.assertEqual((wrong["reachable"], wrong["error"]), (False, "probe rejected: ERR_AUTH"))
+
+    async def _original_probe(self, port: int, token: str) -> tuple[bool, bytes]:
+        prober = OriginalProber(token)
+        endpoint = TCP4ClientEndpoint(real_reactor, "127.0.0.2", port, bindAddress=("127.0.0.3", 0))
+        for _ in range(40):
+            try:
+                await connectProtocol(endpoint, prober)
+                break
+            except ConnectionRefusedError:
+                await deferLater(real_reactor, 0.05, lambda: None)
+        return await prober.reachable
+
+    async def test_this_listener_answers_the_original_probe(self) -> None:
+        port = _free_port("127.0.0.2")
+        listening = ensureDeferred(fabric.listen(real_reactor, {"ip": "127.0.0.2", "port": port, "timeout_sec": 5,
+                                                                "probe_token": TOKEN, "expected_probes": 2}))
+        ok, line = await self._original_probe(port, TOKEN)
+        self.assertTrue(ok, line)
+        bad, line = await self._original_probe(port, TOKEN + "x")
+        self.assertEqual((bad, line.strip()), (False, b"ERR_AUTH"))
+        ok, _line = await self._original_probe(port, TOKEN)
+        self.assertTrue(ok)
+        listened = await listening
+        self.assertEqual((listened["connected"], listened["probes_accepted"]), (True, 2))
+
+
+def _connection(factory: Any, host: str, port: int = 40000) -> tuple[Any, StringTransport]:
+    proto = factory.buildProtocol(IPv4Address("TCP", host, port))
+    transport = StringTransport(peerAddress=IPv4Address("TCP", host, port))
+    proto.makeConnection(transport)
+    return proto, transport
+
+
+class ListenerLineTests(TestCase):
+    """One probe line, read exactly; idle connections bounded (StringTransport, Clock)."""
+
+    def listener(self, expected: int = 1, timeout: float = 60) -> tuple[ClockedListener, Deferred[dict[str, Any]]]:
+        r = ClockedListener()
+        d = ensureDeferred(fabric.listen(r, {"ip": "127.0.0.2", "port": 9, "timeout_sec": timeout,
+                                             "probe_token": TOKEN, "expected_probes": expected}))
+        return r, d
+
+    def test_lf_and_crlf_lines(self) -> None:
+        r, d = self.listener(expected=2)
+        for ending in (b"\n", b"\r\n"):
+            _p, t = _connection(r.factory, "10.0.0.2")
+            _p.dataReceived(TOKEN.encode() + ending)
+            self.assertEqual(t.value(), b"ACK\r\n")
+        self.assertTrue(self.successResultOf(d)["connected"])
+
+    def test_only_the_exact_token_passes(self) -> None:
+        r, d = self.listener()
+        for line in (TOKEN + "x", TOKEN + " ", " " + TOKEN, TOKEN[:-1], TOKEN + "\r\r", "x" + TOKEN, ""):
+            _p, t = _connection(r.factory, "10.0.0.2")
+            _p.dataReceived(line.encode() + b"\n")
+            self.assertEqual(t.value(), b"ERR_AUTH\r\n", repr(line))
+        r.clock.advance(61)
+        answer = self.successResultOf(d)
+        self.assertEqual((answer["probes_accepted"], answer["connected"]), (0, False))
+
+    def test_a_silent_connection_is_dropped_at_the_header_deadline(self) -> None:
+        r, d = self.listener(timeout=60)
+        _p, t = _connection(r.factory, "10.0.0.66")
+        r.clock.advance(fabric.HEADER_DEADLINE - 0.1)
+        self.assertFalse(t.disconnected)
+        r.clock.advance(0.2)
+        self.assertTrue(t.disconnected)
+        self.assertNoResult(d)
+        r.clock.advance(60)
+        self.successResultOf(d)
+
+    def test_idle_sockets_cannot_keep_the_real_peer_out(self) -> None:
+        """
+        Anyone on the fabric opening as many silent connections as the listener holds: the
+        real peer still gets in (the busiest address's oldest is dropped), at once.
+        """
+        r, d = self.listener(expected=1)
+        capacity = r.factory.capacity
+        idle = [_connection(r.factory, "10.0.0.66", 50000 + i)[1] for i in range(capacity * 3)]
+        self.assertEqual(sum(not t.disconnected for t in idle), capacity)
+        proto, t = _connection(r.factory, "10.0.0.2")
+        self.assertEqual(sum(not t.disconnected for t in idle), capacity - 1)
+        proto.dataReceived(TOKEN.encode() + b"\n")
+        self.assertEqual(t.value(), b"ACK\r\n")
+        answer = self.successResultOf(d)
+        self.assertEqual((answer["connected"], answer["peer"]), (True, ["10.0.0.2", 40000]))
 
 
 class JournalTests(TestCase):

@@ -22,7 +22,7 @@ from twisted.web.resource import Resource
 from llmport_agent.backend_http import BackendHTTP
 from llmport_agent.commands.base import CommandFailed
 from llmport_agent.ray import container as rc
-from llmport_agent.ray import describe, imagepin
+from llmport_agent.ray import describe, helpercli, imagepin
 from llmport_agent.ray.execs import ExecResult
 from llmport_agent.ray.handlers import (
     CURRENT_CLUSTER_FILE,
@@ -75,16 +75,55 @@ class Pool:
             return fail(exc)
 
 
+RUNTIME_IMAGE = "llmport-test/ray-runtime:2.58.0"
+
+
+class FakeImageAPI:
+    """The engine's image names (inspect, tag, remove), as docker-py's low-level API answers."""
+
+    def __init__(self) -> None:
+        #: name:tag -> (id, layers)
+        self.names: dict[str, tuple[str, tuple[str, ...]]] = {}
+        #: Every name an image was ever given, in order (a foreign build must never get the bundle's).
+        self.tagged: list[tuple[str, str]] = []
+        self.removed: list[str] = []
+
+    def inspect_image(self, name: str) -> dict[str, Any]:
+        import docker
+
+        if name not in self.names:
+            raise docker.errors.NotFound(f"No such image: {name}")
+        image_id, layers = self.names[name]
+        return {"Id": image_id, "RepoDigests": [], "RootFS": {"Layers": list(layers)}}
+
+    def tag(self, image: str, repository: str, tag: str, force: bool = False) -> bool:
+        entry = next(v for v in self.names.values() if v[0] == image)
+        self.names[f"{repository}:{tag}"] = entry
+        self.tagged.append((f"{repository}:{tag}", image))
+        return True
+
+    def remove_image(self, name: str) -> None:
+        import docker
+
+        if name not in self.names:
+            raise docker.errors.NotFound(f"No such image: {name}")
+        del self.names[name]
+        self.removed.append(name)
+
+
 class FakeEngine:
     """Answers the Ray thread functions the way the engine and Ray in the container do."""
 
     def __init__(self) -> None:
+        self.api = FakeImageAPI()
+        self.client = type("Client", (), {"api": self.api})()
         self.identity = imagepin.Identity(True, IMAGE_ID, (), LAYERS)
         self.container: dict[str, Any] | None = None
         self.cluster: str | None = None  # what ray_current_cluster says while a raylet runs
         self.execs: list[tuple[list[str], dict[str, str]]] = []
         self.created: list[dict[str, Any]] = []
         self.removed = 0
+        self.updated = 0
         self.streams = 0
         self.hold_create: Deferred[None] | None = None
         self.helper_out = json.dumps({"alive": True, "version": "2.58.0", "num_nodes": 1, "nodes": []})
@@ -93,9 +132,20 @@ class FakeEngine:
                                                           "serve": {"running": False}, "apps": [], "errors": []}
         self.programs: list[tuple[bytes | None, dict[str, str]]] = []
 
+    @property
+    def identity(self) -> imagepin.Identity:
+        return imagepin.image_identity(self.client, RUNTIME_IMAGE)  # type: ignore[arg-type]
+
+    @identity.setter
+    def identity(self, identity: imagepin.Identity) -> None:
+        """What the engine holds under the runtime image's name (absent: nothing)."""
+        self.api.names.pop(RUNTIME_IMAGE, None)
+        if identity.present:
+            self.api.names[RUNTIME_IMAGE] = (identity.image_id, identity.diff_ids)
+
     async def call(self, fn: Any, *args: Any, what: str | None = None) -> Any:
-        if fn is imagepin.image_identity:
-            return self.identity
+        if fn in (imagepin.image_identity, imagepin.adopt, imagepin.drop_name):
+            return fn(self.client, *args)
         if fn is rc.find:
             return self.container
         if fn is rc.create_and_start:
@@ -107,6 +157,7 @@ class FakeEngine:
                 "id": "c" * 64, "name": args_["name"], "labels": dict(args_["labels"]), "running": True,
                 "status": "running", "started_at": "now", "image": None, "image_id": args_["image_id"],
                 "mounts": {(b.split(":")[0], b.split(":")[1], b.endswith(":ro")) for b in args_["binds"]},
+                "restart_policy": rc.RESTART_POLICY,
             }
             return self.container
         if fn is rc.remove:
@@ -114,10 +165,11 @@ class FakeEngine:
             self.container = None
             self.cluster = None
             return True
-        if fn is rc.start:
+        if fn is rc.never_restart:
             assert self.container is not None
-            self.container["running"] = True
-            return self.container
+            self.container["restart_policy"] = rc.RESTART_POLICY
+            self.updated += 1
+            return None
         if fn.__name__ == "exec_in":
             name, argv, env, stdin, timeout = args
             self.execs.append((list(argv), dict(env)))
@@ -157,6 +209,8 @@ class FakeEngine:
             return ExecResult(0, b"Stopped all 5 Ray processes.\n", b"")
         if argv[:2] == ["ray", "--version"]:
             return ExecResult(0, b"ray, version 2.58.0\n", b"")
+        if argv == ["cat", helpercli.METRICS_DISCOVERY_FILE]:
+            return ExecResult(0, json.dumps([{"targets": ["10.0.0.1:8089"]}]).encode(), b"")
         if argv[0] == "llm-port-ray-runtime":
             return ExecResult(0, ("INFO connecting\n" + self.helper_out + "\n").encode(), b"")
         raise AssertionError(f"unexpected exec {argv}")
@@ -177,15 +231,32 @@ class RayHandlerTests(TestCase):
         self.tokens = ClusterTokens(self.clock, backend, lambda: "cred.secret", Pool(), self.token_dir)
         self.engine = FakeEngine()
         self.pulls: list[Any] = []
+        self.transfers: list[dict[str, Any]] = []
+        #: What the stand-in server's transfer loads: (id, layers), or a failure to raise.
+        self.served: tuple[str, tuple[str, ...]] | CommandFailed = (IMAGE_ID, LAYERS)
+        engine = self.engine
 
         class Images:
             async def pull(inner, ref: Any, progress: Any) -> dict[str, Any]:  # noqa: N805
                 self.pulls.append(ref)
                 raise CommandFailed("pull_failed", "no such image in the registry")
 
+            async def transfer(inner, ref: Any, progress: Any, *, expect_id: Any = None,  # noqa: N805
+                               expect_rootfs: Any = None, load_as: Any = None) -> dict[str, Any]:
+                self.transfers.append({"ref": ref.canonical, "expect_id": expect_id, "expect_rootfs": expect_rootfs,
+                                       "load_as": load_as.canonical if load_as is not None else None})
+                progress("Transferring from the backend", bytes_done=10)
+                if isinstance(self.served, CommandFailed):
+                    raise self.served
+                # The engine names the loaded image as the (filtered) archive says: load_as.
+                engine.api.names[(load_as or ref).canonical] = self.served
+                return {"bytes_done": 10}
+
         self.session_dir = os.path.abspath(self.mktemp())
-        settings = RaySettings("agent-1", parse_allowlist("llmport-test"), (store, self.session_dir), self.token_dir,
-                               session_dir=self.session_dir)
+        self.extra_root = os.path.abspath(self.mktemp())
+        os.makedirs(self.extra_root)
+        settings = RaySettings("agent-1", parse_allowlist("llmport-test"), (store, self.extra_root, self.session_dir),
+                               self.token_dir, session_dir=self.session_dir, model_store=store)
         self.ray = RayManager(self.clock, self.engine, Images(), self.tokens, settings, Pool())  # type: ignore[arg-type]
         self.specs = ray_handler_specs(self.ray)
         self.lines: list[str] = []
@@ -222,7 +293,8 @@ class RayHandlerTests(TestCase):
     def head(self, **over: Any) -> dict[str, Any]:
         p = {"credential_ref": REF, "port": 6379, "node_ip_address": "10.0.0.1", "include_dashboard": False,
              "runtime_bundle": self.bundle(), "env": {"NCCL_SOCKET_IFNAME": "ib0", "PATH": "/evil",
-                                                     "RAY_AUTH_TOKEN_PATH": "/tmp/x", "CUDA_VISIBLE_DEVICES": "0"}}
+                                                     "RAY_AUTH_TOKEN_PATH": "/tmp/x", "CUDA_VISIBLE_DEVICES": "0",
+                                                     "RAY_AUTH_TOKEN": "attacker-token"}}
         p.update(over)
         return p
 
@@ -328,6 +400,55 @@ class RayHandlerTests(TestCase):
         _c, r = await self.do("get_ray_status", {"include_serve": False})
         self.assertEqual((r["alive"], r["version"], r["num_nodes"]), (True, "2.58.0", 1))
 
+    async def test_health_check_probe_passes_node_records_through(self) -> None:
+        """
+        The backend's minute health check (get_ray_status {runtime_bundle, include_metrics}):
+        each nodes[] record carries every key the helper gave (the backend matches members by
+        node_ip, node_manager_address or node_name), the Serve status carries active, and the
+        metrics targets are there.
+        """
+        await self.do("start_ray_head", self.head())
+        head = {"node_id": "h", "node_ip": "10.0.0.1", "node_manager_address": "10.0.0.1", "node_name": "gpu-a",
+                "alive": True, "is_head": True, "state": "ALIVE", "gpus": 8.0, "cpus": 64.0,
+                "metrics_export_port": 8089, "resources": {"GPU": 8.0, "CPU": 64.0}}
+        worker = {**head, "node_id": "w", "node_ip": "10.0.0.2", "node_manager_address": "10.0.0.2",
+                  "node_name": "gpu-b", "is_head": False}
+        self.engine.helper_out = json.dumps({
+            "alive": True, "version": "2.58.0", "num_nodes": 2, "nodes": [head, worker],
+            "available": True, "applications": {"llmport-d1": {"status": "RUNNING", "deployments": {
+                "LLMServer:m": {"status": "HEALTHY", "num_replicas_ready": 1}}}}})
+        _c, r = await self.do("get_ray_status", {"runtime_bundle": self.bundle(), "include_metrics": True})
+        self.assertEqual(r["nodes"], [head, worker])
+        self.assertTrue(r["serve"]["active"])
+        self.assertEqual([t["url"] for t in r["metrics"]["targets"]], ["http://10.0.0.1:8089/metrics"])
+
+    async def test_recovery_leave_then_join_gets_a_fresh_container(self) -> None:
+        """
+        The backend's recovery of a lost worker is leave_ray_cluster then a fresh
+        join_ray_cluster: leave REMOVES the runtime container (and the token), so the join
+        creates a new one and runs ray start in it.
+        """
+        join = {"head_address": "10.0.0.1:6379", "credential_ref": REF, "runtime_bundle": self.bundle()}
+        await self.do("join_ray_cluster", join)
+        self.assertEqual(len(self.engine.created), 1)
+        _c, r = await self.do("leave_ray_cluster", {"runtime_bundle": self.bundle()})
+        self.assertEqual((r["left"], r["stopped"], r["removed"], r["token_deleted"]), (True, True, True, True))
+        self.assertIsNone(self.engine.container)
+        self.assertEqual(self.engine.removed, 1)
+        # Without a bundle (the teardown's payload): the agent's default container is removed too.
+        await self.do("join_ray_cluster", join)
+        _c, r = await self.do("leave_ray_cluster", {"version": "2.58.0"})
+        self.assertTrue(r["removed"])
+        self.assertIsNone(self.engine.container)
+        _c, r = await self.do("join_ray_cluster", join)
+        self.assertFalse(r["already_member"])
+        self.assertEqual(len(self.engine.created), 3)
+        self.assertEqual(len(self.starts()), 3)
+        # The head's recovery: stop_ray {force} removes it the same way.
+        _c, r = await self.do("stop_ray", {"force": True, "version": "2.58.0"})
+        self.assertTrue(r["removed"])
+        self.assertIsNone(self.engine.container)
+
     async def test_helper_answer_parsed_off_the_reactor(self) -> None:
         """
         The helper's output (up to 1 MiB the container writes) is searched for its JSON answer
@@ -347,30 +468,139 @@ class RayHandlerTests(TestCase):
         self.assertTrue(r["alive"])
         self.assertIn("first_json_object", ran)
 
-    async def test_image_mismatch_and_missing(self) -> None:
+    async def test_probe_fails_unless_verified(self) -> None:
+        """
+        fetch: false (the backend's probe): only the pinned build succeeds, verified; an absent
+        image is a failed runtime_image_missing, another build a failed runtime_image_mismatch
+        (the backend reads "succeeded" without verified as a broken node). Nothing is loaded.
+        """
+        probe = {"runtime_bundle": self.bundle(), "ensure_container": True, "fetch": False}
+        self.engine.identity = imagepin.Identity(False)
+        err = await self.fails("ensure_runtime_image", probe)
+        self.assertEqual(err.error_code, "runtime_image_missing")
+        self.assertEqual((err.result["verified"], err.result["present"]), (False, False))
         self.engine.identity = imagepin.Identity(True, "sha256:" + "9" * 64, (), ("sha256:" + "2" * 64,))
+        err = await self.fails("ensure_runtime_image", {**probe, "fetch": "false"})
+        self.assertEqual(err.error_code, "runtime_image_mismatch")
+        self.assertEqual((err.result["verified"], err.result["present"]), (False, True))
+        self.assertEqual((self.transfers, self.pulls, self.engine.created), ([], [], []))
+        self.engine.identity = imagepin.Identity(True, IMAGE_ID, (), LAYERS)
+        _c, r = await self.do("ensure_runtime_image", probe)
+        self.assertEqual((r["verified"], r["present"], r["matched_by"], r["created"]), (True, True, "rootfs_digest", True))
+
+    async def test_absent_or_other_build_loads_from_the_server(self) -> None:
+        """
+        Without source the pinned image comes from the llm-port server (expect_id and
+        expect_rootfs in the query), never from a registry; absent and another build alike.
+        """
+        for before in (imagepin.Identity(False), imagepin.Identity(True, "sha256:" + "9" * 64, (), ("sha256:" + "2" * 64,))):
+            self.engine.identity = before
+            self.transfers.clear()
+            ctx, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+            self.assertEqual((r["verified"], r["image_id"], r["running"]), (True, IMAGE_ID, True))
+            (t,) = self.transfers
+            self.assertEqual((t["ref"], t["expect_id"], t["expect_rootfs"]),
+                             (RUNTIME_IMAGE, IMAGE_ID, imagepin.rootfs_digest(LAYERS)))
+            self.assertTrue(t["load_as"].startswith(imagepin.PRIVATE_REPO + "/"), t["load_as"])
+            self.assertIn("transfer_image", [f["phase"] for f in ctx.frames])
+            # Only the bundle's name is left: the private one is gone.
+            self.assertEqual(sorted(self.engine.api.names), [RUNTIME_IMAGE])
+        self.assertEqual(self.pulls, [])
+
+    async def test_a_foreign_build_never_takes_the_bundle_name(self) -> None:
+        """
+        The server (or a peer) sends another build: runtime_image_mismatch, and the bundle's
+        name was never given to it, not even for a moment; the foreign image keeps no name.
+        """
+        foreign = ("sha256:" + "f" * 64, ("sha256:" + "e" * 64,))
+        self.served = foreign
+        self.engine.identity = imagepin.Identity(False)
         err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
         self.assertEqual(err.error_code, "runtime_image_mismatch")
-        self.assertEqual(len(self.pulls), 1)  # a different build: the pinned one is pulled first
+        self.assertIn("was not given the bundle's name", err.error_message)
+        self.assertNotIn(RUNTIME_IMAGE, self.engine.api.names)
+        self.assertEqual([n for n, _id in self.engine.api.tagged if n == RUNTIME_IMAGE], [])
+        self.assertEqual(self.engine.api.names, {})  # the private name went too
         self.assertEqual(self.engine.created, [])
-        self.engine.identity = imagepin.Identity(False)
+        # A node that holds another build under the name keeps it as it was (nothing moved).
+        old = imagepin.Identity(True, "sha256:" + "9" * 64, (), ("sha256:" + "2" * 64,))
+        self.engine.identity = old
         err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle()})
-        self.assertEqual(err.error_code, "runtime_image_missing")
-        self.assertIn("no such image in the registry", err.error_message)
-        _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "fetch": False})
-        self.assertEqual((r["verified"], r["present"]), (False, False))
-        self.assertEqual(len(self.pulls), 2)  # fetch: false only reports
+        self.assertEqual(err.error_code, "runtime_image_mismatch")
+        self.assertEqual(self.engine.api.names[RUNTIME_IMAGE][0], old.image_id)
+        self.assertEqual(self.engine.api.tagged, [])
+
+    async def test_server_failures_are_reported_with_their_codes(self) -> None:
+        self.engine.identity = imagepin.Identity(False)
+        for code in ("server_image_mismatch", "image_transfer_failed"):
+            self.served = CommandFailed(code, f"the server said {code}")
+            err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+            self.assertEqual(err.error_code, code)
+        self.assertEqual(self.engine.api.names, {})
+        self.assertEqual((self.pulls, self.engine.created), ([], []))
 
     async def test_ensure_runtime_image_and_container_reuse(self) -> None:
         _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
         self.assertEqual((r["verified"], r["matched_by"], r["created"]), (True, "rootfs_digest", True))
         _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
         self.assertFalse(r["created"])
-        other = os.path.join(self.store, "sub")
+        other = os.path.join(self.extra_root, "sub")
         bundle = self.bundle(mounts=[{"host_path": other, "container_path": "/models"}])
         _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": bundle, "ensure_container": True})
         self.assertTrue(r["created"])
         self.assertEqual(self.engine.removed, 1)
+
+    async def test_a_container_with_more_mounts_than_the_bundle_is_recreated(self) -> None:
+        await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        assert self.engine.container is not None
+        self.engine.container["mounts"].add(("/", "/host", False))
+        _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        self.assertTrue(r["created"])
+        self.assertEqual(self.engine.removed, 1)
+        self.assertNotIn(("/", "/host", False), self.engine.container["mounts"])
+
+    async def test_a_stopped_runtime_container_is_created_afresh_never_started(self) -> None:
+        """
+        The engine resolves a bind source again at every start: a stopped runtime container is
+        removed and created from the bundle with its host paths checked again, never started.
+        """
+        await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        assert self.engine.container is not None
+        self.engine.container.update(running=False, status="exited")
+        _c, r = await self.do("join_ray_cluster", {"head_address": "10.0.0.1:6379", "credential_ref": REF,
+                                                   "runtime_bundle": self.bundle()})
+        self.assertTrue(r["joined"])
+        self.assertEqual((self.engine.removed, len(self.engine.created)), (1, 2))
+        self.assertTrue(self.engine.container["running"])
+
+    async def test_an_older_agents_restarting_container_stops_restarting_on_its_own(self) -> None:
+        """A running container created with unless-stopped (an earlier agent) is updated in place, not killed."""
+        await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        assert self.engine.container is not None
+        self.engine.container["restart_policy"] = "unless-stopped"
+        _c, r = await self.do("ensure_runtime_image", {"runtime_bundle": self.bundle(), "ensure_container": True})
+        self.assertFalse(r["created"])
+        self.assertEqual((self.engine.updated, self.engine.removed), (1, 0))
+        self.assertEqual(self.engine.container["restart_policy"], "no")
+
+    async def test_no_bundle_mount_from_inside_the_model_store(self) -> None:
+        """
+        Workloads write the model store (download_from_hf mounts it read-write); a directory in
+        it could be swapped for a link to / before the engine resolves the source again: only
+        the store itself is a mount source, and no read-write mount holds another source.
+        """
+        inside = os.path.join(self.store, "hub")
+        os.makedirs(inside)
+        for mounts, word in (
+            ([{"host_path": inside, "container_path": "/models"}], "inside the model store"),
+            ([{"host_path": self.extra_root, "container_path": "/data", "mode": "rw"},
+              {"host_path": os.path.join(self.extra_root, "x"), "container_path": "/x"}], "read-write"),
+        ):
+            err = await self.fails("ensure_runtime_image", {"runtime_bundle": self.bundle(mounts=mounts),
+                                                            "ensure_container": True})
+            self.assertEqual(err.error_code, "policy_violation")
+            self.assertIn(word, err.error_message)
+        self.assertEqual(self.engine.created, [])
 
     async def test_container_mounts_the_session_dir(self) -> None:
         """The host's RAY_SESSION_DIR is made (0700) and mounted read-write at /tmp/ray."""

@@ -208,6 +208,12 @@ class SeedingTests(TestCase):
         self.assertEqual(caught.exception.error_code, imagepin.RUNTIME_IMAGE_MISMATCH)
         await served
         self.assertEqual(self.leftovers(), [])
+        # The peer's build never took the bundle's name, and no private name is left on it.
+        import docker
+
+        with self.assertRaises(docker.errors.ImageNotFound):
+            self.client.images.get(TAG)
+        self.assertEqual([t for i in self.client.images.list() for t in i.tags if imagepin.PRIVATE_REPO in t], [])
 
     async def test_serve_refuses_an_unverified_image(self) -> None:
         other = _make_image(self.client, b"C", "llmport-test/seed-other:2")

@@ -35,8 +35,11 @@ DEFAULT_CONTAINER_NAME = "llm-port-ray-runtime"
 #: Keys of C{env} that reach C{ray start} (and of the bundle's env that reach the container).
 ENV_PREFIXES = ("VLLM_", "HF_", "NCCL_", "CUDA_", "RAY_", "UCX_")
 #: The agent decides these: a bundle or an environment must not turn auth off, point Ray at
-#: another token or pick GPUs behind the engine's back.
-RESERVED_ENV = frozenset({"RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "CUDA_VISIBLE_DEVICES"})
+#: another token or pick GPUs behind the engine's back. C{RAY_AUTH_TOKEN} is among them: Ray
+#: reads it before C{RAY_AUTH_TOKEN_PATH}, so it would replace the cluster token.
+RESERVED_ENV = frozenset({"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "CUDA_VISIBLE_DEVICES"})
+#: Every name under this prefix is the agent's too (Ray's token authentication settings).
+RESERVED_ENV_PREFIX = "RAY_AUTH_"
 
 #: Devices a bundle may ask for: RDMA (InfiniBand/RoCE verbs), AMD GPUs, NVIDIA nodes.
 _DEVICE_ROOTS = ("/dev/infiniband", "/dev/kfd", "/dev/dri")
@@ -126,7 +129,8 @@ def _under(path: str, root: str) -> bool:
 
 def filter_env(env: object, *, drop_reserved: bool = True) -> dict[str, str]:
     """
-    The keys of C{env} that may pass (one of L{ENV_PREFIXES}, not L{RESERVED_ENV}), values as
+    The keys of C{env} that may pass (one of L{ENV_PREFIXES}, not L{RESERVED_ENV} nor under
+    L{RESERVED_ENV_PREFIX}), values as
     strings; anything else is dropped. Bounded: 128 keys, 4096 characters a value.
 
     @raise CommandFailed: C{env} is not an object.
@@ -141,7 +145,7 @@ def filter_env(env: object, *, drop_reserved: bool = True) -> dict[str, str]:
             break
         if not isinstance(key, str) or not _KEY_RE.match(key) or not key.startswith(ENV_PREFIXES):
             continue
-        if drop_reserved and key in RESERVED_ENV:
+        if drop_reserved and (key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIX)):
             continue
         if isinstance(value, bool):
             text = "1" if value else "0"
@@ -216,15 +220,27 @@ def _capabilities(value: object) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _strictly_under(path: str, root: str) -> bool:
+    return path != root and _under(path, root)
+
+
 def _mounts(
     value: object, allowed_roots: Iterable[str], reserved: Iterable[str], agent_owned: Iterable[str] = (),
-    container_written: Iterable[str] = (),
+    container_written: Iterable[str] = (), workload_written: Iterable[str] = (),
+    agent_sources: Iterable[str] = (),
 ) -> tuple[tuple[Mount, ...], tuple[str, ...]]:
     """
-    (the admitted mounts, the container paths left out because the agent mounts them). A host
-    path at or under a C{container_written} directory is refused: the runtime container writes
-    there, and the engine resolves a bind mount's source again at every start of the container,
-    so a directory it swapped for a link to C{/} would be followed out of the root then.
+    (the admitted mounts, the container paths left out because the agent mounts them).
+
+    The engine resolves a bind mount's source path again at every start of a container, so
+    no source may lie where a container could swap a directory for a link to C{/}: below a
+    directory some container writes. Refused: a host path at or under a C{container_written}
+    directory (the runtime container's own session directory); a host path strictly below a
+    C{workload_written} directory (the model store: workloads mount it, read-write for
+    C{download_from_hf}; the store itself is fine, its name lives in the operator's parent) or
+    strictly below another read-write mount of the same bundle; and a read-write mount that
+    holds one of the C{agent_sources} (the bind sources of the agent's own mounts: model
+    store, token and session directories) or another mount of the bundle below it.
     """
     if value is None:
         return (), ()
@@ -268,9 +284,57 @@ def _mounts(
             raise _refused(f"mounting over {target!r} in the container")
         if target in targets:
             raise _invalid(f"container path {target!r} is mounted twice")
+        shared = next((w for w in workload_written if _strictly_under(host, posixpath.normpath(w))), None)
+        if shared is not None:
+            raise _refused(
+                f"mounting host path {host!r}",
+                f"it lies inside the model store {shared}, which workload containers write: the engine "
+                "resolves a mount's source again at every start, so a directory there could be swapped for "
+                "a link out of the store; mount the model store itself",
+            )
         targets.add(target)
         out.append(Mount(host, target, mode == "ro", root))
+    sources = [posixpath.normpath(a) for a in agent_sources if a]
+    for rw in out:
+        if rw.read_only:
+            continue
+        inner = next((m.host_path for m in out if _strictly_under(m.host_path, rw.host_path)), None)
+        inner = inner or next((a for a in sources if _strictly_under(a, rw.host_path)), None)
+        if inner is not None:
+            raise _refused(
+                f"mounting host path {rw.host_path!r} read-write",
+                f"it holds {inner!r}, the source of another mount: the container could swap that directory "
+                "for a link out of its root before the engine resolves the source again at the next start; "
+                "mount it read-only or mount the directories apart",
+            )
     return tuple(out), tuple(ignored)
+
+
+def check_layout(model_store: str, session_dir: str, token_dir: str) -> None:
+    """
+    The agent's own bind sources lie where no container writes: the token and session
+    directories not inside the model store (workloads write it), the model store not inside
+    the session directory (the runtime container writes it). The engine resolves a bind source
+    again at every start, so one of them below a container-written directory could be swapped
+    for a link to C{/}.
+
+    @raise CommandFailed: C{policy_violation} naming the setting to change.
+    """
+    store = posixpath.normpath(model_store) if model_store else ""
+    session = posixpath.normpath(session_dir) if session_dir else ""
+    for name, path in (("RAY_SESSION_DIR", session), ("RAY_TOKEN_DIR", posixpath.normpath(token_dir))):
+        if store and path and _under(path, store):
+            raise CommandFailed(
+                POLICY_VIOLATION,
+                f"{name} {path} lies inside the model store {store}, which workload containers write; "
+                f"set {name} to a directory outside MODEL_STORE.",
+            )
+    if store and session and _under(store, session):
+        raise CommandFailed(
+            POLICY_VIOLATION,
+            f"MODEL_STORE {store} lies inside RAY_SESSION_DIR {session}, which the Ray runtime container writes; "
+            "set RAY_SESSION_DIR outside the model store's path.",
+        )
 
 
 def _digest(value: object, field: str, required: bool) -> str | None:
@@ -292,6 +356,8 @@ def parse_bundle(
     token_dir: str,
     agent_mounts: Iterable[str] = (),
     container_written: Iterable[str] = (),
+    workload_written: Iterable[str] = (),
+    agent_sources: Iterable[str] = (),
 ) -> RuntimeBundle:
     """
     Parse and admit a runtime bundle.
@@ -304,6 +370,10 @@ def parse_bundle(
         below it is refused.
     @param container_written: host directories the runtime container writes (C{RAY_SESSION_DIR}):
         no bundle mount comes from them.
+    @param workload_written: host directories workload containers may write (the model store):
+        a bundle mount may be one of them, never a path below one.
+    @param agent_sources: the bind sources of the agent's own mounts (the model store, the token
+        and session directories): no read-write bundle mount holds one.
     @raise CommandFailed: C{invalid_command} for a malformed bundle (no image, no digest...),
         C{policy_violation} for one the local policy refuses.
     """
@@ -363,7 +433,10 @@ def parse_bundle(
         except PolicyError as exc:
             raise _invalid(str(exc)) from None
     owned = tuple(agent_mounts)
-    mounts, ignored = _mounts(raw.get("mounts"), allowed_roots, [token_dir, *owned], owned, container_written)
+    mounts, ignored = _mounts(
+        raw.get("mounts"), allowed_roots, [token_dir, *owned], owned, container_written, workload_written,
+        [token_dir, *agent_sources],
+    )
     return RuntimeBundle(
         image=ref,
         digest=digest,

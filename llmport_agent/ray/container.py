@@ -1,7 +1,14 @@
 """
 The runtime container C{llm-port-ray-runtime} (protocol 10.6): one per node, long-lived,
 C{sleep infinity}, host network and IPC, the bundle's GPUs, devices, capabilities, shm,
-ulimits and mounts, plus the cluster token directory read-only; restart C{unless-stopped}.
+ulimits and mounts, plus the cluster token directory read-only.
+
+Restart policy C{no}, and a stopped one is never started again: it is removed and created
+afresh from the bundle checked again. The engine resolves a bind mount's source path again at
+every start of a container; a start the agent did not check (the engine's restart policy after
+a reboot or a daemon restart, or C{start} on a stopped container) would follow whatever link
+had been swapped in since. The sources themselves are the model store (never a path inside
+it), C{RAY_ALLOWED_MOUNTS} entries and the agent's directories (L{llmport_agent.ray.bundle}).
 
 It carries the agent's labels (L{LABEL_RAY}, the agent id) but not the workloads' managed
 label: it is no workload and the workload watcher leaves it alone. A container of that name
@@ -29,6 +36,8 @@ LABEL_RAY = "io.llmport.ray-runtime"
 RAY_VALUE = "llmport-agent"
 LABEL_TOKEN_DIR = "io.llmport.ray-token-dir"
 IDLE_COMMAND = ("sleep", "infinity")
+#: The engine never starts the runtime container on its own (see the module's docstring).
+RESTART_POLICY = "no"
 #: Ray's session directory inside the container; the host's C{RAY_SESSION_DIR} is mounted
 #: here read-write so the Serve replica logs reach the host side (L{llmport_agent.logs.rayserve}).
 SESSION_TARGET = "/tmp/ray"
@@ -108,6 +117,7 @@ def snapshot(info: dict[str, Any]) -> dict[str, Any]:
         "image": config.get("Image"),
         "image_id": str(info.get("Image") or ""),
         "mounts": mounts,
+        "restart_policy": str(((info.get("HostConfig") or {}).get("RestartPolicy") or {}).get("Name") or "no"),
     }
 
 
@@ -226,7 +236,7 @@ def create_and_start(client: docker.DockerClient, args: dict[str, Any]) -> dict[
         cap_add=args["cap_add"] or None,
         shm_size=args["shm_size"],
         ulimits=[Ulimit(name=n, soft=s, hard=h) for n, s, h in args["ulimits"]] or None,
-        restart_policy={"Name": "unless-stopped"},
+        restart_policy={"Name": RESTART_POLICY},
         device_requests=args["device_requests"] or None,
         init=False,
     )
@@ -246,10 +256,12 @@ def create_and_start(client: docker.DockerClient, args: dict[str, Any]) -> dict[
     return snap
 
 
-def start(client: docker.DockerClient, ident: str) -> dict[str, Any]:
-    """Thread function: start a stopped container; its snapshot."""
-    client.api.start(ident)
-    return snapshot(client.api.inspect_container(ident))
+def never_restart(client: docker.DockerClient, ident: str) -> None:
+    """
+    Thread function: set restart policy L{RESTART_POLICY} on a running runtime container
+    created by an earlier version of the agent (C{unless-stopped}), without stopping it.
+    """
+    client.api.update_container(ident, restart_policy={"Name": RESTART_POLICY})
 
 
 def remove(client: docker.DockerClient, ident: str) -> bool:

@@ -3,9 +3,17 @@ Fabric probes (protocol 10.6): C{validate_fabric_listen} and C{validate_fabric_c
 
 The backend certifies a candidate fabric between two nodes by having one node listen on its
 fabric IP and the other dial it from its own fabric IP (the source address pinned, so the
-kernel cannot route the probe over another link). The wire exchange is the original agent's:
-the dialler sends C{<probe token or "probe">\\n}; the listener answers C{ACK\\n} or
-C{ERR_AUTH\\n} and closes. Both commands answer C{success: true}; a fabric that does not work
+kernel cannot route the probe over another link). The wire exchange interoperates with the
+original agent's (a cluster mixing the two agents validates its fabric either way): the
+dialler sends one line C{<probe token or "probe">}, the listener answers one line C{ACK} or
+C{ERR_AUTH} and closes. A line ends in C{\\n}; a C{\\r} before it is dropped, so the
+original's C{<token>\\n} and a C{<token>\\r\\n} are read alike. This agent writes its lines
+with C{\\r\\n}, which the original's reader (a stripped C{readline}) takes as well.
+
+A connection that has not sent its line within L{HEADER_DEADLINE} seconds is dropped (never
+held to the listen timeout), and when the listener holds as many unanswered connections as it
+allows, a new one drops the oldest of the peer address holding the most: idle sockets from
+anyone on the fabric cannot keep the real peers out. Both commands answer C{success: true}; a fabric that does not work
 is C{listening: false} / C{reachable: false} with an C{error} line the planner shows.
 
 Everything runs on the reactor (Twisted endpoints, no threads); every wait is bounded
@@ -47,6 +55,8 @@ MAX_EXPECTED_PROBES = 256
 _EXTRA_CONNECTIONS = 16
 #: Longest probe line (the token is a short random string).
 MAX_LINE = 512
+#: Seconds a connection has to send its probe line (a peer sends it at once).
+HEADER_DEADLINE = 3.0
 _RETRY_DELAY = 0.25
 _ACK = b"ACK"
 _ERR_AUTH = b"ERR_AUTH"
@@ -139,25 +149,29 @@ def _retryable(message: str | None) -> bool:
 
 
 class _ProbeServer(LineOnlyReceiver):
-    """One probe connection: read one line, answer, close."""
+    """One probe connection: read one line (within L{HEADER_DEADLINE}), answer, close."""
 
+    delimiter = b"\n"
     MAX_LENGTH = MAX_LINE
     factory: _ListenerFactory
     transport: Any
+    answered = False
 
     def connectionMade(self) -> None:
         f = self.factory
-        if len(f.open) >= f.expected + _EXTRA_CONNECTIONS or f.finished:
+        if f.finished:
             self.transport.abortConnection()
             return
-        f.open.add(self)
-        self._timer = f.reactor.callLater(f.timeout, self.transport.abortConnection)
+        f.admit(self)
+        self._timer = f.reactor.callLater(min(HEADER_DEADLINE, f.timeout), self.transport.abortConnection)
 
     def lineReceived(self, line: bytes) -> None:
         f = self.factory
-        if f.finished or not self.transport.connected:
+        if self.answered or f.finished or self not in f.pending:  # answered, dropped or closing
             return
-        given = line.strip()
+        self.answered = True
+        f.pending.pop(self, None)
+        given = line[:-1] if line.endswith(b"\r") else line
         if f.token and not hmac.compare_digest(given, f.token):
             self.sendLine(_ERR_AUTH)
             f.rejected += 1
@@ -166,8 +180,10 @@ class _ProbeServer(LineOnlyReceiver):
             peer = self.transport.getPeer()
             f.accepted.append([peer.host, peer.port])
         self.transport.loseConnection()
-        self.lineReceived = lambda line: None  # type: ignore[method-assign]
         f.check()
+
+    def sendLine(self, line: bytes) -> None:
+        self.transport.write(line + b"\r\n")
 
     def lineLengthExceeded(self, line: bytes) -> None:
         self.transport.abortConnection()
@@ -175,6 +191,7 @@ class _ProbeServer(LineOnlyReceiver):
     def connectionLost(self, reason: Any = None) -> None:
         f = self.factory
         f.open.discard(self)
+        f.pending.pop(self, None)
         timer = getattr(self, "_timer", None)
         if timer is not None and timer.active():
             timer.cancel()
@@ -191,8 +208,31 @@ class _ListenerFactory(Factory):
         self.accepted: list[list[Any]] = []
         self.rejected = 0
         self.open: set[_ProbeServer] = set()
+        #: Connections that have not sent their line yet, oldest first, with their peer host.
+        self.pending: dict[_ProbeServer, str] = {}
         self.finished = False
         self.done: Deferred[bool] = Deferred()
+
+    @property
+    def capacity(self) -> int:
+        """Unanswered connections held at once."""
+        return self.expected + _EXTRA_CONNECTIONS
+
+    def admit(self, proto: _ProbeServer) -> None:
+        """
+        Hold C{proto} until its line comes; when L{capacity} are already waiting, the oldest
+        of the peer address that holds the most is dropped to make room.
+        """
+        if len(self.pending) >= self.capacity:
+            counts: dict[str, int] = {}
+            for host in self.pending.values():
+                counts[host] = counts.get(host, 0) + 1
+            busiest = max(counts.values())
+            victim = next(p for p, host in self.pending.items() if counts[host] == busiest)
+            del self.pending[victim]
+            victim.transport.abortConnection()
+        self.open.add(proto)
+        self.pending[proto] = str(proto.transport.getPeer().host)
 
     def check(self) -> None:
         if not self.finished and len(self.accepted) >= self.expected:
@@ -286,6 +326,7 @@ async def listen(reactor: Any, payload: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class _ProbeClient(LineOnlyReceiver):
+    delimiter = b"\n"
     MAX_LENGTH = MAX_LINE
     transport: Any
 
@@ -297,7 +338,7 @@ class _ProbeClient(LineOnlyReceiver):
         self._timer: Any = None
 
     def connectionMade(self) -> None:
-        self.sendLine(self._token or b"probe")
+        self.transport.write((self._token or b"probe") + b"\r\n")
         self._timer = self._reactor.callLater(self._timeout, self._give_up, "read timeout: the peer accepted but did not answer")
 
     def _give_up(self, why: str) -> None:
@@ -307,7 +348,7 @@ class _ProbeClient(LineOnlyReceiver):
 
     def lineReceived(self, line: bytes) -> None:
         if not self.answer.called:
-            self.answer.callback(line.strip())
+            self.answer.callback(line[:-1] if line.endswith(b"\r") else line)
         self.transport.loseConnection()
 
     def lineLengthExceeded(self, line: bytes) -> None:

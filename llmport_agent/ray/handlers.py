@@ -35,10 +35,10 @@ from ..commands.base import (
 from ..workloads.engine import DockerEngine, StreamClosed, StreamControl
 from ..workloads.gpus import GPU_UNAVAILABLE
 from ..workloads.images import ImageManager
-from ..workloads.policy import AllowEntry, PolicyError, parse_port
+from ..workloads.policy import AllowEntry, PolicyError, parse_image_ref, parse_port
 from . import configdiff, describe, helpercli, imagepin
 from . import container as rc
-from .bundle import DEFAULT_CONTAINER_NAME, RuntimeBundle, filter_env, parse_bundle
+from .bundle import DEFAULT_CONTAINER_NAME, RuntimeBundle, check_layout, filter_env, parse_bundle
 from .execs import OUTPUT_LIMIT, ExecResult, exec_in, exec_stream
 from .token import ClusterTokens, ensure_dir
 
@@ -80,6 +80,8 @@ class RaySettings:
     @ivar allowed_roots: host directories bundle mounts may come from.
     @ivar token_dir: C{RAY_TOKEN_DIR}.
     @ivar session_dir: C{RAY_SESSION_DIR}, mounted at C{/tmp/ray} (none when empty).
+    @ivar model_store: C{MODEL_STORE}, which workload containers may write: a bundle mount is
+        the store itself, never a path inside it.
     """
 
     agent_id: str
@@ -87,6 +89,7 @@ class RaySettings:
     allowed_roots: tuple[str, ...]
     token_dir: str
     session_dir: str = ""
+    model_store: str = ""
 
 
 def _payload(ctx: CommandContext) -> dict[str, Any]:
@@ -183,7 +186,8 @@ class RayManager:
     """
     Runs the Ray commands against the runtime container.
 
-    @param images: pulls a missing runtime image (the workloads' L{ImageManager}).
+    @param images: loads a missing runtime image from the llm-port server (the workloads'
+        L{ImageManager}); never a registry pull.
     @param tokens: the cluster token (fetch, file, delete).
     @param pool: runs small file operations (the I/O pool).
     """
@@ -209,8 +213,11 @@ class RayManager:
         self._lifecycle = DeferredLock()
         #: The runtime container is created, started or replaced by one command at a time.
         self._container = DeferredLock()
-        #: Fetches a bundle image from a peer (C{source.peer_url}); set by peer seeding.
-        self.peer_loader: Callable[[RuntimeBundle, Mapping[str, Any], CommandContext], Awaitable[None]] | None = None
+        #: One runtime image load at a time (a second command finds it loaded).
+        self._loading = DeferredLock()
+        #: Fetches a bundle image from a peer (C{source.peer_url}) and loads it under the given
+        #: private name; set by peer seeding.
+        self.peer_loader: Callable[[RuntimeBundle, Mapping[str, Any], CommandContext, str], Awaitable[None]] | None = None
 
     # -- pieces -----------------------------------------------------------------------------
 
@@ -224,13 +231,17 @@ class RayManager:
                     "runtime container (there is no Ray on the host).",
                 )
             return None
+        s = self.settings
+        check_layout(s.model_store, s.session_dir, s.token_dir)
         bundle = parse_bundle(
             raw,
-            allowlist=self.settings.allowlist,
-            allowed_roots=self.settings.allowed_roots,
-            token_dir=self.settings.token_dir,
-            agent_mounts=(rc.SESSION_TARGET,) if self.settings.session_dir else (),
-            container_written=(self.settings.session_dir,) if self.settings.session_dir else (),
+            allowlist=s.allowlist,
+            allowed_roots=s.allowed_roots,
+            token_dir=s.token_dir,
+            agent_mounts=(rc.SESSION_TARGET,) if s.session_dir else (),
+            container_written=(s.session_dir,) if s.session_dir else (),
+            workload_written=(s.model_store,) if s.model_store else (),
+            agent_sources=tuple(p for p in (s.model_store, s.session_dir) if p),
         )
         for target in bundle.ignored_mounts:
             self.log.info(
@@ -247,31 +258,80 @@ class RayManager:
         return imagepin.check(identity, bundle.digest, bundle.rootfs_digest, bundle.repo_digest)
 
     async def verify(self, bundle: RuntimeBundle, ctx: CommandContext, fetch: bool = True) -> imagepin.PinReport:
-        """The verified image (pulled when absent or different and C{fetch}); raises 10.4 codes."""
+        """
+        The verified image, or a failure with the codes of protocol 10.6. With C{fetch} an
+        image that is absent or another build is loaded (never pulled from a registry): from
+        the peer of C{source.peer_url}, else from the llm-port server. The load goes under a
+        private name; only an image that matches the pin is then given the bundle's name.
+
+        @raise CommandFailed: C{runtime_image_missing} / C{runtime_image_mismatch} (without
+            C{fetch}, or when what was loaded is another build), C{server_image_mismatch},
+            C{image_transfer_failed}, C{transfer_stalled}, C{image_seed_failed}.
+        """
         report = await self.identify(bundle)
-        if report.matched_by is not None or not fetch:
-            return report
         name = bundle.image.canonical
+        if report.matched_by is not None:
+            return report
+        if not fetch:
+            return imagepin.require_match(report, name, bundle.digest, bundle.rootfs_digest)
+        await self._loading.acquire()
+        try:
+            report = await self.identify(bundle)  # another command may have loaded it meanwhile
+            if report.matched_by is not None:
+                return report
+            loaded = await self._load(bundle, ctx, report)
+        finally:
+            self._loading.release()
+        if loaded.matched_by is None:
+            imagepin.require_match(
+                loaded, name, bundle.digest, bundle.rootfs_digest,
+                why=" (this is the build that was just loaded; it was not given the bundle's name)",
+            )
+        return imagepin.require_match(await self.identify(bundle), name, bundle.digest, bundle.rootfs_digest)
+
+    async def _load(self, bundle: RuntimeBundle, ctx: CommandContext, before: imagepin.PinReport) -> imagepin.PinReport:
+        """Load the pinned image under a private name and adopt it (L{imagepin.adopt})."""
+        name = bundle.image.canonical
+        ref = bundle.image
+        if ref.digest and not ref.tag:
+            raise CommandFailed(
+                INVALID_COMMAND,
+                f"The runtime image {name} names no tag: the agent loads only name:tag images "
+                "(from the llm-port server or a peer).",
+            )
         payload = ctx.command.payload
         source = payload.get("source") if isinstance(payload, Mapping) else None
-        why = ""
-        if isinstance(source, Mapping) and source.get("peer_url"):
-            if self.peer_loader is None:
-                raise CommandFailed(
-                    INVALID_COMMAND,
-                    "ensure_runtime_image from a peer (source.peer_url) is not supported by this agent yet; "
-                    "load the image on this node or make it pullable.",
+        state = "not present" if not before.identity.present else "a different build"
+        private = imagepin.private_name()
+        try:
+            if isinstance(source, Mapping) and source.get("peer_url"):
+                if self.peer_loader is None:
+                    raise CommandFailed(INVALID_COMMAND, "ensure_runtime_image from a peer is not available on this agent.")
+                ctx.progress("peer_download", f"Runtime image {name} is {state} here; fetching it from a peer")
+                self.log.info("Runtime image {image} is {state} here; fetching it from a peer", image=name, state=state)
+                await self.peer_loader(bundle, source, ctx, private)
+            else:
+                if self.images is None:
+                    raise CommandFailed(
+                        "image_transfer_failed", "Image transfer from the llm-port server is not configured on this node.")
+                ctx.progress("transfer_image", f"Runtime image {name} is {state} here; loading it from the llm-port server")
+                self.log.info("Runtime image {image} is {state} here; loading it from the llm-port server",
+                              image=name, state=state)
+                await self.images.transfer(
+                    ref, lambda msg, **kw: ctx.progress("transfer_image", msg, **kw),
+                    expect_id=bundle.digest, expect_rootfs=bundle.rootfs_digest,
+                    load_as=parse_image_ref(private),
                 )
-            await self.peer_loader(bundle, source, ctx)
-        else:
-            state = "not present" if not report.identity.present else "a different build"
-            ctx.progress("pull_image", f"Runtime image {name} is {state} here; pulling it")
+            return await self.engine.call(
+                imagepin.adopt, private, ref.familiar_name, ref.effective_tag, bundle.digest, bundle.rootfs_digest,
+                bundle.repo_digest, what=f"verifying the loaded image {name}",
+            )
+        except BaseException:
             try:
-                await self.images.pull(bundle.image, lambda msg, **kw: ctx.progress("pull_image", msg, **kw))
-            except CommandFailed as exc:
-                why = f" (pulling it failed: {exc.error_message})"
-        after = await self.identify(bundle)
-        return imagepin.require_match(after, name, bundle.digest, bundle.rootfs_digest, why=why)
+                await self.engine.call(imagepin.drop_name, private, what="removing a private image name")
+            except Exception as exc:  # noqa: BLE001 - the load's own failure is the one to report
+                self.log.warn("Could not remove the private image name {name}: {why}", name=private, why=exc)
+            raise
 
     async def find_container(self, name: str) -> dict[str, Any] | None:
         return await self.engine.call(rc.find, name, what=f"looking up container {name}")
@@ -291,10 +351,16 @@ class RayManager:
             if not rc.is_ours(snap, self.settings.agent_id):
                 raise rc.foreign(bundle.name)
             reason = rc.drift(snap, bundle, image_id, token_dir, self.settings.session_dir or None)
-            if reason is None:
-                if not snap["running"]:
-                    snap = await self.engine.call(rc.start, snap["id"], what=f"starting {bundle.name}")
+            if reason is None and snap["running"]:
+                if snap.get("restart_policy", rc.RESTART_POLICY) != rc.RESTART_POLICY:
+                    await self.engine.call(rc.never_restart, snap["id"], what=f"updating {bundle.name}")
+                    self.log.info("The Ray runtime container {name} no longer restarts on its own (restart policy "
+                                  "{was!r} -> {now!r})", name=bundle.name, was=snap["restart_policy"],
+                                  now=rc.RESTART_POLICY)
                 return {"container": bundle.name, "created": False, "running": True}
+            # A stopped one is never started: the engine would resolve its mount sources again
+            # unchecked. It is created afresh from the bundle, its host paths checked again.
+            reason = reason or f"it is {snap['status'] or 'stopped'}; a stopped runtime container is created afresh"
             self.log.info("Recreating the Ray runtime container {name}: {reason}", name=bundle.name, reason=reason)
             await self.engine.call(rc.remove, snap["id"], what=f"removing {bundle.name}")
         if bundle.gpus is not None and bundle.accelerator_vendor == "nvidia" and getattr(self.engine, "kind", "docker") == "podman":
@@ -390,8 +456,9 @@ class RayManager:
         payload = _payload(ctx)
         bundle = self.bundle(payload, required=True)
         assert bundle is not None
-        fetch = payload.get("fetch") is not False
-        report = await self.verify(bundle, ctx, fetch=fetch)
+        # fetch: false is the backend's probe: only a verified image succeeds; an absent one or
+        # another build is a failed result (runtime_image_missing / runtime_image_mismatch).
+        report = await self.verify(bundle, ctx, fetch=_bool(payload, "fetch", True))
         result = report.result(bundle.image.canonical, bundle.runtime_handler)
         if report.matched_by is not None and _bool(payload, "ensure_container", False):
             result.update(await self.ensure_container(bundle, report.identity.image_id))
@@ -604,7 +671,8 @@ class RayManager:
         await self._token_best_effort(payload)
         _, doc = await self._helper(snap["name"], ["cluster-status"])
         expected = payload.get("expected_version")
-        status = helpercli.cluster_status(doc, str(expected) if expected else None)
+        # Ray's node records, passed through bounded: copied on the pool, not the reactor.
+        status = await self._pool.run(helpercli.cluster_status, doc, str(expected)[:64] if expected else None)
         if _bool(payload, "include_serve", True) and status["alive"]:
             _, serve_doc = await self._helper(snap["name"], ["serve-status"])
             status["serve"] = helpercli.serve_status(serve_doc, None)
@@ -623,7 +691,7 @@ class RayManager:
         bundle = self.bundle(payload)
         snap = await self.running_container(bundle)
         if snap is None:
-            return {"available": False, "apps": {}, "detail": "no Ray runtime container runs on this node"}
+            return {"available": False, "active": False, "apps": {}, "detail": "no Ray runtime container runs on this node"}
         await self._token_best_effort(payload)
         argv = ["serve-status", *(["--app-name", app] if app else [])]
         _, doc = await self._helper(snap["name"], argv)
@@ -788,7 +856,7 @@ class RayManager:
 
     async def _described_by_helper(self, snap: dict[str, Any], errors: list[str]) -> dict[str, Any]:
         _, doc = await self._helper(snap["name"], ["cluster-status"], timeout=_FALLBACK_TIMEOUT)
-        status = helpercli.cluster_status(doc, None)
+        status = await self._pool.run(helpercli.cluster_status, doc, None)
         _, serve_doc = await self._helper(snap["name"], ["serve-status"], timeout=_FALLBACK_TIMEOUT)
         serve = helpercli.serve_status(serve_doc, None)
         if serve.get("detail"):

@@ -51,9 +51,10 @@ def first_json_object(text: str) -> dict[str, Any] | None:
 
 def _float(value: Any) -> float:
     try:
-        return float(value or 0.0)
+        number = float(value or 0.0)
     except (TypeError, ValueError, OverflowError):
         return 0.0
+    return number if number == number and abs(number) != float("inf") else 0.0
 
 
 def _str_or_none(value: Any, limit: int = 256) -> str | None:
@@ -65,24 +66,112 @@ def dead_cluster(**extra: Any) -> dict[str, Any]:
     return {"alive": False, "version": None, "num_nodes": 0, "nodes": [], **extra}
 
 
+#: Bounds on one node record passed through from the helper (protocol 10.6: every key Ray
+#: gives reaches the backend, which matches members by C{node_ip}, C{node_manager_address} or
+#: C{node_name}): keys per object, characters of a key and of a string, items of a list,
+#: nesting depth and characters of the whole record.
+MAX_NODES = 1024
+_NODE_KEYS = 64
+_KEY_CHARS = 128
+_STRING_CHARS = 1024
+_LIST_ITEMS = 256
+_DEPTH = 4
+_RECORD_CHARS = 16 * 1024
+#: The states the backend reads as live (C{alive} true or one of these).
+_LIVE_STATES = ("ALIVE", "UP", "ACTIVE")
+
+
+class _Budget:
+    """Characters left for one record; spent as values are copied."""
+
+    def __init__(self, chars: int) -> None:
+        self.left = chars
+
+    def spend(self, n: int) -> bool:
+        self.left -= n
+        return self.left >= 0
+
+
+def _json_value(value: Any, depth: int, budget: _Budget) -> tuple[bool, Any]:
+    """
+    (kept, copy) of a JSON value from the container: scalars as they are (strings cut to
+    L{_STRING_CHARS}, floats finite), objects and lists copied within the bounds; anything
+    else (or past the budget) is left out.
+    """
+    if value is None or isinstance(value, bool):
+        return budget.spend(5), value
+    if isinstance(value, int):
+        if abs(value) >= 1 << 63:
+            return False, None
+        return budget.spend(20), value
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return False, None
+        return budget.spend(24), value
+    if isinstance(value, str):
+        text = value[:_STRING_CHARS]
+        return budget.spend(len(text) + 2), text
+    if depth >= _DEPTH:
+        return False, None
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in list(value.items())[:_NODE_KEYS]:
+            if not isinstance(key, str) or not key or len(key) > _KEY_CHARS or not budget.spend(len(key) + 4):
+                continue
+            kept, copy = _json_value(item, depth + 1, budget)
+            if kept:
+                out[key] = copy
+        return budget.left >= 0, out
+    if isinstance(value, list):
+        items: list[Any] = []
+        for item in value[:_LIST_ITEMS]:
+            kept, copy = _json_value(item, depth + 1, budget)
+            if kept:
+                items.append(copy)
+        return budget.spend(2), items
+    return False, None
+
+
+def node_record(node: dict[str, Any]) -> dict[str, Any]:
+    """
+    One C{nodes[]} record of C{get_ray_status}: every key the helper gave (JSON values,
+    bounded: L{_NODE_KEYS} keys, strings of L{_STRING_CHARS}, L{_RECORD_CHARS} in all), with
+    the keys the backend reads typed: C{node_id}, C{node_ip}, C{node_manager_address} (the
+    node's IP when the helper gave none), C{node_name}, C{alive}, C{is_head}, C{state}
+    (C{ALIVE}/C{DEAD} when the helper gave none), C{gpus}, C{cpus}.
+    """
+    _kept, copied = _json_value(node, 0, _Budget(_RECORD_CHARS))
+    out: dict[str, Any] = copied if isinstance(copied, dict) else {}
+    alive_raw = node.get("alive", node.get("Alive"))
+    state_raw = node.get("state")
+    state = state_raw.strip().upper()[:32] if isinstance(state_raw, str) and state_raw.strip() else None
+    alive = alive_raw is True or (alive_raw is None and state in _LIVE_STATES)
+    node_ip = _str_or_none(node.get("node_ip") or node.get("NodeManagerAddress"))
+    out.update(
+        node_id=_str_or_none(node.get("node_id") or node.get("NodeID")),
+        node_ip=node_ip,
+        node_manager_address=_str_or_none(node.get("node_manager_address") or node.get("NodeManagerAddress"))
+        or node_ip,
+        node_name=_str_or_none(node.get("node_name") or node.get("NodeName")),
+        alive=alive,
+        is_head=node.get("is_head") is True,
+        state=state or ("ALIVE" if alive else "DEAD"),
+        gpus=_float(node.get("gpus")),
+        cpus=_float(node.get("cpus")),
+    )
+    return out
+
+
 def cluster_status(doc: dict[str, Any] | None, expected_version: str | None) -> dict[str, Any]:
-    """C{get_ray_status} from the helper's C{cluster-status} answer (bounded, typed)."""
+    """
+    C{get_ray_status} from the helper's C{cluster-status} answer (bounded, typed; Ray's node
+    records passed through by L{node_record}). Linear in the answer: a thread function.
+    """
     if not isinstance(doc, dict):
         return dead_cluster(detail="the runtime helper gave no answer")
-    nodes = []
-    for node in (doc.get("nodes") or [])[:1024] if isinstance(doc.get("nodes"), list) else []:
-        if not isinstance(node, dict):
-            continue
-        alive = bool(node.get("alive", False))
-        nodes.append({
-            "node_id": _str_or_none(node.get("node_id")),
-            "node_ip": _str_or_none(node.get("node_ip")),
-            "alive": alive,
-            "is_head": bool(node.get("is_head", False)),
-            "state": "ALIVE" if alive else "DEAD",
-            "gpus": _float(node.get("gpus")),
-            "cpus": _float(node.get("cpus")),
-        })
+    raw_nodes = doc.get("nodes")
+    nodes = [node_record(n) for n in (raw_nodes[:MAX_NODES] if isinstance(raw_nodes, list) else [])
+             if isinstance(n, dict)]
     version = _str_or_none(doc.get("version") or doc.get("ray_version"), 64)
     alive = bool(doc.get("alive", False))
     out: dict[str, Any] = {
@@ -118,10 +207,27 @@ def _deployment(entry: Any) -> dict[str, Any]:
     }
 
 
+#: Deployment states the original agent (and the backend) count as serving.
+HEALTHY_DEPLOYMENT_STATES = frozenset({"HEALTHY", "RUNNING", "UP"})
+
+
+def serve_active(apps: dict[str, Any]) -> bool:
+    """
+    Serve's C{active}: at least one application, every application C{RUNNING} and every
+    deployment of each healthy (L{HEALTHY_DEPLOYMENT_STATES}).
+    """
+    return bool(apps) and all(
+        str(app.get("status", "")).upper() == "RUNNING"
+        and all(str(dep.get("status", "")).upper() in HEALTHY_DEPLOYMENT_STATES
+                for dep in app.get("deployments", {}).values())
+        for app in apps.values()
+    )
+
+
 def serve_status(doc: dict[str, Any] | None, app_name: str | None) -> dict[str, Any]:
-    """C{get_ray_serve_status} from the helper's C{serve-status} answer: {available, apps, detail}."""
+    """C{get_ray_serve_status} from the helper's C{serve-status} answer: {available, active, apps, detail}."""
     if not isinstance(doc, dict):
-        return {"available": False, "apps": {}, "detail": "the runtime helper gave no answer"}
+        return {"available": False, "active": False, "apps": {}, "detail": "the runtime helper gave no answer"}
     raw = doc.get("apps") or doc.get("applications") or {}
     apps: dict[str, Any] = {}
     if isinstance(raw, dict):
@@ -139,8 +245,10 @@ def serve_status(doc: dict[str, Any] | None, app_name: str | None) -> dict[str, 
     if app_name is not None:
         apps = {app_name: apps[app_name]} if app_name in apps else {}
     detail = doc.get("error") or doc.get("detail")
+    available = bool(doc.get("available", False))
     return {
-        "available": bool(doc.get("available", False)),
+        "available": available,
+        "active": available and serve_active(apps),
         "apps": apps,
         "detail": str(detail)[:1000] if detail else None,
     }

@@ -14,6 +14,7 @@ L{image_identity} is a thread function for L{DockerEngine.call}; the rest is pur
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,15 +110,61 @@ def require_match(report: PinReport, image: str, digest: str, rootfs: str | None
     if not report.identity.present:
         raise CommandFailed(
             RUNTIME_IMAGE_MISSING,
-            f"The runtime image {image} is not present on this node{why}. Load it (docker load) "
-            "or make it pullable, then retry.",
+            f"The runtime image {image} is not present on this node{why}. ensure_runtime_image "
+            "without fetch: false loads it from the llm-port server (or a peer); an operator can "
+            "also docker load the certified build.",
             fields,
         )
     raise CommandFailed(
         RUNTIME_IMAGE_MISMATCH,
         f"The runtime image {image} on this node is a different build than the bundle pins "
         f"(local id {report.identity.image_id or 'unknown'}, rootfs "
-        f"{report.identity.rootfs_digest or 'unknown'}; pinned id {digest}, rootfs {rootfs or 'unset'}). "
-        "Replace it with the certified image (remove the local one and load or pull the pinned build).",
+        f"{report.identity.rootfs_digest or 'unknown'}; pinned id {digest}, rootfs {rootfs or 'unset'}){why}. "
+        "ensure_runtime_image without fetch: false loads the pinned build from the llm-port server "
+        "(or a peer); an operator can also docker load the certified build.",
         fields,
     )
+
+
+#: The repository of the private names images are loaded under before they are verified.
+PRIVATE_REPO = "llmport-agent-verify"
+
+
+def private_name() -> str:
+    """A fresh private C{name:tag} to load an unverified image under (never a bundle's name)."""
+    return f"{PRIVATE_REPO}/{secrets.token_hex(8)}:pending"
+
+
+def drop_name(client: docker.DockerClient, name: str) -> None:
+    """
+    Thread function: remove the name C{name}. An image no other name holds and no container
+    uses goes with it; one that has other names keeps them. Absent is fine.
+    """
+    try:
+        client.api.remove_image(name)
+    except docker.errors.NotFound:
+        pass
+
+
+def adopt(
+    client: docker.DockerClient,
+    private: str,
+    repository: str,
+    tag: str,
+    digest: str,
+    rootfs: str | None,
+    repo_digest: str | None,
+) -> PinReport:
+    """
+    Thread function: check the image loaded under the private name C{private} against the
+    pin; only when it matches is it named C{repository:tag} (by its id, so nothing can swap
+    it in between). The private name is removed either way: a foreign build is left with no
+    name of the bundle's, and is deleted when nothing else names or uses it.
+    """
+    try:
+        report = check(image_identity(client, private), digest, rootfs, repo_digest)
+        if report.matched_by is not None:
+            client.api.tag(report.identity.image_id, repository, tag, force=True)
+    finally:
+        drop_name(client, private)
+    return report

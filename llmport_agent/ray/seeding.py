@@ -171,11 +171,15 @@ class FileSource(BodySource):
             yield [data]
 
 
-def load_file_thread(client: Any, control: StreamControl, path: str, name: str, ref: str) -> dict[str, Any]:
-    """Thread function: load the tar C{path/name} into the engine through L{ImageTarFilter}."""
+def load_file_thread(client: Any, control: StreamControl, path: str, name: str, ref: str,
+                     load_as: str | None = None) -> dict[str, Any]:
+    """
+    Thread function: load the tar C{path/name} into the engine through L{ImageTarFilter}
+    (named C{load_as} instead of C{ref} when given).
+    """
     fd, _ = open_read(path, name)
     try:
-        tar = ImageTarFilter(ref, lambda text: parse_image_ref(text).canonical)
+        tar = ImageTarFilter(ref, lambda text: parse_image_ref(text).canonical, load_as)
         return load_thread(client, control, FileSource(fd), tar)
     finally:
         os.close(fd)
@@ -460,8 +464,12 @@ class ImageSeeding:
 
     # -- fetch --------------------------------------------------------------------------
 
-    async def load_from_peer(self, bundle: RuntimeBundle, source: Mapping[str, Any], ctx: CommandContext) -> None:
-        """The peer loader of L{RayManager}: download, load, delete (the caller re-verifies)."""
+    async def load_from_peer(self, bundle: RuntimeBundle, source: Mapping[str, Any], ctx: CommandContext,
+                             load_as: str) -> None:
+        """
+        The peer loader of L{RayManager}: download, load under the private name C{load_as},
+        delete the tar (the caller verifies the image before it gets the bundle's name).
+        """
         url = source.get("peer_url")
         parts = urlsplit(url) if isinstance(url, str) else None
         if parts is None or parts.scheme != "http" or not parts.hostname or parts.username or parts.password:
@@ -476,7 +484,7 @@ class ImageSeeding:
             ctx.progress("load_image", f"Loading {name} ({size} bytes) from the peer's tar")
             try:
                 outcome = await self._engine.stream(load_file_thread, StreamControl(), self.download_dir, tar_name,
-                                                    name, what=f"loading image {name}")
+                                                    name, load_as, what=f"loading image {name}")
             except CommandFailed as exc:
                 raise _fail(f"Loading {name} from the peer failed: {exc.error_message}") from None
             except Exception as exc:  # noqa: BLE001

@@ -438,6 +438,7 @@ class ImageManager:
         *,
         expect_id: str | None = None,
         expect_rootfs: str | None = None,
+        load_as: ImageRef | None = None,
     ) -> dict[str, Any]:
         """
         Stream the backend's C{docker save} of C{ref} into the engine's image load, resuming
@@ -445,6 +446,8 @@ class ImageManager:
 
         @param expect_id: the image id the node was told to run, when known (query).
         @param expect_rootfs: its rootfs digest, when known (query).
+        @param load_as: the name the engine gives the loaded image instead of C{ref} (a
+            private name: the caller verifies the image before it takes C{ref}).
         @raise CommandFailed: C{invalid_command} for references the backend cannot serve,
             C{server_image_mismatch}, C{image_transfer_failed}, C{transfer_stalled}, or
             C{runtime_error}.
@@ -473,9 +476,10 @@ class ImageManager:
             resume_delay=self.resume_delay,
         )
         outcome = await transfer.run(
-            name, tag, progress, expect_id=expect_id, expect_rootfs=expect_rootfs
+            name, tag, progress, expect_id=expect_id, expect_rootfs=expect_rootfs,
+            load_as=load_as.canonical if load_as is not None else None,
         )
-        image = await self.inspect(ref)
+        image = await self.inspect(load_as or ref)
         if image is None:
             loaded = ", ".join(outcome.get("loaded") or []) or "nothing"
             raise CommandFailed(

@@ -297,10 +297,12 @@ class ImageTransfer:
         *,
         expect_id: str | None = None,
         expect_rootfs: str | None = None,
+        load_as: str | None = None,
     ) -> dict[str, Any]:
         """
         Transfer C{name:tag} into the engine; return C{{bytes_done, bytes_total, progress_pct,
-        resumed, restarted, resumable}}.
+        resumed, restarted, resumable}}. With C{load_as} (C{name:tag}) the engine names the
+        image that instead (the archive must still name C{name:tag} or nothing).
 
         @raise CommandFailed: C{server_image_mismatch}, C{image_transfer_failed},
             C{transfer_stalled}, or C{runtime_error} (the engine is unreachable).
@@ -317,7 +319,7 @@ class ImageTransfer:
                 if response.code != 200:
                     raise await self._refusal(response, ref, token)
             try:
-                outcome = await self._load(response, ref, url, token, progress)
+                outcome = await self._load(response, ref, url, token, progress, load_as)
             except _Restart as r:
                 restarts += 1
                 if restarts > self.max_restarts:
@@ -334,7 +336,7 @@ class ImageTransfer:
             return outcome
 
     async def _load(
-        self, response: Any, ref: str, url: str, token: str, progress: Progress
+        self, response: Any, ref: str, url: str, token: str, progress: Progress, load_as: str | None = None
     ) -> dict[str, Any]:
         length = _length(response)
         image_id = _header(response, b"x-image-id")
@@ -464,7 +466,7 @@ class ImageTransfer:
                     image=ref, have=state["have"], total=total,
                 )
 
-        tar = ImageTarFilter(ref, lambda text: parse_image_ref(text).canonical)
+        tar = ImageTarFilter(ref, lambda text: parse_image_ref(text).canonical, load_as)
         download_d = Deferred.fromCoroutine(download())
 
         def _downloadFailed(f: Failure) -> None:

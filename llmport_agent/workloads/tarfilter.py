@@ -244,12 +244,18 @@ class ImageTarFilter:
     @param requested: the reference requested, in the engine's form (C{name:tag}).
     @param normalize: maps a reference found in the archive to the engine's form, or raises
         C{ValueError} when it is not a valid reference.
+    @param load_as: the reference the engine is to give the image instead of C{requested}
+        (C{name:tag}; the archive is still checked against C{requested}): a private name
+        under which an image is verified before it may take C{requested}.
     """
 
-    def __init__(self, requested: str, normalize: Callable[[str], str]) -> None:
+    def __init__(self, requested: str, normalize: Callable[[str], str], load_as: str | None = None) -> None:
         self.requested = requested
         self._normalize = normalize
-        self._name, _, self._tag = requested.rpartition(":")
+        #: What the rewritten metadata names.
+        self.load_as = load_as or requested
+        self._name, _, self._tag = self.load_as.rpartition(":")
+        self._requested_tag = requested.rpartition(":")[2]
         self._header = bytearray()
         self._state = "header"
         self._remaining = 0  # bytes of the current member's data (with padding) still to come
@@ -573,7 +579,7 @@ class ImageTarFilter:
         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
             raise TarRejected("the archive's manifest.json has RepoTags that are not a list of names")
         self._foreign([t for t in tags if not self._is_requested(t)], "manifest.json RepoTags")
-        entry["RepoTags"] = [self.requested]
+        entry["RepoTags"] = [self.load_as]
         return [entry]
 
     def _repositories(self, doc: Any) -> dict[str, dict[str, str]]:
@@ -621,12 +627,16 @@ class ImageTarFilter:
         name = ann.get(_IMAGE_NAME_ANNOTATION)
         if name is not None:
             if self._is_requested(name):
-                out[_IMAGE_NAME_ANNOTATION] = self._docker_io(self.requested)
+                out[_IMAGE_NAME_ANNOTATION] = self._docker_io(self.load_as)
             else:
                 foreign.append(name)
         ref = ann.get(_REF_NAME_ANNOTATION)
-        if ref is not None and ref != self._tag and not self._is_requested(ref):
-            foreign.append(ref)
+        if ref is not None:
+            if ref != self._requested_tag and not self._is_requested(ref):
+                foreign.append(ref)
+            elif self.load_as != self.requested:
+                # Never the requested name by another way (a bare tag that an engine completes).
+                out[_REF_NAME_ANNOTATION] = self._tag if ref == self._requested_tag else self.load_as
         return out
 
     @staticmethod

@@ -299,8 +299,8 @@ def docker_save_like(tags: list[str], extra: list[tuple[tarfile.TarInfo, bytes |
     return build(items, tarfile.USTAR_FORMAT)
 
 
-def run_filter(data: bytes, chunk: int = 4096, requested: str = "allowed/app:1") -> bytes:
-    f = ImageTarFilter(requested, lambda t: parse_image_ref(t).canonical)
+def run_filter(data: bytes, chunk: int = 4096, requested: str = "allowed/app:1", load_as: str | None = None) -> bytes:
+    f = ImageTarFilter(requested, lambda t: parse_image_ref(t).canonical, load_as)
     out: list[bytes] = []
     for i in range(0, len(data), chunk):
         out.extend(bytes(p) for p in f.feed(data[i : i + chunk]))
@@ -551,6 +551,30 @@ class TarFilterTests(SynchronousTestCase):
         got = {m.name: d for m, d in members(run_filter(data))}
         ann = json.loads(got["index.json"] or b"")["manifests"][0]["annotations"]
         self.assertEqual(ann["io.containerd.image.name"], "docker.io/allowed/app:1")
+
+    def test_load_as_a_private_name(self) -> None:
+        """
+        load_as: the archive is checked against the requested name, but the engine is told
+        only the private name (manifest, repositories, OCI annotations): an unverified image
+        never takes the requested name.
+        """
+        private = "llmport-agent-verify/0123456789abcdef:pending"
+        got = {m.name: d for m, d in members(run_filter(docker_save_like(["allowed/app:1"]), load_as=private))}
+        self.assertEqual(json.loads(got["manifest.json"] or b"")[0]["RepoTags"], [private])
+        self.assertEqual(json.loads(got["repositories"] or b""),
+                         {"llmport-agent-verify/0123456789abcdef": {"pending": "a" * 64}})
+        with self.assertRaises(TarRejected):
+            run_filter(docker_save_like(["victim/service:prod"]), load_as=private)
+        index = {"schemaVersion": 2, "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": "sha256:" + "d" * 64, "size": 10,
+            "annotations": {"io.containerd.image.name": "docker.io/allowed/app:1",
+                            "org.opencontainers.image.ref.name": "1"}}]}
+        data = build([file_info("index.json", json.dumps(index).encode())], tarfile.USTAR_FORMAT)
+        got = {m.name: d for m, d in members(run_filter(data, load_as=private))}
+        ann = json.loads(got["index.json"] or b"")["manifests"][0]["annotations"]
+        self.assertEqual(ann["io.containerd.image.name"], "docker.io/" + private)
+        self.assertEqual(ann["org.opencontainers.image.ref.name"], "pending")
+        self.assertNotIn(b"allowed/app", got["index.json"] or b"")
 
     def test_nothing_after_the_end_marker_is_sent(self) -> None:
         data = docker_save_like(["allowed/app:1"])
