@@ -502,6 +502,34 @@ class HealthCheckTests(DriverTestCase):
                          f"inference-env:env-1:1:recover4:join:{self.w}")
 
 
+class OfflineTests(DriverTestCase):
+    def test_a_member_away_is_not_sent_commands_and_reported_gone_after_30_s(self) -> None:
+        self.fleet.images = {self.h, self.w}
+        self.up()
+        self.pump(50)
+        node = self.backend.state.nodes[self.w]
+        node.status, node.last_seen = "offline", self.backend.state.now_iso()
+        count = len(self.backend.commands())
+        self.pump(10)  # the minute's pass: away 10 s, an agent restart
+        self.assertEqual((self.env.status, len(self.backend.commands())), (READY, count))
+        self.pump(60)
+        self.assertEqual(self.env.status, DEGRADED)
+        self.assertIn("worker is offline", self.env.reason or "")
+        self.assertEqual(len(self.backend.commands()), count)
+        node.status = "healthy"
+        self.pump(60)
+        self.assertEqual(self.env.status, READY)
+
+    def test_the_head_away_fails_the_environment(self) -> None:
+        self.fleet.images = {self.h, self.w}
+        self.up()
+        node = self.backend.state.nodes[self.h]
+        node.status, node.last_seen = "offline", self.backend.state.now_iso()
+        self.pump(60)
+        self.assertEqual(self.env.status, FAILED)
+        self.assertIn("head is offline", self.env.reason or "")
+
+
 class TeardownTests(DriverTestCase):
     def test_workers_leave_then_the_head_stops_and_nothing_is_left_scheduled(self) -> None:
         self.fleet.images = {self.h, self.w}

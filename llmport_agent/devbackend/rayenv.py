@@ -52,6 +52,7 @@ import hmac
 import secrets
 import uuid
 from collections.abc import Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from attrs import define, field
@@ -90,6 +91,9 @@ GAVE_UP_RECHECK_SEC = 15 * 60
 #: After a restart: how long the cluster has to show every member, and how often it is asked.
 SETTLE_SEC = 30.0
 SETTLE_POLL_SEC = 5.0
+#: A member whose agent has been away longer than this is reported gone (the environment waits
+#: for it instead of sending commands it cannot take); a shorter absence is an agent restart.
+OFFLINE_GRACE_SEC = 30.0
 #: Ray node records looked at per status answer (the answer comes from a node: bounded).
 MAX_NODE_RECORDS = 4096
 LIVE_STATES = frozenset({"ALIVE", "UP", "ACTIVE"})
@@ -500,6 +504,8 @@ class RayEnvironment:
             return
         if self.credential_ref not in self.backend.cluster_secrets:
             self.backend.add_cluster_secret(self.credential_ref, [n.node_id for n in self.nodes])
+        if self._offline():
+            return
         if self.converged_generation == self.generation:
             await self.check()
             return
@@ -559,6 +565,34 @@ class RayEnvironment:
             self._issue(self.head, "stop_ray", self._stop_payload(self.head, force=True), f"teardown-stop:{self.head.node_id}"),
             f"stop_ray on node {self.head.node_id}",
         )
+
+    def _offline(self) -> bool:
+        """
+        True (and the status says so) when a member has no agent connected: nothing is sent
+        this pass. Away for less than L{OFFLINE_GRACE_SEC} (an agent restarting) leaves the
+        status as it is; longer reads failed (the head) or degraded (a worker).
+        """
+        gone: list[RayNode] = []
+        away = False
+        now = self.clock.seconds()
+        for node in self.nodes:
+            record = self.backend.node(node.node_id) or {}
+            if record.get("status") != "offline":
+                continue
+            away = True
+            try:
+                seen = datetime.fromisoformat(str(record.get("last_seen"))).timestamp()
+            except ValueError:
+                seen = None
+            if seen is None or now - seen > OFFLINE_GRACE_SEC:
+                gone.append(node)
+        if gone:
+            names = ", ".join(sorted(self._name(n) for n in gone))
+            head_gone = any(n.node_id == self.head.node_id for n in gone)
+            self._observe(FAILED if head_gone else DEGRADED,
+                          f"{names} {'is' if len(gone) == 1 else 'are'} offline: no agent connected; "
+                          f"looked at again when it is back")
+        return away
 
     # -- failure memory ----------------------------------------------------------------------
 
