@@ -24,7 +24,7 @@ from twisted.internet import reactor
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.web.client import HTTPConnectionPool
 
-from llmport_agent.devbackend.rayenv import RayEnvironment, RayNode
+from llmport_agent.devbackend.rayenv import READY, STOPPED, RayEnvironment, RayNode
 from llmport_agent.ray.imagepin import rootfs_digest
 from tests.agentharness import AgentTestCase
 from tests.support.docker_env import free_port, require_docker
@@ -148,29 +148,31 @@ class RayClusterTests(AgentTestCase):
         env = RayEnvironment(
             backend, "env-" + uuid.uuid4().hex[:8],
             head=RayNode(node_a, "127.0.0.2"), workers=[RayNode(node_b, "127.0.0.3")],
-            bundle=bundle, port=gcs_port, num_cpus=1,
+            bundle=bundle, port=gcs_port, num_cpus=1, seed_port=free_port(), check_every=3600.0,
             env={"NCCL_SOCKET_IFNAME": "lo", "RAY_AUTH_TOKEN_PATH": "/tmp/other", "PATH": "/evil"},
         )
-        status = await env.reconcile()
+        self.addCleanup(env.stop)
+        self.assertEqual(await env.up(timeout=600), READY, env.reason)
+        status = env.cluster or {}
         self.assertEqual(status["num_nodes"], 2)
         self.assertEqual(sorted(n["node_ip"] for n in status["nodes"] if n["alive"]), ["127.0.0.2", "127.0.0.3"])
         self.assertEqual(status["version"], "2.58.0")
-        steps = [s[0] for s in env.steps]
-        self.assertEqual(steps[:6], ["ensure_runtime_image"] * 2 + ["ensure_ray_runtime"] * 2 + ["start_ray_head", "join_ray_cluster"])
-        images = {n: backend.command(c)["result"] for (s, n, c, _st) in env.steps if s == "ensure_runtime_image"}
+        steps = [s.step.split(":")[0] for s in env.steps]
+        self.assertEqual(steps[:6], ["image-probe"] * 2 + ["ensure-runtime"] * 2 + ["start-head", "join-worker"])
+        images = {s.node_id: backend.command(s.command_id)["result"] for s in env.steps if s.step.startswith("image-probe")}
         self.assertEqual(images[node_a]["matched_by"], "rootfs_digest")
         self.assertEqual(images[node_b]["matched_by"], "rootfs_digest")
         self.assertNotEqual(images[node_a]["image_id"], images[node_b]["image_id"])
-        keys = {backend.command(c)["idempotency_key"] for (_s, _n, c, _st) in env.steps}
-        self.assertIn(f"inference-env:{env.env_id}:1:start_ray_head", keys)
-        self.assertIn(f"inference-env:{env.env_id}:1:join_ray_cluster:{node_b}", keys)
+        keys = {backend.command(s.command_id)["idempotency_key"] for s in env.steps}
+        self.assertIn(f"inference-env:{env.env_id}:1:start-head", keys)
+        self.assertIn(f"inference-env:{env.env_id}:1:join-worker:{node_b}", keys)
 
         # The runtime container: host network and IPC, sleep infinity, the token dir read-only,
         # only what the bundle names (the filtered env, the capability, the shm and ulimit).
         c = self.env_a.client().api.inspect_container("llm-port-ray-runtime")
         host = c["HostConfig"]
         self.assertEqual((host["NetworkMode"], host["IpcMode"], host["RestartPolicy"]["Name"]),
-                         ("host", "host", "unless-stopped"))
+                         ("host", "host", "no"))
         self.assertEqual(host["CapAdd"], ["IPC_LOCK"])
         self.assertFalse(host["Privileged"])
         self.assertEqual(host["ShmSize"], 256 * 1024 * 1024)
@@ -232,7 +234,8 @@ class RayClusterTests(AgentTestCase):
         self.assertEqual(serve["result"]["apps"], {})
 
         # Teardown: the worker leaves, the head stops; both containers and the token are gone.
-        await env.teardown()
+        self.assertEqual(await env.down(timeout=300), STOPPED, env.reason)
+        env.stop()
         for e in (self.env_a, self.env_b):
             self.assertEqual(e.client().containers.list(all=True, filters={"label": "io.llmport.ray-runtime"}), [])
         self.assertFalse(os.path.exists(os.path.join(token_dir, "cluster.token")))
