@@ -1104,6 +1104,13 @@ class FilesAndAdminTests(LoopbackMixin, TestCase):
         for pin in ("expect_id=" + iid, "expect_rootfs=" + rootfs, "expect_id=x&expect_rootfs=" + rootfs):
             response, body = await self.save(cred, "image=busybox&tag=1.0&" + pin)
             self.assertEqual((response.code, body), (200, data))
+        # Every answer that sent the tar is recorded (which node, from where, how much, finished);
+        # the 416 and the 409 sent none.
+        node_id = self.backend.nodes()[0]["id"]
+        fetches = [(f.node_id, f.reference, f.start, f.bytes_sent, f.complete) for f in self.backend.image_fetches]
+        self.assertEqual(fetches, [(node_id, "busybox:1.0", 0, len(data), True),
+                                   (node_id, "busybox:1.0", 100000, len(data) - 100000, True)]
+                         + [(node_id, "busybox:1.0", 0, len(data), True)] * 3)
 
     async def test_image_save_april_and_no_export(self) -> None:
         """The April route ignores pins and streams; so does the current one for an image without an id."""
@@ -1135,6 +1142,8 @@ class FilesAndAdminTests(LoopbackMixin, TestCase):
         self.assertIsNone(response.headers.getRawHeaders("x-image-size"))
         with self.assertRaises(ResponseFailed):
             await response.content()
+        (fetch,) = self.backend.image_fetches
+        self.assertEqual((fetch.bytes_sent, fetch.complete), (70_000, False))
 
     async def test_model_files_mounted(self) -> None:
         """The model files resource is served below api/node-files/models with node auth."""
