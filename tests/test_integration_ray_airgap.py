@@ -172,6 +172,7 @@ class AirGappedEnvironmentTests(AgentTestCase):
             self.assertEqual(await deferToThread(_containers, engine), [])
         self.assertEqual(os.listdir(head_dl) + os.listdir(worker_dl), [])
         self.assertFalse(_listening(HEAD_IP, seed_port))
+        self.assertFalse(_listening(HEAD_IP, env.port))  # no GCS left
         for agent in (head_agent, worker_agent):
             self.assertFalse(os.path.exists(os.path.join(agent.config.ray_token_dir, "cluster.token")))
         self.assertEqual([c for c in reactor.getDelayedCalls() if getattr(getattr(c, "func", None), "__self__", None) is env], [])

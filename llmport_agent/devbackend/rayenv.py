@@ -159,6 +159,11 @@ def _record_live(record: dict[str, Any]) -> bool:
     return not ("state" in record and str(record["state"]).upper() not in LIVE_STATES)
 
 
+def _tell(d: Deferred[str], status: str) -> None:
+    if not d.called:  # not timed out meanwhile
+        d.callback(status)
+
+
 def _verified(record: dict[str, Any]) -> bool:
     """A command that succeeded with C{verified: true} (and nothing else) has the image."""
     result = record.get("result")
@@ -753,7 +758,9 @@ class RayEnvironment:
             wanted, d = entry
             if status in wanted:
                 self._watchers.remove(entry)
-                d.callback(status)
+                # Told on the next turn, never inside the pass: a watcher may stop or redirect
+                # the environment, which cancels the pass it would otherwise be running in.
+                self.clock.callLater(0, _tell, d, status)
 
     def until(self, *statuses: str, timeout: float | None = None) -> Deferred[str]:
         """Fire with the status once it is one of C{statuses} (now or later)."""
