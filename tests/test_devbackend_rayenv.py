@@ -17,6 +17,7 @@ from typing import Any
 
 import treq
 from twisted.internet import reactor
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 from twisted.web.client import HTTPConnectionPool
@@ -549,6 +550,27 @@ class TeardownTests(DriverTestCase):
         self.clock.advance(0)
         self.assertEqual(self.env.status, STOPPED, self.env.reason)
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class WaitingTests(DriverTestCase):
+    def test_until_is_told_on_the_next_turn_and_may_stop_the_environment(self) -> None:
+        self.fleet.images = {self.h, self.w}
+        told: list[str] = []
+        d = self.env.until(READY)
+        d.addCallback(lambda status: (told.append(status), self.env.stop()))
+        self.env.start()
+        self.clock.advance(0)
+        self.assertEqual((self.env.status, told), (READY, [READY]))
+        self.assertEqual(self.clock.getDelayedCalls(), [])  # stopped: no health check scheduled
+
+    def test_until_times_out(self) -> None:
+        self.fleet.hold = {"ensure_runtime_image"}
+        d = self.env.up(timeout=10)
+        failures: list[Any] = []
+        Deferred.fromCoroutine(d).addErrback(failures.append)
+        self.pump(10)
+        self.assertEqual(len(failures), 1)
+        self.assertRaises(ValueError, self.env.want, "sideways")
 
 
 class DevApiTests(TestCase):
