@@ -556,8 +556,11 @@ class WaitingTests(DriverTestCase):
     def test_until_is_told_on_the_next_turn_and_may_stop_the_environment(self) -> None:
         self.fleet.images = {self.h, self.w}
         told: list[str] = []
-        d = self.env.until(READY)
-        d.addCallback(lambda status: (told.append(status), self.env.stop()))
+        def ready(status: str) -> None:
+            told.append(status)
+            self.env.stop()
+
+        self.env.until(READY).addCallback(ready)
         self.env.start()
         self.clock.advance(0)
         self.assertEqual((self.env.status, told), (READY, [READY]))
