@@ -269,7 +269,7 @@ def _headers(head: bytes) -> tuple[int, dict[str, str]]:
     return int(parts[1]), fields
 
 
-def _number(text: str | None, limit: int = 10**15) -> int | None:
+def _header_int(text: str | None, limit: int = 10**15) -> int | None:
     if text is None or not text.isascii() or not text.isdigit() or len(text) > 15:
         return None
     value = int(text)
@@ -313,13 +313,13 @@ def fetch_attempt(client: Any, control: StreamControl, host: str, port: int, pat
         if code in (401, 403):
             return Attempt("denied", code=code)
         if code == 503:
-            return Attempt("busy", code=code, why="HTTP 503", retry_after=_number(fields.get("retry-after"), 3600))
+            return Attempt("busy", code=code, why="HTTP 503", retry_after=_header_int(fields.get("retry-after"), 3600))
         if code == 416:
             m = _UNSATISFIED_RE.match(fields.get("content-range", ""))
             return Attempt("range", code=code, total=int(m.group(1)) if m else None)
         if code not in (200, 206):
             return Attempt("http", code=code, why=f"HTTP {code}" if code else "not an HTTP answer")
-        length = _number(fields.get("content-length"))
+        length = _header_int(fields.get("content-length"))
         if length is None:
             return Attempt("http", code=code, why="an answer without a Content-Length")
         if code == 206:
@@ -668,7 +668,7 @@ def _unicast_ip(value: object, key: str) -> str:
     return str(address)
 
 
-def _payload_number(payload: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
+def _number(payload: Mapping[str, Any], key: str, default: float, low: float, high: float) -> float:
     value = payload.get(key)
     if value is None or value == "":
         return default
@@ -734,8 +734,8 @@ class ImageSeeding:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise CommandFailed(INVALID_COMMAND, "port must be a port number from 1 to 65535")
         token = _token(payload.get("token"), "token")
-        expected = int(_payload_number(payload, "expected_peers", 1, 1, MAX_PEERS))
-        timeout = _payload_number(payload, "timeout_sec", 3600.0, 1, MAX_TIMEOUT_SEC)
+        expected = int(_number(payload, "expected_peers", 1, 1, MAX_PEERS))
+        timeout = _number(payload, "timeout_sec", 3600.0, 1, MAX_TIMEOUT_SEC)
         name = bundle.image.canonical
         report = imagepin.require_match(
             await self._manager.identify(bundle), name, bundle.digest, bundle.rootfs_digest,
