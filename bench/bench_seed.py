@@ -178,23 +178,40 @@ async def peer_part(reactor: Any, env: Any, engine: DockerEngine, image: Any, wo
         url = f"http://127.0.0.2:{port}/image"
         agent: list[float] = []
         curl: list[float] = []
-        for i in range(repeats):
+        size = 0
+
+        async def by_agent(i: int) -> float:
             ctx = RecordingContext(make_command("ensure_runtime_image", {}), reactor)
             name = f"bench-{i}.tar"
             t0 = time.perf_counter()
+            nonlocal size
             size = await peer.download("127.0.0.2", port, "/image", TOKEN.encode(), name, ctx, TAG, 60)
-            agent_s = time.perf_counter() - t0
+            took = time.perf_counter() - t0
             await deferToThread(os.unlink, os.path.join(peer.download_dir, name))
+            return took
+
+        async def by_curl() -> float:
             out = os.path.join(work, "curl.tar")
             t0 = time.perf_counter()
             r = await deferToThread(subprocess.run, ["curl", "-sS", "-f", "-o", out, "-H",
                                                      f"Authorization: Bearer {TOKEN}", url], capture_output=True)
-            curl_s = time.perf_counter() - t0
+            took = time.perf_counter() - t0
             if r.returncode != 0:
                 raise SystemExit(f"curl failed: {r.stderr.decode()[:200]}")
-            if os.path.getsize(out) != size:
-                raise SystemExit("curl got another size")
+            got = os.path.getsize(out)
             os.unlink(out)
+            if size and got != size:
+                raise SystemExit("curl got another size")
+            return took
+
+        for i in range(repeats):
+            # Alternating which goes first, so neither always meets the other's page cache.
+            if i % 2:
+                curl_s = await by_curl()
+                agent_s = await by_agent(i)
+            else:
+                agent_s = await by_agent(i)
+                curl_s = await by_curl()
             agent.append(size / agent_s / 2**20)
             curl.append(size / curl_s / 2**20)
             print(f"peer repeat {i + 1}: tar {size / 2**20:.0f} MiB; agent peer download {agent_s:.2f} s "
