@@ -161,3 +161,26 @@ class WaitTests(SynchronousTestCase):
         self.assertEqual(self.successResultOf(d2), TOTAL)
         self.assertEqual(self.successResultOf(d), TOTAL)
         self.assertEqual(self.clock.getDelayedCalls(), [])  # the progress timer stopped
+
+
+class PeerSourceTests(SynchronousTestCase):
+    """source: {peer_url, token} is checked before anything is fetched (both come from the backend)."""
+
+    def test_bad_sources_are_refused(self) -> None:
+        from llmport_agent.ray.bundle import parse_bundle
+        from llmport_agent.workloads.policy import parse_allowlist
+
+        clock = Clock()
+        s = ImageSeeding(clock, None, None, "/nonexistent", None)  # type: ignore[arg-type]
+        s.attempt = lambda *a: self.fail("nothing may be fetched")  # type: ignore[assignment,return-value]
+        bundle = parse_bundle({"image": "llmport-test/ray:1", "digest": "sha256:" + "a" * 64,
+                               "requirements": {"gpus": "none"}}, allowlist=parse_allowlist("llmport-test"),
+                              allowed_roots=(), token_dir="/nonexistent")
+        ctx = RecordingContext(make_command("ensure_runtime_image", {}), clock)
+        for url, token in (("https://10.0.0.2:8271/image", "tok"), ("http://10.0.0.2/image", "tok"),
+                           ("http://u:p@10.0.0.2:8271/image", "tok"), ("http://10.0.0.2:99999/image", "tok"),
+                           ("http://10.0.0.2:8271/image HTTP/1.1\r\nX: y", "tok"),
+                           ("http://10.0.0.2:8271/im age", "tok"), ("http://10.0.0.2:8271/image", "to ken"),
+                           ("http://10.0.0.2:8271/image", "tok\r\nX-Evil: 1"), (None, "tok")):
+            d = ensureDeferred(s.load_from_peer(bundle, {"peer_url": url, "token": token}, ctx, "p/x:pending"))
+            self.assertEqual(self.failureResultOf(d, CommandFailed).value.error_code, "invalid_command", url)

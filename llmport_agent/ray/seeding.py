@@ -75,6 +75,8 @@ RECV_BUFFER = 4 * 1024 * 1024
 _RANGE_RE = re.compile(r"^bytes=(\d{1,15})-(\d{0,15})$")
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d{1,15})-(\d{1,15})/(\d{1,15})$")
 _UNSATISFIED_RE = re.compile(r"^bytes \*/(\d{1,15})$")
+#: The path of a peer URL (it goes into the request line as it is).
+_PATH_RE = re.compile(r"/[A-Za-z0-9._~/-]{0,256}")
 #: Connections that have not presented the token: seconds to send their headers, how many one
 #: address may hold, how many in all (the oldest is dropped for a new one).
 PRE_AUTH_DEADLINE_S = 3.0
@@ -828,7 +830,7 @@ class ImageSeeding:
         except ValueError:
             port = None
         if (parts is None or parts.scheme != "http" or not parts.hostname or parts.username or parts.password
-                or port is None):
+                or port is None or not _PATH_RE.fullmatch(parts.path or "/")):
             raise CommandFailed(INVALID_COMMAND, "source.peer_url must be http://<peer ip>:<port>/image")
         token = _token(source.get("token"), "source.token")
         name = bundle.image.canonical
