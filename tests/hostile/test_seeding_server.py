@@ -2,7 +2,8 @@
 The peer seeding server (C{serve_runtime_image}) as an unauthenticated machine on the fabric
 sees it: it listens on a fabric address before any token is checked, so what a client without
 the token can make the root agent hold is bounded (connections, header time, no request body
-spooled to disk), and the token still gates the tar.
+spooled to disk) and never keeps the real peer out; the token still gates the tar; a token
+holder cannot end the seeding with a few bytes; downloads at once and ranges are bounded.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from twisted.internet.defer import succeed
+from twisted.internet.address import IPv4Address
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent import opshttp
+from llmport_agent.commands.base import CommandFailed
 from llmport_agent.ray import seeding
 
 TOKEN = b"seed-token-0123456789"
@@ -24,6 +26,21 @@ TOKEN = b"seed-token-0123456789"
 class Pool:
     def run(self, fn: Any, *args: Any) -> Any:
         return succeed(fn(*args))
+
+
+class AbortingTransport(StringTransport):
+    """As the reactor's: an aborted connection is lost (at once here)."""
+
+    proto: Any = None
+
+    def abortConnection(self) -> None:  # noqa: N802
+        from twisted.internet.error import ConnectionAborted
+        from twisted.python.failure import Failure
+
+        if not self.disconnecting:
+            super().abortConnection()
+            if self.proto is not None:
+                self.proto.connectionLost(Failure(ConnectionAborted()))
 
 
 class SeedingServerTests(SynchronousTestCase):
@@ -37,10 +54,18 @@ class SeedingServerTests(SynchronousTestCase):
         self.state = seeding._Serving(self.clock, Pool(), self.fd, 4096, TOKEN, 1, "sha256:" + "a" * 64)
         self.site = seeding.seeding_site(self.state, self.clock)
 
-    def connect(self) -> tuple[Any, StringTransport]:
-        proto = self.site.buildProtocol(None)
-        transport = StringTransport()
+    def connect(self, host: str = "10.0.0.9", port: int = 40000) -> tuple[Any, StringTransport]:
+        addr = IPv4Address("TCP", host, port)
+        proto = self.site.buildProtocol(addr)
+        transport = AbortingTransport(peerAddress=addr)
+        transport.proto = proto
         proto.makeConnection(transport)
+        return proto, transport
+
+    def get(self, host: str = "10.0.0.9", headers: bytes = b"", port: int = 40000) -> tuple[Any, StringTransport]:
+        proto, transport = self.connect(host, port)
+        proto.dataReceived(b"GET /image HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN + b"\r\n" + headers
+                           + b"\r\n")
         return proto, transport
 
     def test_a_body_is_refused_not_spooled(self) -> None:
@@ -51,29 +76,109 @@ class SeedingServerTests(SynchronousTestCase):
         self.assertTrue(transport.disconnecting)
         self.assertEqual(self.site.bodies_refused, 1)
 
-    def test_connections_are_capped(self) -> None:
-        """Idle connections of clients that never authenticate: a bounded number held."""
-        cap = self.state.max_active + seeding._EXTRA_CONNECTIONS
-        held = [self.connect() for _ in range(cap)]
-        self.assertIsNone(self.site.buildProtocol(None))
-        held[0][0].connectionLost(None)
-        self.assertIsNotNone(self.site.buildProtocol(None))
+    def test_idle_sockets_never_lock_the_peer_out(self) -> None:
+        """
+        Twenty (or a thousand) idle connections from anyone on the fabric, before any token:
+        the real peer still connects and downloads. A bounded number stay open: a new one
+        makes the oldest unauthenticated one go, one address holds only a few.
+        """
+        idle = [self.connect("10.0.0.66", 1000 + i) for i in range(20)]
+        idle += [self.connect(f"10.0.1.{i % 250}", 2000 + i) for i in range(1000)]
+        open_ = [t for _p, t in idle if not t.disconnecting]
+        self.assertLessEqual(len(open_), seeding.PRE_AUTH_MAX)
+        self.assertLessEqual(len([t for _p, t in idle[:20] if not t.disconnecting]), seeding.PRE_AUTH_PER_HOST)
+        self.assertLessEqual(self.site.unauthenticated, seeding.PRE_AUTH_MAX)
+        _proto, transport = self.get("10.0.0.2", b"Range: bytes=10-19\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 206"), transport.value()[:100])
+        self.assertTrue(transport.value().endswith(b"t" * 10))
 
-    def test_slow_headers_are_dropped(self) -> None:
+    def test_pre_auth_header_deadline_is_short(self) -> None:
+        """A connection that sends no token is dropped within a few seconds, not the listen timeout."""
         proto, transport = self.connect()
         proto.dataReceived(b"GET /image HTTP/1.1\r\n")
-        self.clock.advance(opshttp.HEADER_DEADLINE_S + 1)
+        self.clock.advance(seeding.PRE_AUTH_DEADLINE_S + 0.1)
+        self.assertLessEqual(seeding.PRE_AUTH_DEADLINE_S, 5)
         self.assertTrue(transport.disconnecting or transport.disconnected)
+        _proto, silent = self.connect("10.0.0.8")
+        self.clock.advance(seeding.PRE_AUTH_DEADLINE_S + 0.1)
+        self.assertTrue(silent.disconnecting or silent.disconnected)
 
     def test_the_token_still_gates_the_tar(self) -> None:
-        proto, transport = self.connect()
-        proto.dataReceived(b"GET /image HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n\r\n")
-        self.assertTrue(transport.value().startswith(b"HTTP/1.1 401"), transport.value()[:100])
-        proto, transport = self.connect()
-        proto.dataReceived(b"GET /image HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN
-                           + b"\r\nRange: bytes=10-19\r\n\r\n")
+        for given in (b"nope", TOKEN + b"x", TOKEN[:-1], b""):
+            proto, transport = self.connect()
+            proto.dataReceived(b"GET /image HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + given + b"\r\n\r\n")
+            self.assertTrue(transport.value().startswith(b"HTTP/1.1 401"), transport.value()[:100])
+            self.assertTrue(transport.disconnecting)
+        _proto, transport = self.get(headers=b"Range: bytes=10-19\r\n")
         self.assertTrue(transport.value().startswith(b"HTTP/1.1 206"), transport.value()[:100])
         self.assertTrue(transport.value().endswith(b"t" * 10), transport.value()[-40:])
+
+    def test_a_range_past_the_end_is_clamped(self) -> None:
+        _proto, transport = self.get(headers=b"Range: bytes=4000-999999\r\n")
+        head, _, body = transport.value().partition(b"\r\n\r\n")
+        self.assertIn(b"Content-Range: bytes 4000-4095/4096", head)
+        self.assertIn(b"Content-Length: 96", head)
+        self.assertEqual(body, b"t" * 96)
+        _proto, transport = self.get(headers=b"Range: bytes=4096-\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 416"), transport.value()[:100])
+        self.assertIn(b"Content-Range: bytes */4096", transport.value())
+
+    def test_a_few_bytes_are_not_a_finished_download(self) -> None:
+        """
+        Token holders asking for the last byte only (or any part) are not served peers: a peer
+        counts once every byte of the file went to it, each peer once.
+        """
+        self.state.expected = 3
+        for i in range(3):
+            self.get(f"10.0.0.{i + 2}", b"Range: bytes=4095-\r\n")
+            self.get(f"10.0.0.{i + 2}", b"Range: bytes=4095-4095\r\n")
+        self.get("10.0.0.2")  # a whole download, twice from one peer: one peer
+        self.get("10.0.0.2")
+        self.assertEqual((self.state.completed, self.state.finished), (1, False))
+        self.get("10.0.0.3", b"Range: bytes=0-2047\r\n")  # a resumed download: two halves make it whole
+        self.assertEqual(self.state.completed, 1)
+        self.get("10.0.0.3", b"Range: bytes=2048-\r\n")
+        self.get("10.0.0.4")
+        self.assertEqual((self.state.completed, self.state.finished), (3, True))
+
+    def test_no_more_downloads_at_once_than_max_active(self) -> None:
+        reads: list[Deferred[bytes]] = []
+
+        class SlowPool:
+            def run(self, fn: Any, *args: Any) -> Deferred[bytes]:
+                d: Deferred[bytes] = Deferred()
+                reads.append(d)
+                return d
+
+        self.state.pool = SlowPool()
+        for i in range(self.state.max_active):
+            _proto, transport = self.get(f"10.0.0.{i + 2}")
+            self.assertEqual(transport.value(), b"")  # running: waiting for its read
+        self.assertEqual(len(self.state.active), self.state.max_active)
+        _proto, transport = self.get("10.0.0.200")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 503"), transport.value()[:100])
+        self.assertIn(b"Retry-After: 5", transport.value())
+        self.assertEqual(len(self.state.active), self.state.max_active)
+
+    def test_503_while_exporting(self) -> None:
+        """The holder listens before its docker save is written: token holders are told to retry."""
+        self.state.fd = None
+        _proto, transport = self.get()
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 503"), transport.value()[:100])
+        self.assertIn(b"Retry-After: 5", transport.value())
+        proto, transport = self.connect()
+        proto.dataReceived(b"GET /image HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 401"), transport.value()[:100])
+        self.state.ready(self.fd, 4096)
+        _proto, transport = self.get(headers=b"Range: bytes=0-9\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 206"), transport.value()[:100])
+
+    def test_a_token_with_whitespace_is_refused(self) -> None:
+        for bad in ("tok en", "token\t", " token", "token\n", "tok\u00a0en", "tok\x00en", "t\u00e9", ""):
+            with self.assertRaises(CommandFailed) as cm:
+                seeding._token(bad, "token")
+            self.assertEqual(cm.exception.error_code, "invalid_command")
+        self.assertEqual(seeding._token("ab-CD_01.~", "token"), b"ab-CD_01.~")
 
     def test_a_peer_gone_during_a_read(self) -> None:
         """A peer that drops the connection while a read of the tar runs: no error, no sender left."""
