@@ -165,7 +165,7 @@ class RayClusterTests(AgentTestCase):
         c = self.env_a.client().api.inspect_container("llm-port-ray-runtime")
         host = c["HostConfig"]
         self.assertEqual((host["NetworkMode"], host["IpcMode"], host["RestartPolicy"]["Name"]),
-                         ("host", "host", "unless-stopped"))
+                         ("host", "host", "no"))
         self.assertEqual(host["CapAdd"], ["IPC_LOCK"])
         self.assertFalse(host["Privileged"])
         self.assertEqual(host["ShmSize"], 256 * 1024 * 1024)
