@@ -408,7 +408,10 @@ class AgentService(MultiService):
         from llmport_agent.workloads.adoption import Adoption
 
         # The original agent's runtimes (its `workloads` mapping in this state file), taken over.
-        self.adoption = Adoption(self.reactor, self.engine, self.state, c.agent_id)
+        self.adoption = Adoption(
+            self.reactor, self.engine, self.state, c.agent_id,
+            container_written=tuple(os.path.abspath(p) for p in (c.model_store, c.ray_session_dir) if p),
+        )
         self.health = HealthWatcher(
             self.reactor,
             self.engine,

@@ -321,6 +321,26 @@ class JudgeTests(AgentTestCase):
         mine = self.make(f"llm-port-mine-{suffix}", labels={LABEL_MANAGED: MANAGED_VALUE, LABEL_AGENT_ID: "me"})
         self.assertIn("already this agent's own", self.judge(mine.name, BUSYBOX).refused)
 
+    def test_a_bind_source_inside_a_container_written_directory_is_refused(self) -> None:
+        """
+        The engine resolves a bind source again at every start, and this agent starts and
+        restarts what it adopts: a container binding a path inside the model store (workloads
+        write it) is not adopted; one binding the store itself (as the original does) is.
+        """
+        from llmport_agent.workloads.adoption import Candidate, judge
+
+        store = os.path.abspath(self.mktemp())
+        os.makedirs(os.path.join(store, "hub"))
+        suffix = os.urandom(3).hex()
+        for source, adopted in ((store, True), (os.path.join(store, "hub"), False)):
+            c = self.client.containers.create(BUSYBOX, ["sleep", "60"], name=f"llm-port-bind-{adopted}-{suffix}",
+                                              volumes={source: {"bind": "/data", "mode": "rw"}})
+            self.addCleanup(c.remove, force=True)
+            v = judge(self.client, Candidate("rt-1", c.name, BUSYBOX, None), "me", (store, "/var/lib/llm-port/ray"))
+            self.assertEqual(v.container_id == c.id, adopted, v.refused)
+            if not adopted:
+                self.assertIn("which containers write", v.refused)
+
     def test_recorded_id_must_be_a_real_short_id(self) -> None:
         right = self.make(f"llm-port-idcheck-{os.urandom(3).hex()}")
         self.assertEqual(self.judge(right.name, BUSYBOX, right.id.upper()).container_id, right.id)

@@ -287,6 +287,7 @@ class ProgramTests(SynchronousTestCase):
             "apps": {
                 APP: {"deployments": {"LLMServer:qwen": {"llm_config": CANDIDATE}, "OpenAiIngress": {}}},
                 "someone-elses-app": {"route_prefix": "/x", "deployments": {"LLMServer:z": {"llm_config": CANDIDATE}}},
+                "team-llmport-app": {"route_prefix": "/t", "deployments": {"LLMServer:t": {"llm_config": CANDIDATE}}},
             },
         }
         s.update(over)
@@ -314,6 +315,9 @@ class ProgramTests(SynchronousTestCase):
         self.assertEqual(ours.deployments[0]["running_replicas"], 1)
         other = apps["someone-elses-app"]
         self.assertEqual((other.llm_configs, other.route_prefix), ((), "/x"), "an app llm-port did not deploy is listed, not read")
+        # A name that merely contains llmport- is not llm-port's: only a name starting with it.
+        contains = apps["team-llmport-app"]
+        self.assertEqual((contains.llm_configs, contains.ours), ((), False))
 
     def test_what_it_reads_compares_with_the_backends_candidate(self) -> None:
         ours = next(a for a in self.run_program(self.scenario()).apps if a.name == APP)

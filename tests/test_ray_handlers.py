@@ -660,6 +660,48 @@ class RayHandlerTests(TestCase):
         self.assertIn("RAY_SESSION_DIR", err.error_message)
         self.assertEqual(self.engine.created, [])
 
+    async def test_a_foreign_container_of_that_name_is_never_execd_into(self) -> None:
+        """
+        A running container named llm-port-ray-runtime that this agent did not create (no
+        labels, or another agent's): no command execs into it, with or without a bundle.
+        """
+        for labels in ({}, {rc.LABEL_RAY: rc.RAY_VALUE, "io.llmport.agent-id": "agent-2"},
+                       {rc.LABEL_RAY: "someone", "io.llmport.agent-id": "agent-1"}):
+            self.engine.container = {"id": "f" * 64, "name": "llm-port-ray-runtime", "labels": labels,
+                                     "running": True, "status": "running", "started_at": None, "image": "x",
+                                     "image_id": IMAGE_ID, "mounts": set()}
+            _c, r = await self.do("get_ray_status", {})
+            self.assertEqual((r["alive"], r["nodes"]), (False, []))
+            _c, r = await self.do("get_ray_serve_status", {})
+            self.assertFalse(r["available"])
+            _c, r = await self.do("describe_ray_cluster", {})
+            self.assertFalse(r["running"])
+            for kind, payload in (("get_ray_status", {"runtime_bundle": self.bundle()}),
+                                  ("run_serve_app", {"app_name": "llmport-x", "llm_serving_args": {},
+                                                     "runtime_bundle": self.bundle()}),
+                                  ("delete_serve_app", {"app_name": "llmport-x", "runtime_bundle": self.bundle()})):
+                err = await self.fails(kind, payload)
+                self.assertIn("not this agent's", err.error_message)
+        self.assertEqual(self.engine.execs, [])
+
+    def test_find_takes_the_exact_name_only(self) -> None:
+        """The engine's inspect also matches an id or id prefix: find() takes only the name."""
+        class API:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def inspect_container(self, ident: str) -> dict[str, Any]:
+                return {"Id": "ab" * 32, "Name": "/" + self.name, "Config": {"Labels": {}}, "State": {}}
+
+        class Client:
+            def __init__(self, name: str) -> None:
+                self.api = API(name)
+
+        self.assertIsNone(rc.find(Client("some-workload"), "abab"))  # type: ignore[arg-type]
+        self.assertIsNone(rc.find(Client("llm-port-ray-runtime-2"), "llm-port-ray-runtime"))  # type: ignore[arg-type]
+        self.assertEqual(rc.find(Client("llm-port-ray-runtime"), "llm-port-ray-runtime")["id"],  # type: ignore[arg-type, index]
+                         "ab" * 32)
+
     async def test_foreign_container_untouched(self) -> None:
         self.engine.container = {"id": "f" * 64, "name": "llm-port-ray-runtime", "labels": {}, "running": True,
                                  "status": "running", "started_at": None, "image": "x", "image_id": IMAGE_ID,
@@ -783,7 +825,7 @@ class RayHandlerTests(TestCase):
         """The container can read the token file; what it prints reaches the result without it."""
         await self.do("start_ray_head", self.head())
         leaky = self.described_app(message=f"token {TOKEN}", errors=[f"x{TOKEN}y"],
-                                   configs=[{**RUNNING, "engine_kwargs": {"k": TOKEN}}])
+                                   configs=[{**RUNNING, "engine_kwargs": {"k": TOKEN, TOKEN: "v", f"a{TOKEN}": 1}}])
         self.engine.describe_doc = self.described(leaky, errors=[TOKEN], gcs_address=TOKEN)
         ctx = RecordingContext(make_command("describe_ray_cluster", {"hand_over_token": True}), self.clock)
         r = await self.specs["describe_ray_cluster"].handler(ctx)
@@ -791,6 +833,8 @@ class RayHandlerTests(TestCase):
         self.assertFalse(TOKEN in json.dumps(r), "the token is in the result")
         self.assertEqual(r["apps"][0]["message"], "token ***")
         self.assertEqual(r["apps"][0]["errors"], ["x***y"])
+        # Keys too: the container chooses them as freely as the values.
+        self.assertEqual(r["apps"][0]["llm_configs"][0]["engine_kwargs"], {"k": "***", "***": "v", "a***": 1})
         self.engine.describe_doc = ExecResult(1, f"Traceback: {TOKEN}".encode(), b"")
         _c, r = await self.do("describe_ray_cluster", {})  # do() checks the result holds no token
         self.assertEqual(r["source"], "helper")

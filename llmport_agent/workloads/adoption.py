@@ -10,7 +10,11 @@ container. So at start it reads that mapping and adopts exactly the containers t
   - exist under the name the mapping gives, and that name starts with C{llm-port-};
   - carry no labels of another manager (a container labelled by this agent is its own anyway);
   - were created from the image the mapping names (the container's C{Config.Image}), and are
-    the container the mapping names when it recorded an id.
+    the container the mapping names when it recorded an id;
+  - bind no host path inside a directory containers write (the model store, the Ray session
+    directory): the engine resolves a mount's source again at every start, so a directory
+    there swapped for a link would be followed when this agent starts or restarts it. (The
+    original binds the model store itself, which is fine.)
 
 Everything else is refused and said in the log, one line each. Adopted containers are recorded
 in the state file (C{adopted}: runtime id -> container id, name, image) and managed like the
@@ -24,6 +28,7 @@ agent, started again on this state, finds its runtimes where they are.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -113,8 +118,15 @@ def candidates(state: Mapping[str, Any]) -> tuple[list[Candidate], list[str]]:
     return out, bad
 
 
-def judge(client: docker.DockerClient, candidate: Candidate, agent_id: str) -> Verdict:
-    """Thread function: adopt or refuse one candidate (see the module docstring)."""
+def judge(
+    client: docker.DockerClient, candidate: Candidate, agent_id: str, container_written: tuple[str, ...] = ()
+) -> Verdict:
+    """
+    Thread function: adopt or refuse one candidate (see the module docstring).
+
+    @param container_written: host directories containers write (the model store, the Ray
+        session directory): a bind source strictly inside one refuses the candidate.
+    """
     c = candidate
     if not c.container_name.startswith(ORIGINAL_PREFIX):
         return Verdict(c, refused=f"its name {c.container_name} does not start with {ORIGINAL_PREFIX}")
@@ -135,11 +147,24 @@ def judge(client: docker.DockerClient, candidate: Candidate, agent_id: str) -> V
     if c.container_id and not snap["id"].startswith(c.container_id.lower()):
         return Verdict(c, refused=f"it is not the container the mapping names (id {c.container_id[:12]}, found "
                                   f"{snap['id'][:12]})")
+    for source in snap.get("bind_sources") or []:
+        inside = next((w for w in container_written if w and _strictly_inside(source, w)), None)
+        if inside is not None:
+            return Verdict(c, refused=f"it mounts {source[:200]!r} from inside {inside}, which containers write (the "
+                                      "engine resolves a mount's source again at every start, so this agent does not "
+                                      "start it); remove it and deploy the runtime again")
     return Verdict(c, container_id=snap["id"])
 
 
-def judge_all(client: docker.DockerClient, cands: list[Candidate], agent_id: str) -> list[Verdict]:
-    return [judge(client, c, agent_id) for c in cands]
+def _strictly_inside(path: str, root: str) -> bool:
+    path, root = os.path.normpath(path), os.path.normpath(root)
+    return path != root and path.startswith(root.rstrip("/") + "/")
+
+
+def judge_all(
+    client: docker.DockerClient, cands: list[Candidate], agent_id: str, container_written: tuple[str, ...] = ()
+) -> list[Verdict]:
+    return [judge(client, c, agent_id, container_written) for c in cands]
 
 
 def exists(client: docker.DockerClient, ids: list[str]) -> list[str]:
@@ -162,6 +187,8 @@ class Adoption:
     state: Any
     agent_id: str
     wallclock: Callable[[], float] = time.time
+    #: Host directories containers write (model store, Ray session directory): see L{judge}.
+    container_written: tuple[str, ...] = ()
     by_container: dict[str, str] = field(factory=dict)
     _ready: Deferred[None] | None = None
     _waiters: list[Deferred[None]] = field(factory=list)
@@ -235,7 +262,8 @@ class Adoption:
         if not cands and not previous:
             return
         try:
-            verdicts = await self.engine.call(judge_all, cands, self.agent_id, what="adopting the original agent's containers")
+            verdicts = await self.engine.call(judge_all, cands, self.agent_id, self.container_written,
+                                              what="adopting the original agent's containers")
         except EngineError as e:
             self.log.warn("Could not adopt the original agent's runtimes yet ({error}); trying again in "
                           "{sec:.0f} s", error=str(e), sec=RETRY_SEC)

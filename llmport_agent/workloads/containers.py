@@ -119,6 +119,9 @@ def snapshot(info: dict[str, Any]) -> dict[str, Any]:
         "ports": ports,
         "requested_ports": requested,
         "restart_policy": str((host_config.get("RestartPolicy") or {}).get("Name", "")),
+        # Host paths of its bind mounts (the engine resolves each again at every start).
+        "bind_sources": [str(m.get("Source") or "") for m in (info.get("Mounts") or [])[:64]
+                         if isinstance(m, dict) and m.get("Type") == "bind"],
     }
 
 
