@@ -97,6 +97,8 @@ OFFLINE_GRACE_SEC = 30.0
 #: Ray node records looked at per status answer (the answer comes from a node: bounded).
 MAX_NODE_RECORDS = 4096
 LIVE_STATES = frozenset({"ALIVE", "UP", "ACTIVE"})
+#: Steps and status changes kept for the view (the oldest dropped).
+MAX_KEPT = 1000
 
 PENDING = "pending"
 PREPARING = "preparing"
@@ -185,8 +187,9 @@ class RayEnvironment:
     @ivar recovery: the health check's state while something is wrong (kind, detail,
         attempt, suspected_at, next_look_at, gave_up, last_error); C{last_recovery} the last
         one that worked.
-    @ivar steps: every lifecycle command issued, in order (probes are counted in C{probes}).
-    @ivar history: C{(time, status, reason)} at each change.
+    @ivar steps: the lifecycle commands issued, in order, the last L{MAX_KEPT} (status probes
+        are counted in C{probes}).
+    @ivar history: C{(time, status, reason)} at each change, the last L{MAX_KEPT}.
     """
 
     backend: DevBackend
@@ -266,14 +269,15 @@ class RayEnvironment:
 
     # -- commands ----------------------------------------------------------------------------
 
-    def _issue(self, node: RayNode, command_type: str, payload: dict[str, Any], step: str) -> str:
+    def _issue(self, node: RayNode, command_type: str, payload: dict[str, Any], step: str, listed: bool = True) -> str:
         record = self.backend.issue_command(
             node.node_id, command_type, payload, idempotency_key=self.key(step), timeout_sec=COMMAND_TIMEOUT_SEC,
         )
         command_id = str(record["id"])
         # A resumed pass gets the command still in flight under the same key: listed once.
-        if all(s.command_id != command_id for s in self.steps[-64:]):
+        if listed and all(s.command_id != command_id for s in self.steps[-64:]):
             self.steps.append(Step(step, node.node_id, command_id))
+            del self.steps[:-MAX_KEPT]
         return command_id
 
     async def _final(self, command_id: str, what: str, budget: float = WAIT_SEC) -> dict[str, Any]:
@@ -749,6 +753,7 @@ class RayEnvironment:
     def _observe(self, status: str, reason: str | None, cluster: Any = _KEEP) -> None:
         if status != self.status or reason != self.reason:
             self.history.append((self.clock.seconds(), status, reason))
+            del self.history[:-MAX_KEPT]
             self.log.info("stand-in Ray driver: environment {env} {status}{sep}{reason}", env=self.env_id,
                           status=status.upper(), sep=": " if reason else "", reason=reason or "")
         self.status, self.reason = status, reason
@@ -890,7 +895,7 @@ class RayEnvironment:
             status = await self._result(
                 self._issue(self.head, "get_ray_serve_status",
                             {"app_name": app_name, "runtime_bundle": self.bundle_for(self.head)},
-                            f"serve-status:{app_name}:{uuid.uuid4().hex[:8]}"),
+                            f"serve-status:{app_name}:{uuid.uuid4().hex[:8]}", listed=False),
                 f"get_ray_serve_status {app_name}")
             app = (status.get("apps") or {}).get(app_name) or {}
             if app.get("status") == "RUNNING":
