@@ -342,6 +342,35 @@ class ImageStageTests(DriverTestCase):
         self.assertEqual(self.env.status, READY, self.env.reason)
 
 
+class ResumeSeedingTests(DriverTestCase):
+    def test_a_resumed_pass_rejoins_the_seeding_in_flight(self) -> None:
+        """The receiver silent for 150 s: the next pass finds both commands under their keys."""
+        self.fleet.hold = {"serve_runtime_image", f"ensure_runtime_image@{self.w}"}
+        self.fleet.images = {self.h}
+        self.env.start()
+        self.clock.advance(0)
+        (probe,) = [c for c in self.fleet.held if c["command_type"] == "ensure_runtime_image"]
+        self.fleet.held.remove(probe)
+        self.fleet.answer(probe, False, {}, "runtime_image_missing")
+        self.pump(150)
+        self.assertEqual(self.env.status, PREPARING)
+        # The second pass probed again (new commands), then met the same seeding commands under
+        # their keys: nothing issued twice.
+        worker_probes = [c for c in self.issued("ensure_runtime_image")
+                         if c["node_id"] == self.w and c["payload"].get("fetch") is False]
+        self.assertEqual(len(worker_probes), 2)
+        self.fleet.held = [c for c in self.fleet.held if c["id"] != worker_probes[1]["id"]]
+        self.fleet.answer(worker_probes[1], False, {}, "runtime_image_missing")
+        self.assertEqual(len(self.issued("serve_runtime_image")), 1)
+        self.assertEqual(len([c for c in self.issued("ensure_runtime_image") if "source" in c["payload"]]), 1)
+        self.assertEqual(self.steps().count(f"image-from-peer:{self.w}"), 1)
+        self.fleet.hold.clear()
+        self.fleet.release("ensure_runtime_image")
+        self.clock.advance(0)
+        self.assertEqual(self.env.status, READY, self.env.reason)
+        self.assertEqual(self.backend.command(self.issued("serve_runtime_image")[0]["id"])["status"], "queued")
+
+
 class StartTests(DriverTestCase):
     def test_keys_payloads_and_membership(self) -> None:
         self.fleet.images = {self.h, self.w}
