@@ -165,6 +165,32 @@ class SeedingTests(TestCase):
         with self.assertRaises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.2", port), timeout=5).close()
 
+    async def test_receiver_asked_before_the_seeder_listens(self) -> None:
+        """
+        The backend sends both commands at the same moment: the receiver's download starts
+        against a port nobody listens on yet (refused), keeps trying, and completes once the
+        seeder serves; the wait is said in a progress frame.
+        """
+        from twisted.internet.task import deferLater
+
+        port = free_port()
+        ctx = RecordingContext(make_command("ensure_runtime_image", {}), reactor)
+        os.makedirs(self.dir, exist_ok=True)
+        self.seeding.resume_delay = 0.2
+        download = Deferred.fromCoroutine(self.seeding.download(
+            "127.0.0.2", port, "/image", TOKEN.encode(), "early.tar", ctx, TAG, 60))
+        await deferLater(reactor, 1.5, lambda: None)
+        self.assertFalse(download.called)
+        served, _ = await self.serve(self.good, port)
+        size = await download
+        self.assertGreater(size, PAYLOAD_BYTES)
+        self.assertEqual(os.path.getsize(os.path.join(self.dir, "early.tar")), size)
+        os.unlink(os.path.join(self.dir, "early.tar"))
+        waits = [f for f in ctx.frames if f["phase"] == "waiting_for_peer"]
+        self.assertEqual(len(waits), 1)
+        self.assertIn("may still be exporting", waits[0]["message"])
+        self.assertEqual((await served)["served"], 1)
+
     async def test_resume_after_cut(self) -> None:
         port = free_port()
         served, _ = await self.serve(self.good, port)
