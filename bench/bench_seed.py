@@ -171,8 +171,8 @@ async def peer_part(reactor: Any, env: Any, engine: DockerEngine, image: Any, wo
         line = await deferToThread(seeder.stdout.readline)  # type: ignore[union-attr]
         if not line.startswith("READY"):
             raise SystemExit("the seeder did not start")
-        ray = RayManager(reactor, engine, None, None, RaySettings("bench", parse_allowlist("llmport-bench"), (work,),
-                                                                 os.path.join(work, "tok")), Pool())  # type: ignore[arg-type]
+        settings = RaySettings("bench", parse_allowlist("llmport-bench"), (work,), os.path.join(work, "tok"))
+        ray = RayManager(reactor, engine, None, None, settings, Pool())  # type: ignore[arg-type]
         peer = ImageSeeding(reactor, engine, Pool(), os.path.join(work, "peer"), ray)
         await deferToThread(os.makedirs, peer.download_dir, 0o700, True)
         url = f"http://127.0.0.2:{port}/image"

@@ -165,6 +165,32 @@ class SeedingTests(TestCase):
         with self.assertRaises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.2", port), timeout=5).close()
 
+    async def test_receiver_asked_before_the_seeder_listens(self) -> None:
+        """
+        The backend sends both commands at the same moment: the receiver's download starts
+        against a port nobody listens on yet (refused), keeps trying, and completes once the
+        seeder serves; the wait is said in a progress frame.
+        """
+        from twisted.internet.task import deferLater
+
+        port = free_port()
+        ctx = RecordingContext(make_command("ensure_runtime_image", {}), reactor)
+        os.makedirs(self.dir, exist_ok=True)
+        self.seeding.resume_delay = 0.2
+        download = Deferred.fromCoroutine(self.seeding.download(
+            "127.0.0.2", port, "/image", TOKEN.encode(), "early.tar", ctx, TAG, 60))
+        await deferLater(reactor, 1.5, lambda: None)
+        self.assertFalse(download.called)
+        served, _ = await self.serve(self.good, port)
+        size = await download
+        self.assertGreater(size, PAYLOAD_BYTES)
+        self.assertEqual(os.path.getsize(os.path.join(self.dir, "early.tar")), size)
+        os.unlink(os.path.join(self.dir, "early.tar"))
+        waits = [f for f in ctx.frames if f["phase"] == "waiting_for_peer"]
+        self.assertEqual(len(waits), 1)
+        self.assertIn("may still be exporting", waits[0]["message"])
+        self.assertEqual((await served)["served"], 1)
+
     async def test_resume_after_cut(self) -> None:
         port = free_port()
         served, _ = await self.serve(self.good, port)
@@ -255,3 +281,110 @@ class SeedingTests(TestCase):
         # Partial ranges are not complete downloads.
         self.assertEqual((result["served"], result["timed_out"]), (0, True))
         self.assertEqual(self.leftovers(), [])
+
+
+class ServerLoadTests(TestCase):
+    """
+    C{ensure_runtime_image} without C{source}, on the real engine, from the stand-in backend's
+    C{images/save} (an export with Range and X-Image-Id): the pinned build is loaded and named;
+    a server holding another build answers 409 (C{server_image_mismatch}); a server that sends
+    another build anyway (no pin check of its own) ends in C{runtime_image_mismatch} with the
+    bundle's name never on that build.
+    """
+
+    timeout = 240
+
+    async def setUp(self) -> None:
+        from treq.client import HTTPClient
+        from twisted.web.client import Agent, HTTPConnectionPool
+
+        from llmport_agent.devbackend.backend import DevBackend
+        from llmport_agent.workloads.images import ImageManager
+
+        self.env = require_docker()
+        self.env.ensure_busybox()
+        self.client = self.env.client()
+        self.good = _make_image(self.client, b"G", TAG)
+        self.addCleanup(self.env.remove_image, TAG)
+        self.other = _make_image(self.client, b"O", "llmport-test/seed-other:3")
+        self.addCleanup(self.env.remove_image, "llmport-test/seed-other:3")
+        self.dir = os.path.abspath(self.mktemp())
+        os.makedirs(self.dir)
+        self.good_tar = os.path.join(self.dir, "good.tar")
+        self.other_tar = os.path.join(self.dir, "other.tar")
+        await deferToThread(self._save, TAG, self.good_tar)
+        # The other build's tar names the bundle's image, as a server holding the wrong build sends.
+        repo, _, tag = TAG.rpartition(":")
+        self.client.api.tag(self.other.id, repo, tag, force=True)
+        await deferToThread(self._save, TAG, self.other_tar)
+        self.client.api.tag(self.good.id, repo, tag, force=True)
+        self.backend = DevBackend(reactor)
+        await self.backend.listen(0, "127.0.0.1")
+        self.addCleanup(self.backend.stop)
+        credential = self.backend.enroll_node("server-load")["credential"]
+        self.engine = DockerEngine(reactor, environ={"DOCKER_HOST": self.env.host}, probe_max=1.0)
+        self.engine.startService()
+        self.addCleanup(self.engine.stopService)
+        await self.engine.whenAvailable()
+        pool = HTTPConnectionPool(reactor, persistent=False)
+        self.addCleanup(pool.closeCachedConnections)
+        images = ImageManager(reactor, self.engine, stall_sec=20, http=HTTPClient(Agent(reactor, pool=pool)),
+                              backend_url=self.backend.url, credential=lambda: credential)
+        store = os.path.abspath(self.mktemp())
+        os.makedirs(store)
+        settings = RaySettings("agent-1", parse_allowlist("llmport-test"), (store,), os.path.abspath(self.mktemp()))
+        self.ray = RayManager(reactor, self.engine, images, None, settings, Pool())  # type: ignore[arg-type]
+
+    def _save(self, ref: str, path: str) -> None:
+        with open(path, "wb") as out:
+            for chunk in self.client.api.get_image(ref):
+                out.write(chunk)
+
+    def serve(self, path: str, pinned: bool = True) -> None:
+        from llmport_agent.devbackend.imagetar import image_identity
+
+        image_id, rootfs = image_identity(path) if pinned else (None, None)
+        name, _, tag = TAG.rpartition(":")
+        self.backend.add_image(name, tag, path, image_id=image_id, rootfs_digest=rootfs)
+
+    async def ensure(self) -> tuple[RecordingContext, imagepin.PinReport]:
+        layers = self.good.attrs["RootFS"]["Layers"]
+        payload = {"runtime_bundle": {"image": TAG, "digest": self.good.id, "rootfs_digest": imagepin.rootfs_digest(layers),
+                                      "requirements": {"gpus": "none"}}}
+        ctx = RecordingContext(make_command("ensure_runtime_image", payload), reactor)
+        bundle = self.ray.bundle(payload, required=True)
+        assert bundle is not None
+        return ctx, await self.ray.verify(bundle, ctx)
+
+    def names(self) -> list[str]:
+        return sorted(t for i in self.client.images.list() for t in i.tags)
+
+    async def test_loaded_from_the_server_and_named(self) -> None:
+        self.serve(self.good_tar)
+        self.client.images.remove(TAG, force=True)
+        ctx, report = await self.ensure()
+        self.assertEqual(report.identity.image_id, self.good.id)
+        self.assertEqual(self.client.images.get(TAG).id, self.good.id)
+        self.assertIn("transfer_image", [f["phase"] for f in ctx.frames])
+        self.assertEqual([n for n in self.names() if imagepin.PRIVATE_REPO in n], [])
+
+    async def test_a_server_holding_another_build_answers_409(self) -> None:
+        self.serve(self.other_tar)
+        self.client.images.remove(TAG, force=True)
+        with self.assertRaises(CommandFailed) as caught:
+            await self.ensure()
+        self.assertEqual(caught.exception.error_code, "server_image_mismatch")
+
+    async def test_another_build_sent_anyway_never_takes_the_name(self) -> None:
+        import docker
+
+        self.backend.image_route_current = False  # a server that streams and checks no pin (2026-04)
+        self.serve(self.other_tar, pinned=False)
+        self.client.images.remove(TAG, force=True)
+        with self.assertRaises(CommandFailed) as caught:
+            await self.ensure()
+        self.assertEqual(caught.exception.error_code, imagepin.RUNTIME_IMAGE_MISMATCH)
+        with self.assertRaises(docker.errors.ImageNotFound):
+            self.client.images.get(TAG)
+        self.assertEqual([n for n in self.names() if imagepin.PRIVATE_REPO in n], [])
+        self.assertEqual(self.client.images.get("llmport-test/seed-other:3").id, self.other.id)
