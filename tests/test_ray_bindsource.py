@@ -115,6 +115,12 @@ class BindSourceTests(TestCase):
         first = await self.state(name)
         self.assertEqual((first["running"], first["restart"]), (True, "no"))
 
+        # One an earlier agent made with unless-stopped: switched to no in place, still running.
+        await deferToThread(self.env.client().api.update_container, name,
+                            restart_policy={"Name": "unless-stopped"})
+        await self.ray.ensure_container(bundle, report.identity.image_id)
+        self.assertEqual(await self.state(name), first)
+
         # A workload writing the store swaps hub for a link out of it.
         self.swap_for_link(os.path.join(self.store, "hub"))
 
