@@ -349,6 +349,43 @@ def unstable_place(path: str) -> str | None:
     return None
 
 
+def open_to_others(path: str, owners: tuple[int, ...] = (0,)) -> str | None:
+    """
+    Why C{path} (an executable a unit runs) could be replaced by someone other than C{owners}
+    (root; in user mode the user too): the file, or a directory above it, owned by another user,
+    or writable by group or others (a directory with the sticky bit excepted: its entries are
+    their owners' to replace). Links are followed as the unit's C{ExecStart=} would, and the
+    directories of the link itself are looked at too. A component that does not exist yet is
+    not judged. C{None}: only C{owners} can change what runs.
+    """
+    import stat as stat_
+
+    seen: set[str] = set()
+    candidates = [os.path.abspath(path), os.path.realpath(path)]
+    for start in candidates:
+        p = start
+        while True:
+            if p not in seen:
+                seen.add(p)
+                try:
+                    st = os.lstat(p)
+                except OSError:
+                    st = None
+                if st is not None and not stat_.S_ISLNK(st.st_mode):
+                    kind = "directory" if stat_.S_ISDIR(st.st_mode) else "file"
+                    if st.st_uid not in owners:
+                        return f"the {kind} {p} is owned by uid {st.st_uid}, who can replace what the unit runs"
+                    sticky = stat_.S_ISDIR(st.st_mode) and st.st_mode & stat_.S_ISVTX
+                    if st.st_mode & (stat_.S_IWGRP | stat_.S_IWOTH) and not sticky:
+                        return (f"the {kind} {p} is writable by its group or all users (mode "
+                                f"{stat_.S_IMODE(st.st_mode):04o})")
+            parent = os.path.dirname(p)
+            if parent == p:
+                break
+            p = parent
+    return None
+
+
 def unit_template() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     for candidate in (
@@ -498,6 +535,63 @@ class Installer:
                     "own supervisor")
         return None
 
+    def preflight(self, what: str) -> str | None:
+        """
+        What C{start} needs of this host, checked before it (or C{join}, before it files a
+        request) changes anything: root (or user mode as a user), systemd as PID 1, an executable
+        in a stable place that only root (user mode: root or this user) can change, and the
+        configuration and state directories writable. The first problem as one line, or C{None}.
+        """
+        s = self.sys
+        if s.user_mode and s.geteuid() == 0:
+            return (f"`{what} --user` installs a service of the user who runs it: run it as that user "
+                    f"(not root), or `sudo llmport-agent {what}` for a system service")
+        if s.geteuid() != 0 and not s.user_mode:
+            return (f"`{what}` installs a systemd unit and needs root: sudo llmport-agent {what} "
+                    f"(or `llmport-agent {what} --user` for a service of your own user)")
+        problem = self._needs_systemd(what)
+        if problem:
+            return problem
+        try:
+            executable, _ = s.installed_executable()
+        except FileNotFoundError as e:
+            return str(e)
+        unstable = unstable_place(executable)
+        if unstable:
+            return (f"the agent runs from {executable}, under {unstable}, which the unit cannot see "
+                    "(PrivateTmp=yes) and which does not survive a reboot: install it to a stable place "
+                    "(the binary to /usr/local/bin, a virtualenv or pipx under /opt or /usr/local) and run "
+                    f"{what} from there")
+        owners = (0, s.geteuid()) if s.user_mode else (0,)
+        # Judged as it is on this host (under $LLMPORT_AGENT_SYSTEM_ROOT too: a test's stand-in
+        # executable that does not exist has only its existing directories judged).
+        open_ = open_to_others(executable, owners)
+        if open_:
+            who = "root or you" if s.user_mode else "root"
+            return (f"the agent runs from {executable}, but {open_}: a unit would run whatever is put "
+                    f"there{'' if s.user_mode else ' as root'}. Install it where only {who} can write "
+                    "(the binary to /usr/local/bin, a virtualenv under /opt) or fix the owner and mode "
+                    f"(chown root, chmod go-w), then run {what} again")
+        for path in (s.env_path, self._state_file_hint()):
+            if path and not _writable_or_creatable(os.path.dirname(path), s.access):
+                return (f"{os.path.dirname(path)} cannot be written by this user, and `{what}` writes "
+                        f"{path} there: fix its owner or mode, or run as root")
+        return None
+
+    def _state_file_hint(self) -> str:
+        """Where the unit's state will be (its env file's or this shell's STATE_PATH, else the default)."""
+        s = self.sys
+        try:
+            values = self.read_env().values()
+        except OSError:
+            values = {}
+        values = {**values, **{k: v for k, v in s.environ.items() if k.startswith(PREFIX)}}
+        configured = values.get(PREFIX + "STATE_PATH")
+        if not configured and s.user_mode:
+            return os.path.join(s.data_home, "state.json")
+        configured = configured or os.path.join(DEFAULT_STATE_DIR, "state.json")
+        return s.place(configured) if s.root else configured
+
     def read_env(self) -> EnvFile:
         try:
             with open(self.sys.env_path, encoding="utf-8") as f:
@@ -516,31 +610,15 @@ class Installer:
         @param drop: variables to remove from the env file (C{join}: a stale enrollment token).
         """
         s = self.sys
-        if s.user_mode and s.geteuid() == 0:
-            return s.fail("`start --user` installs a service of the user who runs it: run it as that user "
-                          "(not root), or `sudo llmport-agent start` for a system service")
-        if s.geteuid() != 0 and not s.user_mode:
-            return s.fail("`start` installs a systemd unit and needs root: sudo llmport-agent start "
-                          "(or `llmport-agent start --user` for a service of your own user)")
-        problem = self._needs_systemd("start")
+        problem = self.preflight("start")
         if problem:
             return s.fail(problem)
-        try:
-            executable, one_process = s.installed_executable()
-        except FileNotFoundError as e:
-            return s.fail(str(e))
-        unstable = unstable_place(executable)
-        if unstable:
-            return s.fail(
-                f"the agent runs from {executable}, under {unstable}, which the unit cannot see "
-                "(PrivateTmp=yes) and which does not survive a reboot: install it to a stable place "
-                "(the binary to /usr/local/bin, a virtualenv or pipx under /opt or /usr/local) and run "
-                "start from there"
-            )
+        executable, one_process = s.installed_executable()
         try:
             env = self.read_env()
         except OSError as e:
             return s.fail(f"cannot read {s.env_path} ({e.strerror})")
+        configured_url = env.values().get(PREFIX + "BACKEND_URL")
         given = {k: v for k, v in s.environ.items() if k.startswith(PREFIX)}
         for key in given:
             try:
@@ -581,6 +659,9 @@ class Installer:
                 "mint a token (POST /api/admin/system/nodes/enrollment-tokens) and pass it",
                 EX_CONFIG,
             )
+        stranger = _not_the_issuer(state_path, config.backend_url, configured_url)
+        if stranger:
+            return s.fail(stranger, EX_CONFIG)
         uid = gid = -1
         supplementary: tuple[str, ...] = ()
         group = None
@@ -933,6 +1014,31 @@ def _exec_path(unit_path: str) -> str | None:
                 return None
             return words[0].replace("$$", "$").replace("%%", "%") if words else None
     return None
+
+
+def _not_the_issuer(state_path: str, url: str, configured_url: str | None) -> str | None:
+    """
+    Why the unit must not run with C{url}: the state's credential was issued by another backend
+    (the one recorded in the state file; for a state from before that record, the env file's
+    C{BACKEND_URL}), and the agent would present it there. C{None}: no credential, or C{url} is
+    its issuer.
+    """
+    from llmport_agent.join import credential_issuer, same_backend
+
+    try:
+        with open(state_path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not data.get("credential"):
+        return None
+    issuer = credential_issuer(data, configured_url)
+    if issuer is None or same_backend(issuer, url):
+        return None
+    return (f"BACKEND_URL {mask_url(url)} is not the backend that issued this node's credential "
+            f"({mask_url(issuer)}), and the agent would present it there: nothing was changed. To move this "
+            f"node to {mask_url(url)}, join it (`llmport-agent join {mask_url(url)}`: a new join an administrator "
+            "there approves); else set BACKEND_URL back")
 
 
 def _has_credential(state_path: str) -> bool:
