@@ -1,0 +1,177 @@
+"""
+Hardening of the node's own tools (issues 29 and 26): `start` never points the unit at a backend
+that did not issue the credential; `join` checks what `start` needs before it files a request;
+`start` refuses an executable that someone other than root can replace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from typing import Any
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmport_agent import cli
+from llmport_agent.installer import EnvFile, Installer, open_to_others
+from tests.test_installer import Host, agent_vars
+
+A = "https://llm-port-a.example.internal"
+B = "https://llm-port-b.example.internal"
+
+
+def _state(h: Host, data: dict[str, Any]) -> str:
+    path = h.path("/var/lib/llmport-agent/state.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return path
+
+
+class StartKeepsTheIssuerTests(SynchronousTestCase):
+    """Issue 29 #1: `start` never rewrites BACKEND_URL to a URL that did not issue the credential."""
+
+    def env(self, h: Host) -> dict[str, str]:
+        return EnvFile.parse(open(h.path("/etc/llmport-agent.env")).read()).values()
+
+    def test_a_recorded_issuer_is_kept(self) -> None:
+        h = Host(self)
+        _state(h, {"credential": "n.c", "node_id": "n-1", "backend_url": A})
+        with open(h.path("/etc/llmport-agent.env"), "w") as f:
+            f.write(f"LLM_PORT_NODE_AGENT_BACKEND_URL={A}\n")
+        rc = Installer(h.system(environ={"LLM_PORT_NODE_AGENT_BACKEND_URL": B})).start()
+        self.assertEqual(rc, 2, h.err.getvalue())
+        err = h.err.getvalue()
+        self.assertIn(f"BACKEND_URL {B} is not the backend that issued this node's credential ({A})", err)
+        self.assertEqual(len(err.strip().splitlines()), 1)
+        self.assertEqual(self.env(h)["LLM_PORT_NODE_AGENT_BACKEND_URL"], A)
+        self.assertNotIn("restart llmport-agent.service", h.calls())
+        # The issuer itself (written another way) is fine.
+        rc = Installer(h.system(environ={"LLM_PORT_NODE_AGENT_BACKEND_URL": A + "/"})).start()
+        self.assertEqual(rc, 0, h.err.getvalue())
+
+    def test_a_legacy_state_keeps_the_env_files_url(self) -> None:
+        """No issuer recorded (the original agent's state): the env file's BACKEND_URL issued it."""
+        h = Host(self)
+        _state(h, {"credential": "n.c", "node_id": "n-1"})
+        with open(h.path("/etc/llmport-agent.env"), "w") as f:
+            f.write(f"LLM_PORT_NODE_AGENT_BACKEND_URL={A}\n")
+        rc = Installer(h.system(environ=agent_vars(BACKEND_URL=B))).start()
+        self.assertEqual(rc, 2, h.err.getvalue())
+        self.assertEqual(self.env(h)["LLM_PORT_NODE_AGENT_BACKEND_URL"], A)
+
+    def test_no_credential_no_issuer(self) -> None:
+        h = Host(self)
+        rc = Installer(h.system(environ=agent_vars(BACKEND_URL=B))).start()
+        self.assertEqual(rc, 0, h.err.getvalue())
+
+
+class JoinChecksFirstTests(SynchronousTestCase):
+    """Issue 26 #5: `join` checks what `start` will need before it files a request."""
+
+    def join(self, h: Host, **kw: Any) -> int:
+        asked: list[Any] = []
+        self.patch(cli, "_run_join", lambda *a, **k: asked.append(a) or 0)
+        self.patch(Installer, "start", lambda *a, **k: 0)
+        rc = cli.join_command("https://llm-port.example.internal", False, system=h.system(**kw))
+        self.assertEqual(asked, [], "a request was filed")
+        return rc
+
+    def test_no_systemd(self) -> None:
+        h = Host(self, systemd=False)
+        self.assertEqual(self.join(h), 1)
+        self.assertIn("systemd is not running on this host", h.err.getvalue())
+
+    def test_not_root(self) -> None:
+        h = Host(self)
+        self.assertEqual(self.join(h, euid=1000), 1)
+        self.assertIn("`join` installs a systemd unit and needs root", h.err.getvalue())
+
+    def test_an_executable_others_can_replace(self) -> None:
+        h = Host(self)
+        exe = os.path.join(os.path.abspath(self.mktemp()), "bin", "llmport-agent")
+        os.makedirs(os.path.dirname(exe))
+        with open(exe, "w") as f:
+            f.write("#!/bin/sh\n")
+        os.chmod(exe, 0o755)
+        os.chmod(os.path.dirname(exe), 0o777)
+        self.assertEqual(self.join(h, exe=exe), 1)
+        self.assertIn("is writable by its group or all users (mode 0777)", h.err.getvalue())
+
+    def test_all_good_goes_on(self) -> None:
+        h = Host(self)
+        calls: list[Any] = []
+        self.patch(cli, "_run_join", lambda *a, **k: calls.append(a) or 0)
+        self.patch(Installer, "start", lambda *a, **k: 0)
+        self.assertEqual(cli.join_command("https://llm-port.example.internal", False, system=h.system()), 0)
+        self.assertEqual(len(calls), 1, h.err.getvalue())
+
+
+class ExecutableTrustTests(SynchronousTestCase):
+    """Issue 29 #6: `start` refuses an executable (or a directory above it) a non-root user can write."""
+
+    def tree(self) -> tuple[str, str]:
+        top = os.path.abspath(self.mktemp())
+        exe = os.path.join(top, "venv", "bin", "llmport-agent")
+        os.makedirs(os.path.dirname(exe))
+        with open(exe, "w") as f:
+            f.write("#!/bin/sh\n")
+        os.chmod(exe, 0o755)
+        return top, exe
+
+    def start(self, exe: str, **kw: Any) -> tuple[int, Host]:
+        h = Host(self)
+        return Installer(h.system(environ=agent_vars(), exe=exe, **kw)).start(), h
+
+    def test_root_owned_and_closed_is_fine(self) -> None:
+        _, exe = self.tree()
+        self.assertIsNone(open_to_others(exe))
+        rc, h = self.start(exe)
+        self.assertEqual(rc, 0, h.err.getvalue())
+
+    def test_a_group_writable_directory_above(self) -> None:
+        top, exe = self.tree()
+        os.chmod(os.path.join(top, "venv"), 0o775)
+        rc, h = self.start(exe)
+        self.assertEqual(rc, 1)
+        err = h.err.getvalue()
+        self.assertIn(f"the directory {top}/venv is writable by its group or all users (mode 0775)", err)
+        self.assertIn("chmod go-w", err)
+        self.assertEqual(len(err.strip().splitlines()), 1)
+        self.assertFalse(os.path.exists(h.path("/etc/systemd/system/llmport-agent.service")))
+
+    def test_a_writable_file(self) -> None:
+        _, exe = self.tree()
+        os.chmod(exe, 0o757)
+        rc, h = self.start(exe)
+        self.assertEqual(rc, 1)
+        self.assertIn(f"the file {exe} is writable", h.err.getvalue())
+
+    def test_owned_by_a_user(self) -> None:
+        """A `pip install --user` or a venv in a home: the owner can replace it."""
+        top, exe = self.tree()
+        os.chown(os.path.join(top, "venv", "bin"), 1000, 1000)
+        rc, h = self.start(exe)
+        self.assertEqual(rc, 1)
+        self.assertIn(f"the directory {top}/venv/bin is owned by uid 1000", h.err.getvalue())
+        # That user's own --user service may run it (it runs as them anyway).
+        self.assertIsNone(open_to_others(exe, (0, 1000)))
+
+    def test_sticky_directory_is_fine_but_a_link_into_an_open_one_is_not(self) -> None:
+        top, exe = self.tree()
+        os.chmod(os.path.join(top, "venv"), 0o1777)
+        self.assertIsNone(open_to_others(exe))
+        os.chmod(os.path.join(top, "venv"), 0o755)
+        # A link from a closed place to an executable in an open one: what runs is the target.
+        open_dir = os.path.join(top, "open")
+        os.makedirs(open_dir)
+        os.chmod(open_dir, 0o777)
+        target = os.path.join(open_dir, "real")
+        with open(target, "w") as f:
+            f.write("#!/bin/sh\n")
+        os.chmod(target, 0o755)
+        link = os.path.join(top, "venv", "bin", "linked")
+        os.symlink(target, link)
+        self.assertIn(f"the directory {open_dir} is writable", open_to_others(link) or "")
+        self.assertEqual(stat.S_IMODE(os.stat(open_dir).st_mode), 0o777)
