@@ -121,7 +121,15 @@ def join_command(url: str | None, user_mode: bool, insecure_http: bool = False, 
         return system.fail(f"configuration error: {e}", EX_USAGE)
     state_path = system.place(config.state_path) if system.root else config.state_path
     if user_mode:
+        from llmport_agent.state import TwoStates, adopt_old_state
+
         os.makedirs(os.path.dirname(state_path), mode=0o700, exist_ok=True)
+        try:
+            moved = adopt_old_state(state_path, dict(system.environ), system.geteuid())
+        except TwoStates as e:
+            return system.fail(str(e))
+        if moved:
+            system.say(moved)
     code = _run_join(config, state_path, system, configured_url)
     if code != 0:
         return code

@@ -226,8 +226,10 @@ class System:
 
     @property
     def data_home(self) -> str:
-        """C{~/.local/share/llmport-agent}: the user mode's state and (fallback) model store."""
-        return os.path.join(self._xdg("XDG_DATA_HOME", ".local/share"), "llmport-agent")
+        """C{~/.local/share/llmport-agent}: the user mode's state and (fallback) model store (L{user_state_dir})."""
+        from llmport_agent.state import user_state_dir
+
+        return user_state_dir({k: v for k, v in self.environ.items() if k in ("HOME", "XDG_DATA_HOME")})
 
     @property
     def unit_path(self) -> str:
@@ -653,6 +655,15 @@ class Installer:
         except ConfigError as e:
             return s.fail(f"configuration error: {e}", EX_CONFIG)
         state_path = s.place(config.state_path) if s.root else config.state_path
+        if s.user_mode:
+            from llmport_agent.state import TwoStates, adopt_old_state
+
+            try:
+                moved = adopt_old_state(state_path, dict(s.environ), s.geteuid())
+            except TwoStates as e:
+                return s.fail(str(e))
+            if moved:
+                s.say(moved)
         if not config.enrollment_token and not _has_credential(state_path):
             return s.fail(
                 f"no credential in {config.state_path} and no LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN: "

@@ -175,3 +175,122 @@ class ExecutableTrustTests(SynchronousTestCase):
         os.symlink(target, link)
         self.assertIn(f"the directory {open_dir} is writable", open_to_others(link) or "")
         self.assertEqual(stat.S_IMODE(os.stat(open_dir).st_mode), 0o777)
+
+
+class OneStateLocationTests(SynchronousTestCase):
+    """
+    Issue 26 #6: one state location per user. `run` as a user, `start --user` and `join --user`
+    all keep it in ~/.local/share/llmport-agent (the original's user mode); the old place of
+    `run` (~/.local/state/llmport-agent) is found and moved; both present: one line, no new
+    identity.
+    """
+
+    def home(self) -> tuple[str, dict[str, str]]:
+        home = os.path.abspath(self.mktemp())
+        os.makedirs(home)
+        return home, {"HOME": home}
+
+    def old(self, home: str, credential: str = "n.old") -> str:
+        d = os.path.join(home, ".local/state/llmport-agent")
+        os.makedirs(d)
+        with open(os.path.join(d, "state.json"), "w") as f:
+            json.dump({"credential": credential, "node_id": "n-old"}, f)
+        with open(os.path.join(d, "commands.jsonl"), "w") as f:
+            f.write("{}\n")
+        return d
+
+    def test_run_as_a_user_falls_back_to_the_same_place(self) -> None:
+        from llmport_agent import state as state_mod
+
+        home, env = self.home()
+        self.patch(state_mod.os, "geteuid", lambda: 1000)
+        self.patch(state_mod, "_writable_dir", lambda d: False)
+        path, note = state_mod.resolve_state_path("/var/lib/llmport-agent/state.json", env)
+        self.assertEqual(path, os.path.join(home, ".local/share/llmport-agent/state.json"))
+        self.assertIn("not writable", note or "")
+        # ...which is where `start --user` puts it.
+        from llmport_agent.installer import System
+
+        self.assertEqual(System(environ=env, user_mode=True).user_defaults({})["LLM_PORT_NODE_AGENT_STATE_PATH"], path)
+
+    def test_the_old_place_is_moved(self) -> None:
+        from llmport_agent.state import adopt_old_state
+
+        home, env = self.home()
+        old = self.old(home)
+        new = os.path.join(home, ".local/share/llmport-agent/state.json")
+        note = adopt_old_state(new, env, euid=1000)
+        self.assertIn(f"moved this user's state from {old}", note or "")
+        with open(new) as f:
+            self.assertEqual(json.load(f)["credential"], "n.old")
+        self.assertTrue(os.path.exists(os.path.join(os.path.dirname(new), "commands.jsonl")))
+        self.assertFalse(os.path.exists(old))
+        self.assertIsNone(adopt_old_state(new, env, euid=1000))  # once
+
+    def test_both_places_is_one_line_and_nothing_moves(self) -> None:
+        from llmport_agent.state import TwoStates, adopt_old_state
+
+        home, env = self.home()
+        old = self.old(home)
+        new = os.path.join(home, ".local/share/llmport-agent/state.json")
+        os.makedirs(os.path.dirname(new))
+        with open(new, "w") as f:
+            json.dump({"credential": "n.new"}, f)
+        with self.assertRaises(TwoStates) as e:
+            adopt_old_state(new, env, euid=1000)
+        self.assertIn("two states for this user", str(e.exception))
+        self.assertNotIn("\n", str(e.exception))
+        self.assertTrue(os.path.exists(os.path.join(old, "state.json")))
+        with open(new) as f:
+            self.assertEqual(json.load(f)["credential"], "n.new")
+
+    def test_an_agent_running_on_the_old_place(self) -> None:
+        from llmport_agent.instance import InstanceLock
+        from llmport_agent.state import TwoStates, adopt_old_state
+
+        home, env = self.home()
+        old = self.old(home)
+        held = InstanceLock(os.path.join(old, "state.json"))
+        held.acquire()
+        self.addCleanup(held.release)
+        with self.assertRaises(TwoStates):
+            adopt_old_state(os.path.join(home, ".local/share/llmport-agent/state.json"), env, euid=1000)
+        self.assertTrue(os.path.exists(os.path.join(old, "state.json")))
+
+    def test_root_and_other_paths_are_left_alone(self) -> None:
+        from llmport_agent.state import adopt_old_state
+
+        home, env = self.home()
+        old = self.old(home)
+        self.assertIsNone(adopt_old_state(os.path.join(home, ".local/share/llmport-agent/state.json"), env, euid=0))
+        self.assertIsNone(adopt_old_state(os.path.join(home, "elsewhere/state.json"), env, euid=1000))
+        self.assertTrue(os.path.exists(os.path.join(old, "state.json")))
+
+    def test_join_user_finds_the_old_identity(self) -> None:
+        """`join --user` with the old place holding a credential: moved, and the join sees it (no new identity)."""
+        h = Host(self)
+        home = h.path("/home/ann")
+        os.makedirs(home)
+        self.old(home)
+        seen: list[str] = []
+        self.patch(cli, "_run_join", lambda config, state_path, *a, **k: seen.append(state_path) or 1)
+        system = h.system(euid=1000, environ={"HOME": home}, user_mode=True)
+        self.assertEqual(cli.join_command("https://llm-port.example.internal", True, system=system), 1)
+        self.assertEqual(seen, [os.path.join(home, ".local/share/llmport-agent/state.json")], h.err.getvalue())
+        with open(seen[0]) as f:
+            self.assertEqual(json.load(f)["credential"], "n.old")
+        self.assertIn("moved this user's state", h.out.getvalue())
+
+    def test_start_user_refuses_two_states(self) -> None:
+        h = Host(self)
+        home = h.path("/home/ann")
+        os.makedirs(home)
+        self.old(home)
+        new = os.path.join(home, ".local/share/llmport-agent/state.json")
+        os.makedirs(os.path.dirname(new))
+        with open(new, "w") as f:
+            json.dump({"credential": "n.new"}, f)
+        system = h.system(euid=1000, environ={"HOME": home, **agent_vars()}, user_mode=True)
+        self.assertEqual(Installer(system).start(), 1)
+        self.assertIn("two states for this user", h.err.getvalue())
+        self.assertNotIn("--user restart llmport-agent.service", h.calls())

@@ -473,6 +473,10 @@ class SafeFsTests(SynchronousTestCase):
             safefs.remove_tree(self.fd, "deep")
         self.assertEqual(cm.exception.errno, errno.ELOOP)
         self.assertEqual(len(os.listdir("/proc/self/fd")), fds)
+        # Without the bound it goes (and leaves trial's recursive clean-up nothing too deep).
+        self.patch(safefs, "MAX_HOISTED", 1 << 20)
+        safefs.remove_tree(self.fd, "deep")
+        self.assertEqual(os.listdir(self.dir), [])
 
     def test_open_file_refuses_links_fifos_devices(self) -> None:
         """open_file_at opens regular files only; the rest raise without being opened."""
