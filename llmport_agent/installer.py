@@ -865,7 +865,9 @@ class Installer:
                       f"{props.get('UnitFileState', '?')}, main pid {props.get('MainPID', '0')}, "
                       f"restarts {props.get('NRestarts', '0')}, last exit status {props.get('ExecMainStatus', '0')}")
                 if props.get("StatusText"):
-                    s.say(f"its status: {props['StatusText']}")
+                    from llmport_agent.cleantext import shown as shown_text
+
+                    s.say(f"its status: {shown_text(props['StatusText'], 400)}")
         else:
             s.say("service:    systemd is not running on this host (no unit to inspect)")
         try:
@@ -876,14 +878,31 @@ class Installer:
         except (ConfigError, OSError) as e:
             s.say(f"config:     cannot be read ({e})")
             return EX_FAIL
-        body = _readyz(config.ops_port) if config.ops_port else None
-        if body is not None:
-            # Whatever answers on that loopback port (any local user can listen there while the
-            # agent is down): each value shown bounded and without control characters.
-            from llmport_agent.backend_http import shown
+        from llmport_agent.cleantext import shown
 
-            def w(value: object) -> str:
-                return shown(str(value), 200)
+        def w(value: object) -> str:
+            return shown(str(value), 200)
+
+        # Whatever answers on that loopback port is believed only when it is the agent: the
+        # holder of the state's instance lock owns the listening socket (opsprobe); a redirect
+        # is never followed. Every value shown bounded and without control characters.
+        body = None
+        squatted = False
+        if config.ops_port:
+            from llmport_agent.opsprobe import probe
+
+            state_path = s.path(config.state_path) if s.root else config.state_path
+            answer = probe(config.ops_port, state_path)
+            if answer.trusted or answer.unverifiable:
+                body = answer.body
+                if answer.unverifiable and answer.body is not None:
+                    s.say(f"note:       unverified answer on 127.0.0.1:{config.ops_port}: {w(answer.note)}")
+            elif answer.answered:
+                squatted = True
+                s.say(f"agent:      something that is not the agent answers on 127.0.0.1:{config.ops_port} "
+                      f"({w(answer.note)}); its answer is ignored: find it with `ss -ltnp 'sport = :"
+                      f"{config.ops_port}'`")
+        if body is not None:
 
             agent = body.get("agent")
             agent = agent if isinstance(agent, dict) else {}
@@ -905,7 +924,7 @@ class Installer:
             ready = bool(body.get("ready"))
         else:
             ready = False
-            if config.ops_port:
+            if config.ops_port and not squatted:
                 s.say(f"agent:      not answering on http://127.0.0.1:{config.ops_port}/readyz")
             self._state_view(config)
         if not active:
@@ -940,9 +959,12 @@ class Installer:
         except Exception as e:
             self.sys.say(f"state file: {path} cannot be read ({e})")
             return
+        from llmport_agent.cleantext import shown
+
         data = result.data if result else {}
+        # The node id came from the backend: shown bounded and cleaned (an old state may hold anything).
         self.sys.say(f"state file: {path} ({'present' if result else 'absent'}), enrolled: "
-                     f"{'yes' if data.get('credential') else 'no'}, node id {data.get('node_id', '-')}, "
+                     f"{'yes' if data.get('credential') else 'no'}, node id {shown(data.get('node_id', '-'), 200)}, "
                      f"maintenance {bool(data.get('maintenance'))}, draining {bool(data.get('draining'))}")
 
     # config --set / --unset ---------------------------------------------------------------
@@ -1059,22 +1081,3 @@ def _has_credential(state_path: str) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and bool(data.get("credential"))
-
-
-def _readyz(port: int) -> dict[str, Any] | None:
-    import urllib.error
-    import urllib.request
-
-    url = f"http://127.0.0.1:{port}/readyz"
-    try:
-        with urllib.request.urlopen(url, timeout=3) as response:  # noqa: S310 - loopback only
-            raw = response.read(1 << 20)
-    except urllib.error.HTTPError as e:
-        raw = e.read(1 << 20)
-    except (OSError, ValueError):
-        return None
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None
-    return body if isinstance(body, dict) else None

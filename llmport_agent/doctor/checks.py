@@ -57,6 +57,10 @@ class Context:
     timeout: float = 3.0
     #: The running agent's /readyz body, when one answers on this node.
     readiness: dict[str, Any] | None = None
+    #: What answered is the agent (its lock's holder owns the port): only then is it believed.
+    ops_trusted: bool = False
+    #: Something that is not the agent answered on the ops port: why it is not believed.
+    ops_note: str = ""
     unit: str = "llmport-agent.service"
     ray_ports: tuple[int, ...] = RAY_PORTS
     sys_root: str = ""
@@ -255,8 +259,20 @@ def _state(ctx: Context) -> dict[str, Any]:
 
 
 def _agent_connected(ctx: Context) -> bool:
+    """The running agent (verified: never a squatter on its port) says it is connected."""
+    if not ctx.ops_trusted:
+        return False
     checks = (ctx.readiness or {}).get("checks") or {}
     return bool((checks.get("session") or {}).get("ok"))
+
+
+def check_ops_port(ctx: Context) -> list[Finding]:
+    """Something that is not the agent answering on its loopback ops port (opsprobe)."""
+    if ctx.config is None or not ctx.ops_note:
+        return []
+    port = ctx.config.ops_port
+    return [fail("ops port", f"something that is not the agent answers on 127.0.0.1:{port} ({ctx.ops_note}); its "
+                 "answers are ignored", f"find it with `ss -ltnp 'sport = :{port}'`, stop it, then start the agent")]
 
 
 def check_credential(ctx: Context) -> list[Finding]:
@@ -797,6 +813,7 @@ def check_rdma(ctx: Context) -> list[Finding]:
 #: Every check, in the order the report lists them.
 CHECKS: tuple[tuple[str, Callable[[Context], list[Finding]]], ...] = (
     ("configuration", check_config),
+    ("ops port", check_ops_port),
     ("backend", check_backend),
     ("credential", check_credential),
     ("docker engine", check_engine),
