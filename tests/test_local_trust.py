@@ -454,3 +454,93 @@ class RootsToolsTrustOnlyTheAgentTests(SynchronousTestCase):
         self.assertEqual(ops, [])
         self.assertTrue(ctx.ops_trusted)
         self.assertEqual(credential[0].detail, "the running agent is connected with it")
+
+
+BAD_NODE_IDS = ("n\x1b[2J\x1b]0;pwned\x07", "x" * 129, "../../etc/passwd", "a b", "\u202eevil", "n\nfake line", "-n")
+
+
+class NodeIdTests(SynchronousTestCase):
+    """Issue 29 #4: a node id handed out by the backend is validated where it is received."""
+
+    def test_the_shape(self) -> None:
+        from llmport_agent.cleantext import node_id_problem
+
+        for good in ("11111111-2222-4333-8444-555555555555", "n1", "node_7.a:b", "x" * 128):
+            self.assertIsNone(node_id_problem(good), good)
+        for bad in (*BAD_NODE_IDS, "", None, 7, ["n"]):
+            self.assertIsNotNone(node_id_problem(bad), repr(bad))
+
+    def test_one_cleaner(self) -> None:
+        """shown(): bounded, and no control, separator or bidi character survives."""
+        from llmport_agent.backend_http import shown as backend_shown
+        from llmport_agent.cleantext import shown
+        from llmport_agent.doctor.result import Finding
+
+        self.assertIs(backend_shown, shown)
+        text = "a\x1b[31mb\rc\nd\x9be\u2028f\u202eg\u2066h\x7f"
+        self.assertEqual(shown(text), "a?[31mb?c?d?e?f?g?h?")
+        self.assertEqual(len(shown("x" * 10_000, 200)), 200)
+        self.assertNotIn("\u202e", Finding("c", "ok", "\u202eevil", "\x1b[2J").line())
+
+    def test_enrollment_reply(self) -> None:
+        from llmport_agent.cleantext import BadNodeId
+        from tests.test_backend_http import FakeBackend, call
+        from tests.test_session import CRED
+
+        for bad in BAD_NODE_IDS:
+            d = call(self, FakeBackend(200, {"node_id": bad, "credential": CRED}),
+                     lambda c: c.enroll("tok", "agent-1", "node-a", {}, "1.2.3"))
+            f = self.failureResultOf(d, BadNodeId)
+            self.assertIn("the enrollment reply", str(f.value))
+            self.assertNotIn("\x1b", str(f.value))
+            self.assertNotIn("\n", str(f.value))
+
+    def test_hello_ack(self) -> None:
+        """A hello_ack naming a bad node id: not stored, not adopted, one ERROR line each."""
+        from twisted.internet.defer import succeed
+        from twisted.internet.endpoints import TCP4ClientEndpoint
+        from twisted.internet.testing import MemoryReactorClock
+        from twisted.logger import formatEvent, globalLogPublisher
+
+        from llmport_agent.config import load_config
+        from llmport_agent.session.service import SessionService
+        from llmport_agent.state import StateStore
+        from llmport_agent.testing import SynchronousRunner
+        from tests.test_polling import WireProto
+        from tests.test_session import CRED, FakeBackend
+
+        reactor = MemoryReactorClock()
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        state = StateStore(SynchronousRunner(), os.path.join(d, "state.json"))
+        self.successResultOf(state.load())
+        self.successResultOf(state.update(credential=CRED, node_id="n1"))
+        svc = SessionService(
+            reactor, load_config({"LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:8000"}, {}), state,
+            FakeBackend(), lambda: succeed({}), lambda code, msg: None, version="0.1.0",  # type: ignore[arg-type]
+            endpoint_factory=lambda host, port, tls: TCP4ClientEndpoint(reactor, host, port), rng=lambda: 1.0,
+        )
+        svc.startService()
+        self.addCleanup(svc.stopService)
+        errors: list[str] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            if event.get("log_level") is not None and event["log_level"].name == "error":
+                errors.append(formatEvent(event))
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        proto = WireProto(reactor)
+        svc.connection_opened(proto)
+        for bad in BAD_NODE_IDS:
+            svc.frame_received(proto, {"type": "hello_ack", "session_id": "s", "node_id": bad, "commands": []})
+            self.assertEqual(svc.node_id, "n1")
+            self.assertEqual(state.get("node_id"), "n1")
+        self.assertEqual(len(errors), len(BAD_NODE_IDS))
+        for line in errors:
+            self.assertIn("names a node id that is not one", line)
+            self.assertNotIn("\x1b", line)
+            self.assertNotIn("\n", line)
+        # A good new one is adopted.
+        svc.frame_received(proto, {"type": "hello_ack", "session_id": "s", "node_id": "n2", "commands": []})
+        self.assertEqual(state.get("node_id"), "n2")
