@@ -544,3 +544,83 @@ class NodeIdTests(SynchronousTestCase):
         # A good new one is adopted.
         svc.frame_received(proto, {"type": "hello_ack", "session_id": "s", "node_id": "n2", "commands": []})
         self.assertEqual(state.get("node_id"), "n2")
+
+
+class AgentKeepsTheIssuerTests(SynchronousTestCase):
+    """
+    The agent itself: the credential recorded as issued by one backend is never presented to
+    another BACKEND_URL (a hand-edited env file, `config --set`); enrollment records the issuer;
+    a bad node id in the enrollment reply stops with one line.
+    """
+
+    def session(self, url: str, state: dict[str, Any] | None = None, token: str | None = None) -> Any:
+        from twisted.internet.defer import succeed
+        from twisted.internet.endpoints import TCP4ClientEndpoint
+        from twisted.internet.testing import MemoryReactorClock
+
+        from llmport_agent.config import load_config
+        from llmport_agent.session.service import SessionService
+        from llmport_agent.state import StateStore
+        from llmport_agent.testing import SynchronousRunner
+        from tests.test_session import FakeBackend
+
+        self.reactor = MemoryReactorClock()
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        self.state = StateStore(SynchronousRunner(), os.path.join(d, "state.json"))
+        self.successResultOf(self.state.load())
+        if state:
+            self.successResultOf(self.state.update(**state))
+        environ = {"LLM_PORT_NODE_AGENT_BACKEND_URL": url}
+        if token:
+            environ["LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN"] = token
+        self.fatal: list[tuple[int, str]] = []
+        self.backend = FakeBackend()
+        svc = SessionService(
+            self.reactor, load_config(environ, {}), self.state, self.backend,  # type: ignore[arg-type]
+            lambda: succeed({}), lambda code, msg: self.fatal.append((code, msg)), version="0.1.0",
+            endpoint_factory=lambda host, port, tls: TCP4ClientEndpoint(self.reactor, host, port), rng=lambda: 1.0,
+        )
+        self.addCleanup(svc.stopService)
+        svc.startService()
+        return svc
+
+    def test_another_backend_url_gets_nothing(self) -> None:
+        from llmport_agent.session.enrollment import EXIT_NEEDS_OPERATOR
+        from tests.test_session import CRED
+
+        self.session("http://127.0.0.1:8001", {"credential": CRED, "node_id": "n1",
+                                                 "backend_url": "http://127.0.0.1:8000"})
+        self.assertEqual(self.reactor.tcpClients, [])
+        self.assertEqual(self.fatal[0][0], EXIT_NEEDS_OPERATOR)
+        self.assertIn("issued by http://127.0.0.1:8000, but BACKEND_URL is http://127.0.0.1:8001", self.fatal[0][1])
+
+    def test_the_issuer_written_another_way_is_fine(self) -> None:
+        from tests.test_session import CRED
+
+        self.session("http://127.0.0.1:8000/", {"credential": CRED, "node_id": "n1",
+                                                  "backend_url": "HTTP://127.0.0.1:8000"})
+        self.assertEqual(self.fatal, [])
+        self.assertEqual(len(self.reactor.tcpClients), 1)
+
+    def test_enrollment_records_the_issuer(self) -> None:
+        from llmport_agent.backend_http import Enrollment
+        from tests.test_session import CRED
+
+        self.session("http://127.0.0.1:8000", token="tok-1")
+        self.backend.enrolls[0].callback(Enrollment("n1", CRED, None))
+        self.assertEqual(self.state.get("backend_url"), "http://127.0.0.1:8000")
+
+    def test_enrollment_naming_a_bad_node_id_stops_with_one_line(self) -> None:
+        from llmport_agent.cleantext import checked_node_id
+        from llmport_agent.session.enrollment import EXIT_NEEDS_OPERATOR
+
+        self.session("http://127.0.0.1:8000", token="tok-1")
+        try:
+            checked_node_id("\x1b[2Jx", "the enrollment reply")
+        except ValueError as e:
+            self.backend.enrolls[0].errback(e)
+        self.assertEqual(self.fatal[0][0], EXIT_NEEDS_OPERATOR)
+        self.assertIn("that is not one", self.fatal[0][1])
+        self.assertNotIn("\x1b", self.fatal[0][1])
+        self.assertIsNone(self.state.credential)

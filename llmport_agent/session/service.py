@@ -43,7 +43,7 @@ from llmport_agent.backend_http import BackendHTTP
 from llmport_agent.backoff import Backoff, FailureCounter, retry_policy
 from llmport_agent.cleantext import node_id_problem
 from llmport_agent.cleantext import shown as shown_text
-from llmport_agent.config import AgentConfig
+from llmport_agent.config import AgentConfig, mask_url
 from llmport_agent.session import enrollment, polling, refusal, rotation, stop
 from llmport_agent.session.dispatch import DispatchDetector
 from llmport_agent.session.enrollment import EXIT_NEEDS_OPERATOR, TOKEN_HELP
@@ -316,6 +316,19 @@ class SessionService(Service):
             )
         # With a credential stored, the token is kept for a refusal (see _refused); whether it
         # can be removed is said once the backend accepted the credential (connection_opened).
+        issuer = self.state.get("backend_url")
+        if self.state.credential and isinstance(issuer, str) and issuer:
+            from llmport_agent.join import same_backend
+
+            if not same_backend(issuer, self.config.backend_url):
+                # The credential goes only to the backend that issued it (join, start, here).
+                self._fatal(
+                    EXIT_NEEDS_OPERATOR,
+                    f"The stored credential was issued by {mask_url(issuer)}, but BACKEND_URL is "
+                    f"{mask_url(self.config.backend_url)}: it is not sent there. Set BACKEND_URL back, or "
+                    f"join the new backend (llmport-agent join {mask_url(self.config.backend_url)})",
+                )
+                return
         if self.state.credential:
             pass
         elif token:
