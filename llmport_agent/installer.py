@@ -388,6 +388,14 @@ def open_to_others(path: str, owners: tuple[int, ...] = (0,)) -> str | None:
     return None
 
 
+def _code_paths() -> tuple[str, ...]:
+    """What a console script runs besides itself: the interpreter and this package (not in a frozen build)."""
+    if getattr(sys, "frozen", False):
+        return ()
+    package = os.path.dirname(os.path.abspath(__file__))
+    return (os.path.realpath(sys.executable), package)
+
+
 def unit_template() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     for candidate in (
@@ -565,9 +573,18 @@ class Installer:
                     "(the binary to /usr/local/bin, a virtualenv or pipx under /opt or /usr/local) and run "
                     f"{what} from there")
         owners = (0, s.geteuid()) if s.user_mode else (0,)
+        if s.root:
+            # Under $LLMPORT_AGENT_SYSTEM_ROOT (tests): the tree's owner is whoever runs them.
+            owners = (*owners, os.geteuid())
         # Judged as it is on this host (under $LLMPORT_AGENT_SYSTEM_ROOT too: a test's stand-in
-        # executable that does not exist has only its existing directories judged).
-        open_ = open_to_others(executable, owners)
+        # executable that does not exist has only its existing directories judged). What the
+        # executable runs is judged too: the interpreter and this package's own directory (a
+        # root-owned script importing code from a home directory is that code).
+        open_ = None
+        for path in (executable, *_code_paths()):
+            open_ = open_to_others(path, owners)
+            if open_:
+                break
         if open_:
             who = "root or you" if s.user_mode else "root"
             return (f"the agent runs from {executable}, but {open_}: a unit would run whatever is put "

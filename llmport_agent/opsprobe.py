@@ -92,8 +92,16 @@ def lock_holder(state_path: str, proc: str = "/proc") -> int | None:
     return None
 
 
+#: The local addresses (as /proc/net/tcp{,6} write them) a connection to 127.0.0.1 can reach:
+#: 127.0.0.1 and 0.0.0.0; ::ffff:127.0.0.1 and :: (a dual-stack listener).
+_REACHABLE = {"0100007F", "00000000", "0000000000000000FFFF00000100007F", "00000000000000000000000000000000"}
+
+
 def listening_inodes(port: int, proc: str = "/proc") -> set[int]:
-    """The inodes of the TCP sockets listening on C{port} (any address, IPv4 and IPv6)."""
+    """
+    The inodes of the TCP sockets listening on C{port} that a connection to 127.0.0.1 can reach
+    (a listener on another loopback address, 127.0.0.2 say, answers no such connection).
+    """
     out: set[int] = set()
     for name in ("tcp", "tcp6"):
         try:
@@ -107,7 +115,8 @@ def listening_inodes(port: int, proc: str = "/proc") -> set[int]:
                     if len(fields) < 10 or fields[3] != "0A":
                         continue
                     try:
-                        if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        address, hex_port = fields[1].rsplit(":", 1)
+                        if int(hex_port, 16) == port and address.upper() in _REACHABLE:
                             out.add(int(fields[9]))
                     except (ValueError, IndexError):
                         continue

@@ -624,3 +624,46 @@ class AgentKeepsTheIssuerTests(SynchronousTestCase):
         self.assertIn("that is not one", self.fatal[0][1])
         self.assertNotIn("\x1b", self.fatal[0][1])
         self.assertIsNone(self.state.credential)
+
+
+class WhatTheScriptRunsTests(SynchronousTestCase):
+    """A root-owned script that imports this package from a directory others can write is refused too."""
+
+    def test_the_package_directory_is_judged(self) -> None:
+        from llmport_agent import installer
+
+        top = os.path.abspath(self.mktemp())
+        package = os.path.join(top, "home", "bob", "src", "llmport_agent")
+        os.makedirs(package)
+        os.chown(os.path.join(top, "home", "bob"), 1000, 1000)
+        self.patch(installer, "_code_paths", lambda: (package,))
+        h = Host(self)
+        rc = Installer(h.system(environ=agent_vars())).start()
+        self.assertEqual(rc, 1)
+        self.assertIn(f"the directory {top}/home/bob is owned by uid 1000", h.err.getvalue())
+
+    def test_this_checkout_is_fine(self) -> None:
+        from llmport_agent.installer import _code_paths
+
+        for path in _code_paths():
+            self.assertIsNone(open_to_others(path, (0, os.geteuid())), path)
+
+
+class ListenerTests(SynchronousTestCase):
+    def test_only_listeners_a_loopback_connection_reaches(self) -> None:
+        """A listener on 127.0.0.2 (another user's, say) on the same port is not the one answering."""
+        import socket
+
+        from llmport_agent.opsprobe import listening_inodes
+
+        a = socket.socket()
+        self.addCleanup(a.close)
+        a.bind(("127.0.0.1", 0))
+        a.listen(1)
+        port = a.getsockname()[1]
+        b = socket.socket()
+        self.addCleanup(b.close)
+        b.bind(("127.0.0.2", port))
+        b.listen(1)
+        inode = os.fstat(a.fileno()).st_ino
+        self.assertEqual(listening_inodes(port), {inode})
