@@ -302,7 +302,8 @@ def check_credential(ctx: Context) -> list[Finding]:
         code, _h, body = _http(ctx, url + WHOAMI_PATH, headers=headers)
     except Exception as e:
         return [warn("credential", f"not checked: the backend did not answer ({_err(e)})", "check the backend first")]
-    from llmport_agent.backend_http import is_route_missing, shown
+    from llmport_agent.backend_http import is_route_missing
+    from llmport_agent.cleantext import shown
 
     route_missing = is_route_missing(code, body)
     if code == 200:
