@@ -667,3 +667,31 @@ class ListenerTests(SynchronousTestCase):
         b.listen(1)
         inode = os.fstat(a.fileno()).st_ino
         self.assertEqual(listening_inodes(port), {inode})
+
+
+class DoctorKeepsTheIssuerTests(SynchronousTestCase):
+    def test_the_credential_is_not_sent_to_a_shell_url(self) -> None:
+        """`sudo LLM_PORT_NODE_AGENT_BACKEND_URL=<other> llmport-agent doctor`: no whoami there."""
+        from llmport_agent.doctor.checks import check_credential
+        from llmport_agent.doctor.run import make_context
+        seen: list[Any] = []
+        url = B
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        with open(os.path.join(d, "state.json"), "w") as f:
+            json.dump({"credential": "n.secret-credential", "node_id": "n-1", "backend_url": A}, f)
+        env_file = os.path.join(d, "agent.env")
+        with open(env_file, "w") as f:
+            f.write(f"LLM_PORT_NODE_AGENT_BACKEND_URL={A}\nLLM_PORT_NODE_AGENT_STATE_PATH={d}/state.json\n")
+        from llmport_agent.doctor import checks
+
+        self.patch(checks, "_http", lambda *a, **k: seen.append(a) or (200, {}, b"{}"))
+        ctx = make_context(env_file, {"LLM_PORT_NODE_AGENT_BACKEND_URL": url})
+        found = check_credential(ctx)
+        self.assertEqual(seen, [])
+        self.assertEqual(found[0].status, "fail")
+        self.assertIn(f"issued by {A}, but BACKEND_URL is {url}: not sent there", found[0].detail)
+        # The issuer itself is asked.
+        ctx = make_context(env_file, {})
+        check_credential(ctx)
+        self.assertEqual(len(seen), 1)

@@ -266,6 +266,18 @@ def _agent_connected(ctx: Context) -> bool:
     return bool((checks.get("session") or {}).get("ok"))
 
 
+def _env_file_url(ctx: Context) -> str | None:
+    """The env file's BACKEND_URL (the unit's), not this shell's."""
+    from llmport_agent.installer import EnvFile
+
+    try:
+        with open(ctx.env_file, encoding="utf-8", errors="replace") as f:
+            values = EnvFile.parse(f.read(1 << 20)).values()
+    except OSError:
+        return None
+    return values.get("LLM_PORT_NODE_AGENT_BACKEND_URL") or None
+
+
 def check_ops_port(ctx: Context) -> list[Finding]:
     """Something that is not the agent answering on its loopback ops port (opsprobe)."""
     if ctx.config is None or not ctx.ops_note:
@@ -296,6 +308,18 @@ def check_credential(ctx: Context) -> list[Finding]:
                      "start the agent now (`sudo llmport-agent start`), or mint a fresh token if it is older")]
     if _agent_connected(ctx):
         return [ok("credential", "the running agent is connected with it")]
+    from llmport_agent.join import credential_issuer, same_backend
+
+    # The credential goes only to the backend that issued it (recorded in the state; for an
+    # older state, the env file's BACKEND_URL): never to a URL given in this shell.
+    issuer = credential_issuer(state, _env_file_url(ctx))
+    if issuer is not None and not same_backend(issuer, ctx.config.backend_url):
+        from llmport_agent.config import mask_url
+
+        return [fail("credential", f"issued by {mask_url(issuer)}, but BACKEND_URL is "
+                     f"{mask_url(ctx.config.backend_url)}: not sent there (the agent refuses to start so)",
+                     f"set BACKEND_URL back, or `sudo llmport-agent join {mask_url(ctx.config.backend_url)}` "
+                     "(a new join)")]
     url = ctx.config.backend_url.rstrip("/")
     headers = {"Authorization": f"Bearer {credential}"}
     try:
