@@ -102,8 +102,9 @@ def join_command(url: str | None, user_mode: bool, insecure_http: bool = False, 
     configured_url = file_values.get(prefix + "BACKEND_URL")
     merged = {**file_values, **{k: v for k, v in environ.items() if k.startswith(prefix)}}
     try:
-        backend = (normalise_url(url, insecure_http, (configured_url,)) if url
-                   else merged.get(prefix + "BACKEND_URL", ""))
+        # Typed, or given in this shell (not the env file's): https unless said otherwise.
+        given = url or merged.get(prefix + "BACKEND_URL", "")
+        backend = normalise_url(given, insecure_http, (configured_url,)) if given else ""
     except InsecureURL as e:
         return system.fail(str(e), EX_USAGE)
     if not backend:

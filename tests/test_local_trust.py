@@ -695,3 +695,20 @@ class DoctorKeepsTheIssuerTests(SynchronousTestCase):
         ctx = make_context(env_file, {})
         check_credential(ctx)
         self.assertEqual(len(seen), 1)
+
+
+class JoinURLFromTheShellTests(SynchronousTestCase):
+    def test_a_shell_http_url_needs_consent_too(self) -> None:
+        h = Host(self)
+        asked: list[Any] = []
+        self.patch(cli, "_run_join", lambda *a, **k: asked.append(a) or 0)
+        self.patch(Installer, "start", lambda *a, **k: 0)
+        system = h.system(environ={"LLM_PORT_NODE_AGENT_BACKEND_URL": "http://10.0.0.9:8000"})
+        self.assertEqual(cli.join_command(None, False, system=system), 2)
+        self.assertIn("--insecure-http", h.err.getvalue())
+        self.assertEqual(asked, [])
+        # The env file's own URL is what the node is configured for: nothing new exposed.
+        with open(h.path("/etc/llmport-agent.env"), "w") as f:
+            f.write("LLM_PORT_NODE_AGENT_BACKEND_URL=http://10.0.0.9:8000\n")
+        self.assertEqual(cli.join_command(None, False, system=h.system()), 0)
+        self.assertEqual(len(asked), 1)
