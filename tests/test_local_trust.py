@@ -15,6 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmport_agent import cli
 from llmport_agent.installer import EnvFile, Installer, open_to_others
+from tests.agentharness import AgentTestCase
 from tests.test_installer import Host, agent_vars
 
 A = "https://llm-port-a.example.internal"
@@ -712,3 +713,60 @@ class JoinURLFromTheShellTests(SynchronousTestCase):
             f.write("LLM_PORT_NODE_AGENT_BACKEND_URL=http://10.0.0.9:8000\n")
         self.assertEqual(cli.join_command(None, False, system=h.system()), 0)
         self.assertEqual(len(asked), 1)
+
+
+class AgentAdoptsTheOldStateTests(AgentTestCase):
+    """The agent's own start (run as a user): the old place's state is moved and used; both: exit 78."""
+
+    timeout = 60
+
+    def places(self) -> tuple[str, str]:
+        from llmport_agent import state as state_mod
+
+        home = os.path.abspath(self.mktemp())
+        new, old = os.path.join(home, "share", "llmport-agent"), os.path.join(home, "state", "llmport-agent")
+        self.patch(state_mod, "user_state_dir", lambda environ=None: new)
+        self.patch(state_mod, "old_user_state_dir", lambda environ=None: old)
+        # As a user: only the adoption asks (the rest of the agent keeps root's view).
+        self.patch(state_mod, "adopt_old_state", _as_user(state_mod.adopt_old_state))
+        return new, old
+
+    async def test_moved_then_used(self) -> None:
+        backend = await self.start_backend()
+        new, old = self.places()
+        reply = backend.enroll_node("gpu-77")
+        os.makedirs(old)
+        with open(os.path.join(old, "state.json"), "w") as f:
+            json.dump({"credential": reply["credential"], "node_id": reply["node_id"]}, f)
+        os.makedirs(new)
+        agent = self.start_agent(backend, state_dir=new, token=False)
+        node_id = await self.wait_connected(backend, agent)
+        self.assertEqual(node_id, reply["node_id"])
+        self.assertFalse(os.path.exists(os.path.join(old, "state.json")))
+        await self.stop_agent(agent)
+
+    async def test_both_is_exit_78_and_no_enrollment(self) -> None:
+        backend = await self.start_backend()
+        new, old = self.places()
+        os.makedirs(old)
+        with open(os.path.join(old, "state.json"), "w") as f:
+            json.dump({"credential": "a.b", "node_id": "n-old"}, f)
+        os.makedirs(new)
+        with open(os.path.join(new, "state.json"), "w") as f:
+            json.dump({"node_id": "n-new"}, f)
+        fatal: list[tuple[int, str]] = []
+        agent = self.start_agent(backend, state_dir=new, fatal=fatal)
+        await backend.wait_for(lambda: bool(fatal), 20)
+        self.assertEqual(fatal[0][0], 78)
+        self.assertIn("two states for this user", fatal[0][1])
+        await self.stop_agent(agent)
+        with open(os.path.join(new, "state.json")) as f:
+            self.assertNotIn("credential", json.load(f))  # no new identity
+        self.assertTrue(os.path.exists(os.path.join(old, "state.json")))
+
+
+def _as_user(adopt: Any) -> Any:
+    def adopt_as_user(state_path: str, environ: Any = None, euid: Any = None) -> Any:
+        return adopt(state_path, environ, 1000)
+
+    return adopt_as_user
