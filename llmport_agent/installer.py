@@ -1007,13 +1007,21 @@ class Installer:
                 env.unset(key)
                 changes.append((key, None))
             # Validated exactly as at start-up, with what the unit will see: the file alone.
-            load_config(environ=env.values())
+            new_config = load_config(environ=env.values())
         except ConfigError as e:
             return s.fail(f"configuration error: {e}; {s.env_path} was not changed", EX_CONFIG)
         after = env.values()
         if after == before:
             s.say(f"{s.env_path}: unchanged; no restart needed")
             return 0
+        url_key = PREFIX + "BACKEND_URL"
+        if after.get(url_key) != before.get(url_key):
+            # Never a silent switch: the agent would refuse to start with it (the credential goes
+            # only to the backend that issued it).
+            state_path = s.place(new_config.state_path) if s.root else new_config.state_path
+            stranger = _not_the_issuer(state_path, new_config.backend_url, before.get(url_key))
+            if stranger:
+                return s.fail(stranger.replace("nothing was changed", f"{s.env_path} was not changed"), EX_CONFIG)
         try:
             os.makedirs(os.path.dirname(s.env_path), exist_ok=True)
             write_private(s.env_path, env.text(), 0o600)

@@ -770,3 +770,18 @@ def _as_user(adopt: Any) -> Any:
         return adopt(state_path, environ, 1000)
 
     return adopt_as_user
+
+
+class ConfigSetKeepsTheIssuerTests(SynchronousTestCase):
+    def test_config_set_backend_url_to_another_backend(self) -> None:
+        h = Host(self)
+        _state(h, {"credential": "n.c", "node_id": "n-1", "backend_url": A})
+        env_path = h.path("/etc/llmport-agent.env")
+        with open(env_path, "w") as f:
+            f.write(f"LLM_PORT_NODE_AGENT_BACKEND_URL={A}\n")
+        rc = Installer(h.system()).edit_config([f"BACKEND_URL={B}"], [])
+        self.assertEqual(rc, 2)
+        self.assertIn(f"{env_path} was not changed", h.err.getvalue())
+        self.assertIn("is not the backend that issued this node's credential", h.err.getvalue())
+        self.assertEqual(EnvFile.parse(open(env_path).read()).values()["LLM_PORT_NODE_AGENT_BACKEND_URL"], A)
+        self.assertEqual(Installer(h.system()).edit_config([f"BACKEND_URL={A}/"], []), 0)
