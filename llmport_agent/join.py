@@ -307,7 +307,7 @@ class Joiner:
             if status == "claimed":
                 return self.fail(f"this join request was already used{why}: its credential went to another "
                                  "run. If this node is not in the fleet, run join again for a new code")
-            return self.fail(f"the backend answered the join request with status {str(status)[:40]!r}; run "
+            return self.fail(f"the backend answered the join request with status {shown(repr(status), 40)}; run "
                              "join again")
         return self.fail(f"nobody approved code {code} within {self.wait_sec / 60:.0f} minutes; the request "
                          "is kept: run join again to go on waiting for it")
