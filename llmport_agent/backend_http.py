@@ -10,7 +10,6 @@ token or the credential.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 from urllib.parse import quote
 
@@ -19,6 +18,7 @@ from treq.client import HTTPClient
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.logger import Logger
 
+from llmport_agent.cleantext import MAX_SHOWN_CHARS, checked_node_id, has_unsafe, shown
 from llmport_agent.httpbody import BodyTooLarge, read_body
 from llmport_agent.tls import describe_connection_error, innermost_error
 
@@ -89,8 +89,7 @@ def _strip_inputs(obj: Any) -> Any:
 
 
 #: The longest backend error detail shown.
-MAX_DETAIL_CHARS = 300
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+MAX_DETAIL_CHARS = MAX_SHOWN_CHARS
 
 
 def _detail(body: bytes, secrets: tuple[str, ...] = ()) -> str:
@@ -112,9 +111,6 @@ def _detail(body: bytes, secrets: tuple[str, ...] = ()) -> str:
     return shown(text)
 
 
-def shown(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
-    """A backend's C{text} as a message may show it: at most C{limit} characters, no control character."""
-    return _CONTROL.sub("?", text[:limit])
 
 
 class BackendHTTP:
@@ -187,6 +183,8 @@ class BackendHTTP:
                 raise ValueError("unexpected field types")
         except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise Transient(f"POST {ENROLL_PATH}: malformed reply ({type(e).__name__})") from None
+        # Checked where it is received: a node id is stored, sent and named in lines (BadNodeId).
+        checked_node_id(node_id, f"the enrollment reply (POST {ENROLL_PATH})")
         host_value = data.get("host")
         return Enrollment(node_id, credential, host_value if isinstance(host_value, str) else None)
 
@@ -254,7 +252,7 @@ class BackendHTTP:
         data = _object(content, JOIN_PATH)
         if not isinstance(data.get("id"), str) or not isinstance(data.get("code"), str):
             raise Transient(f"POST {JOIN_PATH}: malformed reply (no id or code)")
-        if len(data["code"]) > 64 or _CONTROL.search(data["code"]) or len(data["id"]) > 200:
+        if len(data["code"]) > 64 or has_unsafe(data["code"]) or len(data["id"]) > 200:
             # The code is printed for a person to compare: never a terminal escape sequence.
             raise Transient(f"POST {JOIN_PATH}: malformed reply (a code or id that cannot be shown)")
         secret = data.get("poll_secret")

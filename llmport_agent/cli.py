@@ -70,31 +70,47 @@ def run_agent(config: AgentConfig, json_logs: bool = False) -> int:
     return status["code"]
 
 
-def join_command(url: str | None, user_mode: bool) -> int:
+def join_command(url: str | None, user_mode: bool, insecure_http: bool = False, system: Any = None) -> int:
     """
-    C{join}: the join dialog (L{llmport_agent.join}) on the reactor, then the same as C{start}
-    (C{BACKEND_URL} from C{URL} written to the env file, an old enrollment token line dropped).
+    C{join}: what C{start} will need checked first (root or user mode, systemd, the executable,
+    writable paths: L{Installer.preflight}), then the join dialog (L{llmport_agent.join}) on the
+    reactor, then the same as C{start} (C{BACKEND_URL} from C{URL} written to the env file, an old
+    enrollment token line dropped).
+
+    @param insecure_http: the operator accepts plain http for C{URL} (C{--insecure-http}).
     """
     from attrs import evolve
 
     from llmport_agent.installer import Installer, System
-    from llmport_agent.join import normalise_url
+    from llmport_agent.join import InsecureURL, normalise_url
 
-    system = evolve(System.from_environment(), user_mode=user_mode)
+    system = evolve(system or System.from_environment(), user_mode=user_mode)
     installer = Installer(system)
     if user_mode and system.geteuid() == 0:
         return system.fail("`join --user` installs a service of the user who runs it: run it as that user "
                            "(not root), or `sudo llmport-agent join URL` for a system service", EX_USAGE)
+    # Before a request is filed: a node that `start` would refuse must not wait for an approval.
+    problem = installer.preflight("join")
+    if problem:
+        return system.fail(problem)
     environ = dict(system.environ)
     try:
         file_values = installer.read_env().values()
     except OSError as e:
         return system.fail(f"cannot read {system.env_path} ({e.strerror}): run join as root (sudo)")
     prefix = "LLM_PORT_NODE_AGENT_"
+    configured_url = file_values.get(prefix + "BACKEND_URL")
     merged = {**file_values, **{k: v for k, v in environ.items() if k.startswith(prefix)}}
-    backend = normalise_url(url) if url else merged.get(prefix + "BACKEND_URL", "")
+    try:
+        # Typed, or given in this shell (not the env file's): https unless said otherwise.
+        given = url or merged.get(prefix + "BACKEND_URL", "")
+        backend = normalise_url(given, insecure_http, (configured_url,)) if given else ""
+    except InsecureURL as e:
+        return system.fail(str(e), EX_USAGE)
     if not backend:
-        return system.fail("where is llm-port? usage: llmport-agent join http://<backend-host>:8000", EX_USAGE)
+        return system.fail("where is llm-port? usage: llmport-agent join https://<backend-host>[:port]", EX_USAGE)
+    if url and "://" not in url:
+        system.say(f"(no scheme given: joining {backend})")
     merged[prefix + "BACKEND_URL"] = backend
     merged.pop(prefix + "ENROLLMENT_TOKEN", None)
     if user_mode:
@@ -106,8 +122,16 @@ def join_command(url: str | None, user_mode: bool) -> int:
         return system.fail(f"configuration error: {e}", EX_USAGE)
     state_path = system.place(config.state_path) if system.root else config.state_path
     if user_mode:
+        from llmport_agent.state import TwoStates, adopt_old_state
+
         os.makedirs(os.path.dirname(state_path), mode=0o700, exist_ok=True)
-    code = _run_join(config, state_path, system)
+        try:
+            moved = adopt_old_state(state_path, dict(system.environ), system.geteuid())
+        except TwoStates as e:
+            return system.fail(str(e))
+        if moved:
+            system.say(moved)
+    code = _run_join(config, state_path, system, configured_url)
     if code != 0:
         return code
     # What the service needs: the URL joined, no stale token (the credential is in the state).
@@ -116,7 +140,7 @@ def join_command(url: str | None, user_mode: bool) -> int:
     return Installer(evolve(system, environ=start_env)).start(drop=(prefix + "ENROLLMENT_TOKEN",))
 
 
-def _run_join(config: AgentConfig, state_path: str, system: Any) -> int:
+def _run_join(config: AgentConfig, state_path: str, system: Any, configured_url: str | None = None) -> int:
     from twisted.internet import reactor
     from twisted.internet.defer import Deferred
 
@@ -141,7 +165,8 @@ def _run_join(config: AgentConfig, state_path: str, system: Any) -> int:
         state_dir=os.path.dirname(os.path.abspath(state_path)), model_store=config.model_store,
     )
     joiner = Joiner(reactor, config, backend, state_path,
-                    lambda: Deferred.fromCoroutine(collector.capabilities()), system.out, system.err)
+                    lambda: Deferred.fromCoroutine(collector.capabilities()), system.out, system.err,
+                    configured_url=configured_url)
 
     async def main() -> None:
         pool.startService()
@@ -213,9 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_join = sub.add_parser("join", help="ask to join llm-port (an administrator approves the code shown), "
                             "then start as `start` does; an enrolled node is upgraded in place")
     p_join.add_argument("url", nargs="?", default=None, metavar="URL",
-                        help="the llm-port backend, e.g. http://10.0.0.5:8000 (default: BACKEND_URL)")
+                        help="the llm-port backend, e.g. https://10.0.0.5:8000 (a bare HOST:PORT is https; "
+                        "default: BACKEND_URL)")
     p_join.add_argument("--user", action="store_true", dest="user_mode",
                         help="run as a systemd --user service (no root)")
+    p_join.add_argument("--insecure-http", action="store_true", dest="insecure_http",
+                        help="accept a plain http:// URL (or make a bare HOST:PORT http): the request and the "
+                        "credential cross the network in clear text")
     p_stop = sub.add_parser("stop", help="stop and disable the systemd unit (root; --user: your user service)")
     p_stop.add_argument("--user", action="store_true", dest="user_mode")
     p_status = sub.add_parser("status", help="show enrollment and service status (--user: your user service)")
@@ -253,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     from llmport_agent.installer import Installer
 
     if args.command == "join":
-        return join_command(args.url, args.user_mode)
+        return join_command(args.url, args.user_mode, args.insecure_http)
     if args.command == "start":
         if args.user is True:
             return Installer(_user_system()).start()

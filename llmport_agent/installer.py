@@ -226,8 +226,10 @@ class System:
 
     @property
     def data_home(self) -> str:
-        """C{~/.local/share/llmport-agent}: the user mode's state and (fallback) model store."""
-        return os.path.join(self._xdg("XDG_DATA_HOME", ".local/share"), "llmport-agent")
+        """C{~/.local/share/llmport-agent}: the user mode's state and (fallback) model store (L{user_state_dir})."""
+        from llmport_agent.state import user_state_dir
+
+        return user_state_dir({k: v for k, v in self.environ.items() if k in ("HOME", "XDG_DATA_HOME")})
 
     @property
     def unit_path(self) -> str:
@@ -347,6 +349,51 @@ def unstable_place(path: str) -> str | None:
     if tmp and len(tmp) > 1 and real.startswith(os.path.realpath(tmp).rstrip("/") + "/"):
         return tmp
     return None
+
+
+def open_to_others(path: str, owners: tuple[int, ...] = (0,)) -> str | None:
+    """
+    Why C{path} (an executable a unit runs) could be replaced by someone other than C{owners}
+    (root; in user mode the user too): the file, or a directory above it, owned by another user,
+    or writable by group or others (a directory with the sticky bit excepted: its entries are
+    their owners' to replace). Links are followed as the unit's C{ExecStart=} would, and the
+    directories of the link itself are looked at too. A component that does not exist yet is
+    not judged. C{None}: only C{owners} can change what runs.
+    """
+    import stat as stat_
+
+    seen: set[str] = set()
+    candidates = [os.path.abspath(path), os.path.realpath(path)]
+    for start in candidates:
+        p = start
+        while True:
+            if p not in seen:
+                seen.add(p)
+                try:
+                    st = os.lstat(p)
+                except OSError:
+                    st = None
+                if st is not None and not stat_.S_ISLNK(st.st_mode):
+                    kind = "directory" if stat_.S_ISDIR(st.st_mode) else "file"
+                    if st.st_uid not in owners:
+                        return f"the {kind} {p} is owned by uid {st.st_uid}, who can replace what the unit runs"
+                    sticky = stat_.S_ISDIR(st.st_mode) and st.st_mode & stat_.S_ISVTX
+                    if st.st_mode & (stat_.S_IWGRP | stat_.S_IWOTH) and not sticky:
+                        return (f"the {kind} {p} is writable by its group or all users (mode "
+                                f"{stat_.S_IMODE(st.st_mode):04o})")
+            parent = os.path.dirname(p)
+            if parent == p:
+                break
+            p = parent
+    return None
+
+
+def _code_paths() -> tuple[str, ...]:
+    """What a console script runs besides itself: the interpreter and this package (not in a frozen build)."""
+    if getattr(sys, "frozen", False):
+        return ()
+    package = os.path.dirname(os.path.abspath(__file__))
+    return (os.path.realpath(sys.executable), package)
 
 
 def unit_template() -> str:
@@ -498,6 +545,72 @@ class Installer:
                     "own supervisor")
         return None
 
+    def preflight(self, what: str) -> str | None:
+        """
+        What C{start} needs of this host, checked before it (or C{join}, before it files a
+        request) changes anything: root (or user mode as a user), systemd as PID 1, an executable
+        in a stable place that only root (user mode: root or this user) can change, and the
+        configuration and state directories writable. The first problem as one line, or C{None}.
+        """
+        s = self.sys
+        if s.user_mode and s.geteuid() == 0:
+            return (f"`{what} --user` installs a service of the user who runs it: run it as that user "
+                    f"(not root), or `sudo llmport-agent {what}` for a system service")
+        if s.geteuid() != 0 and not s.user_mode:
+            return (f"`{what}` installs a systemd unit and needs root: sudo llmport-agent {what} "
+                    f"(or `llmport-agent {what} --user` for a service of your own user)")
+        problem = self._needs_systemd(what)
+        if problem:
+            return problem
+        try:
+            executable, _ = s.installed_executable()
+        except FileNotFoundError as e:
+            return str(e)
+        unstable = unstable_place(executable)
+        if unstable:
+            return (f"the agent runs from {executable}, under {unstable}, which the unit cannot see "
+                    "(PrivateTmp=yes) and which does not survive a reboot: install it to a stable place "
+                    "(the binary to /usr/local/bin, a virtualenv or pipx under /opt or /usr/local) and run "
+                    f"{what} from there")
+        owners = (0, s.geteuid()) if s.user_mode else (0,)
+        if s.root:
+            # Under $LLMPORT_AGENT_SYSTEM_ROOT (tests): the tree's owner is whoever runs them.
+            owners = (*owners, os.geteuid())
+        # Judged as it is on this host (under $LLMPORT_AGENT_SYSTEM_ROOT too: a test's stand-in
+        # executable that does not exist has only its existing directories judged). What the
+        # executable runs is judged too: the interpreter and this package's own directory (a
+        # root-owned script importing code from a home directory is that code).
+        open_ = None
+        for path in (executable, *_code_paths()):
+            open_ = open_to_others(path, owners)
+            if open_:
+                break
+        if open_:
+            who = "root or you" if s.user_mode else "root"
+            return (f"the agent runs from {executable}, but {open_}: a unit would run whatever is put "
+                    f"there{'' if s.user_mode else ' as root'}. Install it where only {who} can write "
+                    "(the binary to /usr/local/bin, a virtualenv under /opt) or fix the owner and mode "
+                    f"(chown root, chmod go-w), then run {what} again")
+        for path in (s.env_path, self._state_file_hint()):
+            if path and not _writable_or_creatable(os.path.dirname(path), s.access):
+                return (f"{os.path.dirname(path)} cannot be written by this user, and `{what}` writes "
+                        f"{path} there: fix its owner or mode, or run as root")
+        return None
+
+    def _state_file_hint(self) -> str:
+        """Where the unit's state will be (its env file's or this shell's STATE_PATH, else the default)."""
+        s = self.sys
+        try:
+            values = self.read_env().values()
+        except OSError:
+            values = {}
+        values = {**values, **{k: v for k, v in s.environ.items() if k.startswith(PREFIX)}}
+        configured = values.get(PREFIX + "STATE_PATH")
+        if not configured and s.user_mode:
+            return os.path.join(s.data_home, "state.json")
+        configured = configured or os.path.join(DEFAULT_STATE_DIR, "state.json")
+        return s.place(configured) if s.root else configured
+
     def read_env(self) -> EnvFile:
         try:
             with open(self.sys.env_path, encoding="utf-8") as f:
@@ -516,31 +629,15 @@ class Installer:
         @param drop: variables to remove from the env file (C{join}: a stale enrollment token).
         """
         s = self.sys
-        if s.user_mode and s.geteuid() == 0:
-            return s.fail("`start --user` installs a service of the user who runs it: run it as that user "
-                          "(not root), or `sudo llmport-agent start` for a system service")
-        if s.geteuid() != 0 and not s.user_mode:
-            return s.fail("`start` installs a systemd unit and needs root: sudo llmport-agent start "
-                          "(or `llmport-agent start --user` for a service of your own user)")
-        problem = self._needs_systemd("start")
+        problem = self.preflight("start")
         if problem:
             return s.fail(problem)
-        try:
-            executable, one_process = s.installed_executable()
-        except FileNotFoundError as e:
-            return s.fail(str(e))
-        unstable = unstable_place(executable)
-        if unstable:
-            return s.fail(
-                f"the agent runs from {executable}, under {unstable}, which the unit cannot see "
-                "(PrivateTmp=yes) and which does not survive a reboot: install it to a stable place "
-                "(the binary to /usr/local/bin, a virtualenv or pipx under /opt or /usr/local) and run "
-                "start from there"
-            )
+        executable, one_process = s.installed_executable()
         try:
             env = self.read_env()
         except OSError as e:
             return s.fail(f"cannot read {s.env_path} ({e.strerror})")
+        configured_url = env.values().get(PREFIX + "BACKEND_URL")
         given = {k: v for k, v in s.environ.items() if k.startswith(PREFIX)}
         for key in given:
             try:
@@ -575,12 +672,24 @@ class Installer:
         except ConfigError as e:
             return s.fail(f"configuration error: {e}", EX_CONFIG)
         state_path = s.place(config.state_path) if s.root else config.state_path
+        if s.user_mode:
+            from llmport_agent.state import TwoStates, adopt_old_state
+
+            try:
+                moved = adopt_old_state(state_path, dict(s.environ), s.geteuid())
+            except TwoStates as e:
+                return s.fail(str(e))
+            if moved:
+                s.say(moved)
         if not config.enrollment_token and not _has_credential(state_path):
             return s.fail(
                 f"no credential in {config.state_path} and no LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN: "
                 "mint a token (POST /api/admin/system/nodes/enrollment-tokens) and pass it",
                 EX_CONFIG,
             )
+        stranger = _not_the_issuer(state_path, config.backend_url, configured_url)
+        if stranger:
+            return s.fail(stranger, EX_CONFIG)
         uid = gid = -1
         supplementary: tuple[str, ...] = ()
         group = None
@@ -773,7 +882,9 @@ class Installer:
                       f"{props.get('UnitFileState', '?')}, main pid {props.get('MainPID', '0')}, "
                       f"restarts {props.get('NRestarts', '0')}, last exit status {props.get('ExecMainStatus', '0')}")
                 if props.get("StatusText"):
-                    s.say(f"its status: {props['StatusText']}")
+                    from llmport_agent.cleantext import shown as shown_text
+
+                    s.say(f"its status: {shown_text(props['StatusText'], 400)}")
         else:
             s.say("service:    systemd is not running on this host (no unit to inspect)")
         try:
@@ -784,14 +895,31 @@ class Installer:
         except (ConfigError, OSError) as e:
             s.say(f"config:     cannot be read ({e})")
             return EX_FAIL
-        body = _readyz(config.ops_port) if config.ops_port else None
-        if body is not None:
-            # Whatever answers on that loopback port (any local user can listen there while the
-            # agent is down): each value shown bounded and without control characters.
-            from llmport_agent.backend_http import shown
+        from llmport_agent.cleantext import shown
 
-            def w(value: object) -> str:
-                return shown(str(value), 200)
+        def w(value: object) -> str:
+            return shown(str(value), 200)
+
+        # Whatever answers on that loopback port is believed only when it is the agent: the
+        # holder of the state's instance lock owns the listening socket (opsprobe); a redirect
+        # is never followed. Every value shown bounded and without control characters.
+        body = None
+        squatted = False
+        if config.ops_port:
+            from llmport_agent.opsprobe import probe
+
+            state_path = s.path(config.state_path) if s.root else config.state_path
+            answer = probe(config.ops_port, state_path)
+            if answer.trusted or answer.unverifiable:
+                body = answer.body
+                if answer.unverifiable and answer.body is not None:
+                    s.say(f"note:       unverified answer on 127.0.0.1:{config.ops_port}: {w(answer.note)}")
+            elif answer.answered:
+                squatted = True
+                s.say(f"agent:      something that is not the agent answers on 127.0.0.1:{config.ops_port} "
+                      f"({w(answer.note)}); its answer is ignored: find it with `ss -ltnp 'sport = :"
+                      f"{config.ops_port}'`")
+        if body is not None:
 
             agent = body.get("agent")
             agent = agent if isinstance(agent, dict) else {}
@@ -813,7 +941,7 @@ class Installer:
             ready = bool(body.get("ready"))
         else:
             ready = False
-            if config.ops_port:
+            if config.ops_port and not squatted:
                 s.say(f"agent:      not answering on http://127.0.0.1:{config.ops_port}/readyz")
             self._state_view(config)
         if not active:
@@ -848,9 +976,12 @@ class Installer:
         except Exception as e:
             self.sys.say(f"state file: {path} cannot be read ({e})")
             return
+        from llmport_agent.cleantext import shown
+
         data = result.data if result else {}
+        # The node id came from the backend: shown bounded and cleaned (an old state may hold anything).
         self.sys.say(f"state file: {path} ({'present' if result else 'absent'}), enrolled: "
-                     f"{'yes' if data.get('credential') else 'no'}, node id {data.get('node_id', '-')}, "
+                     f"{'yes' if data.get('credential') else 'no'}, node id {shown(data.get('node_id', '-'), 200)}, "
                      f"maintenance {bool(data.get('maintenance'))}, draining {bool(data.get('draining'))}")
 
     # config --set / --unset ---------------------------------------------------------------
@@ -876,13 +1007,21 @@ class Installer:
                 env.unset(key)
                 changes.append((key, None))
             # Validated exactly as at start-up, with what the unit will see: the file alone.
-            load_config(environ=env.values())
+            new_config = load_config(environ=env.values())
         except ConfigError as e:
             return s.fail(f"configuration error: {e}; {s.env_path} was not changed", EX_CONFIG)
         after = env.values()
         if after == before:
             s.say(f"{s.env_path}: unchanged; no restart needed")
             return 0
+        url_key = PREFIX + "BACKEND_URL"
+        if after.get(url_key) != before.get(url_key):
+            # Never a silent switch: the agent would refuse to start with it (the credential goes
+            # only to the backend that issued it).
+            state_path = s.place(new_config.state_path) if s.root else new_config.state_path
+            stranger = _not_the_issuer(state_path, new_config.backend_url, before.get(url_key))
+            if stranger:
+                return s.fail(stranger.replace("nothing was changed", f"{s.env_path} was not changed"), EX_CONFIG)
         try:
             os.makedirs(os.path.dirname(s.env_path), exist_ok=True)
             write_private(s.env_path, env.text(), 0o600)
@@ -935,6 +1074,31 @@ def _exec_path(unit_path: str) -> str | None:
     return None
 
 
+def _not_the_issuer(state_path: str, url: str, configured_url: str | None) -> str | None:
+    """
+    Why the unit must not run with C{url}: the state's credential was issued by another backend
+    (the one recorded in the state file; for a state from before that record, the env file's
+    C{BACKEND_URL}), and the agent would present it there. C{None}: no credential, or C{url} is
+    its issuer.
+    """
+    from llmport_agent.join import credential_issuer, same_backend
+
+    try:
+        with open(state_path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not data.get("credential"):
+        return None
+    issuer = credential_issuer(data, configured_url)
+    if issuer is None or same_backend(issuer, url):
+        return None
+    return (f"BACKEND_URL {mask_url(url)} is not the backend that issued this node's credential "
+            f"({mask_url(issuer)}), and the agent would present it there: nothing was changed. To move this "
+            f"node to {mask_url(url)}, join it (`llmport-agent join {mask_url(url)}`: a new join an administrator "
+            "there approves); else set BACKEND_URL back")
+
+
 def _has_credential(state_path: str) -> bool:
     try:
         with open(state_path, encoding="utf-8") as f:
@@ -942,22 +1106,3 @@ def _has_credential(state_path: str) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and bool(data.get("credential"))
-
-
-def _readyz(port: int) -> dict[str, Any] | None:
-    import urllib.error
-    import urllib.request
-
-    url = f"http://127.0.0.1:{port}/readyz"
-    try:
-        with urllib.request.urlopen(url, timeout=3) as response:  # noqa: S310 - loopback only
-            raw = response.read(1 << 20)
-    except urllib.error.HTTPError as e:
-        raw = e.read(1 << 20)
-    except (OSError, ValueError):
-        return None
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None
-    return body if isinstance(body, dict) else None

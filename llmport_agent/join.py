@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 from attrs import define, field
 from twisted.internet.defer import Deferred
@@ -30,7 +31,8 @@ from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 
 from llmport_agent import VERSION
-from llmport_agent.backend_http import BackendHTTP, Rejected, RouteMissing, Transient, shown
+from llmport_agent.backend_http import BackendHTTP, Rejected, RouteMissing, Transient
+from llmport_agent.cleantext import BadNodeId, checked_node_id, shown
 from llmport_agent.config import AgentConfig, mask_url
 from llmport_agent.instance import AlreadyRunning, InstanceLock
 from llmport_agent.state import load_state
@@ -54,10 +56,60 @@ TOKEN_START = (
 )
 
 
-def normalise_url(raw: str) -> str:
-    """C{10.0.0.5:8000} (what a person types) -> C{http://10.0.0.5:8000}."""
+class InsecureURL(ValueError):
+    """A URL join will not send a credential or a request to (plain http without consent, another scheme)."""
+
+
+def normalise_url(raw: str, insecure_http: bool = False, known: tuple[str | None, ...] = ()) -> str:
+    """
+    What a person typed as the backend's URL -> the URL joined. A bare C{host:port} is https
+    (with C{insecure_http}: http, as asked). An C{http://} URL is refused (L{InsecureURL}) unless
+    C{insecure_http} says the operator accepts clear text, or it is one of C{known} (the URL this
+    node is already configured for: nothing new is exposed).
+    """
     value = raw.strip()
-    return value if "://" in value else f"http://{value}"
+    if "://" not in value:
+        return f"{'http' if insecure_http else 'https'}://{value}"
+    scheme = value.split("://", 1)[0].lower()
+    if scheme == "https":
+        return value
+    if scheme != "http":
+        raise InsecureURL(f"{shown(value, 200)}: join talks to llm-port over https (or http with "
+                          "--insecure-http); give https://HOST[:PORT]")
+    if insecure_http or any(k and same_backend(k, value) for k in known):
+        return value
+    raise InsecureURL(f"{mask_url(value)} is plain http: the join request, and the credential once approved, "
+                      "would cross the network in clear text. Use https://, or add --insecure-http if this "
+                      "network is trusted")
+
+
+def _origin(url: str) -> tuple[str, str, int | None, str]:
+    parts = urlsplit(url.strip())
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is None:
+        port = {"http": 80, "https": 443, "ws": 80, "wss": 443}.get(scheme)
+    return scheme, (parts.hostname or "").lower(), port, parts.path.rstrip("/")
+
+
+def same_backend(a: str, b: str) -> bool:
+    """Whether two BACKEND_URLs name the same backend (scheme, host, port and path; case and a trailing / aside)."""
+    return _origin(a) == _origin(b)
+
+
+def credential_issuer(state: dict[str, Any], configured_url: str | None) -> str | None:
+    """
+    The backend that issued the state's credential: the one recorded with it (C{backend_url},
+    written at enrollment and at an approved join), else (a state from before that record, the
+    original agent's) the C{BACKEND_URL} the service was configured with; C{None}: unknown.
+    """
+    recorded = state.get("backend_url")
+    if isinstance(recorded, str) and recorded:
+        return recorded
+    return configured_url or None
 
 
 def _read_state(path: str) -> dict[str, Any]:
@@ -97,6 +149,9 @@ class Joiner:
     wait_sec: float = JOIN_WAIT_SEC
     wallclock: Callable[[], float] = time.time
     lock: InstanceLock | None = None
+    #: The BACKEND_URL the service was configured with before this join (the env file's): the
+    #: issuer of a stored credential that has no record of its own (see L{credential_issuer}).
+    configured_url: str | None = None
     member: dict[str, Any] | None = None
     log: Logger = field(factory=Logger)
 
@@ -120,6 +175,15 @@ class Joiner:
             return self.fail(str(e))
         credential = state.get("credential")
         if isinstance(credential, str) and credential:
+            issuer = credential_issuer(state, self.configured_url)
+            if issuer is None or not same_backend(issuer, self.url):
+                # The credential goes only to the backend that issued it: never to a typed URL.
+                where = mask_url(issuer) if issuer else "a backend this state does not name"
+                self.say(f"This node's credential was issued by {where}, not {mask_url(self.url)}, and is not "
+                         f"sent there: this is a new join to {mask_url(self.url)} (an administrator there "
+                         "approves the code below; the old credential is replaced).")
+                credential = None
+        if isinstance(credential, str) and credential:
             try:
                 self.member = await self.backend.whoami(credential)
             except RouteMissing:
@@ -136,7 +200,10 @@ class Joiner:
             else:
                 # The backend's words reach the terminal: bounded, no control characters (escapes).
                 agent = shown(str(self.member.get("agent_id") or self.config.agent_id), 200)
-                node = shown(str(self.member.get("node_id")), 200)
+                try:
+                    node = checked_node_id(self.member.get("node_id"), "the whoami reply")
+                except BadNodeId as e:
+                    return self.fail(str(e))
                 self.say(f"Already a member: this node is {agent} (node {node}) on "
                          f"{mask_url(self.url)}; nothing to approve, no new request. Starting the agent: "
                          "a running one is restarted with this build (an upgrade; state and workloads are kept).")
@@ -240,7 +307,7 @@ class Joiner:
             if status == "claimed":
                 return self.fail(f"this join request was already used{why}: its credential went to another "
                                  "run. If this node is not in the fleet, run join again for a new code")
-            return self.fail(f"the backend answered the join request with status {str(status)[:40]!r}; run "
+            return self.fail(f"the backend answered the join request with status {shown(repr(status), 40)}; run "
                              "join again")
         return self.fail(f"nobody approved code {code} within {self.wait_sec / 60:.0f} minutes; the request "
                          "is kept: run join again to go on waiting for it")
@@ -250,15 +317,21 @@ class Joiner:
 
     async def _approved(self, result: dict[str, Any]) -> int:
         credential, node_id = result.get("credential"), result.get("node_id")
-        if (not isinstance(credential, str) or "." not in credential or not isinstance(node_id, str)
-                or not node_id or shown(node_id, 200) != node_id):
+        if not isinstance(credential, str) or "." not in credential:
             await self._forget()
-            return self.fail("the backend approved the join but its reply carries no usable credential or node id; "
+            return self.fail("the backend approved the join but its reply carries no usable credential; "
                              "run join again (or use an enrollment token)")
+        try:
+            node_id = checked_node_id(node_id, "the approved join's reply")
+        except BadNodeId as e:
+            await self._forget()
+            return self.fail(str(e))
         now = self.wallclock()
         host = result.get("host")
         await deferToThread(_write_state, self.state_path, {
             "credential": credential, "node_id": node_id, "agent_id": self.config.agent_id,
+            # Its issuer: the credential goes to no other backend (join, start).
+            "backend_url": self.url,
             "backend_host": host if isinstance(host, str) else None,
             "enrolled_at": now, "last_rotation_at": now, "pending_join": None,
             "previous_credential": None, "pending_credential": None, "refusals": None,

@@ -33,7 +33,8 @@ O_NOCTTY = getattr(os, "O_NOCTTY", 0)
 #: Flags that open an existing directory without following a link in the last component.
 DIR_FLAGS = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
 
-#: Deepest tree L{remove_tree} walks (one descriptor per level is held open).
+#: The most descriptors L{remove_tree} holds open (one per level); deeper directories are moved
+#: up and removed in a later pass, so no depth stops it.
 MAX_TREE_DEPTH = 128
 
 #: Called as C{on_foreign(relative_path, what_was_there)} when something that is not what the
@@ -325,22 +326,45 @@ def remove_tree(dir_fd: int, name: str, *, where: str = "") -> None:
     """
     Remove the directory C{name} in C{dir_fd} and everything under it, by descriptors only
     (no path is ever resolved, no link followed, nothing opened but directories). Iterative,
-    linear in the entries; a tree deeper than L{MAX_TREE_DEPTH} raises C{OSError(ELOOP)}.
-    A directory replaced by something else while the walk runs is unlinked instead.
+    linear in the entries, however deep the tree: at most L{MAX_TREE_DEPTH} descriptors are
+    held, and a directory found below that depth is moved up into the tree's top directory
+    (a rename inside the tree being removed) and removed from there in a later pass. A
+    directory replaced by something else while the walk runs is unlinked instead.
     """
     label = where or name
-    try:
-        top = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        if e.errno not in _NOT_A_DIR:
-            raise
+    hoisted = 0
+    while True:
         try:
-            os.unlink(name, dir_fd=dir_fd)
+            top = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
         except FileNotFoundError:
-            pass
-        return
+            return
+        except OSError as e:
+            if e.errno not in _NOT_A_DIR:
+                raise
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            return
+        moved = _remove_pass(dir_fd, name, top, label, hoisted)
+        if moved < 0:
+            return  # the top directory itself is gone
+        hoisted += moved
+        if hoisted > MAX_HOISTED:
+            raise OSError(errno.ELOOP, f"more than {MAX_HOISTED} directories below depth {MAX_TREE_DEPTH}", label)
+
+
+#: The most directories L{remove_tree} moves up from below L{MAX_TREE_DEPTH} (a tree that grows
+#: while it is removed cannot keep the walk going for ever).
+MAX_HOISTED = 1 << 20
+
+
+def _remove_pass(dir_fd: int, name: str, top: int, label: str, hoisted: int) -> int:
+    """
+    One walk of the tree C{name} (open as C{top}, which this closes): everything removed that can
+    be within L{MAX_TREE_DEPTH} levels, deeper directories moved up into C{top}. -1: the top
+    directory is removed; else how many directories were moved up (another pass is needed).
+    """
     # stack of (parent fd, name in parent, own fd, entries iterator)
     try:
         listing = os.scandir(top)
@@ -350,6 +374,7 @@ def remove_tree(dir_fd: int, name: str, *, where: str = "") -> None:
     stack: list[tuple[int, str, int, Iterator[os.DirEntry[str]]]] = [
         (dir_fd, name, top, _closing_iter(listing))
     ]
+    moved = 0
     try:
         while stack:
             parent, own_name, fd, entries = stack[-1]
@@ -361,6 +386,12 @@ def remove_tree(dir_fd: int, name: str, *, where: str = "") -> None:
                     os.rmdir(own_name, dir_fd=parent)
                 except FileNotFoundError:
                     pass
+                except OSError as e:
+                    # Not empty: a directory moved up into the top one after its listing passed
+                    # it (or a writer added one); the next pass takes it.
+                    if e.errno != errno.ENOTEMPTY or stack:
+                        raise
+                    return moved or 1
                 continue
             try:
                 is_dir = entry.is_dir(follow_symlinks=False)
@@ -376,7 +407,18 @@ def remove_tree(dir_fd: int, name: str, *, where: str = "") -> None:
                 if not is_dir:
                     continue
             if len(stack) >= MAX_TREE_DEPTH:
-                raise OSError(errno.ELOOP, f"tree deeper than {MAX_TREE_DEPTH} levels", label)
+                # No deeper descriptor: the directory moves up into the top one (same tree, same
+                # file system; whatever it holds goes with it) under a name of its own.
+                if hoisted + moved >= MAX_HOISTED:
+                    raise OSError(errno.ELOOP, f"more than {MAX_HOISTED} directories below depth "
+                                  f"{MAX_TREE_DEPTH}", label)
+                try:
+                    os.rename(entry.name, f".deep-{hoisted + moved}-{os.urandom(4).hex()}", src_dir_fd=fd,
+                              dst_dir_fd=top)
+                except FileNotFoundError:
+                    continue
+                moved += 1
+                continue
             try:
                 child = os.open(entry.name, DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
@@ -401,6 +443,7 @@ def remove_tree(dir_fd: int, name: str, *, where: str = "") -> None:
             if close is not None:
                 close()
             os.close(fd)
+    return -1
 
 
 def _closing_iter(it: os._ScandirIterator[str]) -> Iterator[os.DirEntry[str]]:

@@ -54,6 +54,18 @@ async def start(agent: AgentService) -> None:
         # engine that the other agent is using.
         agent._fatal(1, str(e))
         return
+    from llmport_agent.state import TwoStates, adopt_old_state
+
+    try:
+        # One state location per user (run, start --user and join --user share it).
+        moved = await agent.io_pool.run(adopt_old_state, agent.state.path)
+    except TwoStates as e:
+        from llmport_agent.session.service import EXIT_NEEDS_OPERATOR
+
+        agent._fatal(EXIT_NEEDS_OPERATOR, str(e))
+        return
+    if moved:
+        agent.log.warn("{note}", note=moved)
     await agent.state.load()
     await agent.journal.load()
     await agent.outbox.load()

@@ -40,10 +40,32 @@ class LoadResult:
     problem: str | None = None
 
 
+def user_state_dir(environ: dict[str, str] | None = None) -> str:
+    """
+    A user's one state directory, whatever started the agent (C{run} as that user, C{start
+    --user}, C{join --user}): C{$XDG_DATA_HOME/llmport-agent}, default
+    C{~/.local/share/llmport-agent} (the original agent's user mode).
+    """
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_DATA_HOME") or ""
+    if not os.path.isabs(base):
+        base = os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "llmport-agent")
+
+
+def old_user_state_dir(environ: dict[str, str] | None = None) -> str:
+    """Where C{run} as a user kept state before (C{$XDG_STATE_HOME/llmport-agent}, C{~/.local/state/...})."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_STATE_HOME") or ""
+    if not os.path.isabs(base):
+        base = os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "llmport-agent")
+
+
 def resolve_state_path(configured: str, environ: dict[str, str] | None = None) -> tuple[str, str | None]:
     """
     Decide where state lives. When not root and the configured path's directory cannot be
-    created or written, fall back to the XDG state directory.
+    created or written, fall back to the user's state directory (L{user_state_dir}).
 
     @return: (path, note) where note is a line to log when the fallback was taken.
     """
@@ -51,12 +73,72 @@ def resolve_state_path(configured: str, environ: dict[str, str] | None = None) -
     directory = os.path.dirname(os.path.abspath(configured))
     if os.geteuid() == 0 or _writable_dir(directory):
         return configured, None
-    base = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    fallback = os.path.join(base, "llmport-agent", "state.json")
+    fallback = os.path.join(user_state_dir(env), "state.json")
     return fallback, (
         f"{directory} is not writable by this user; keeping state in {fallback} instead "
         "(set LLM_PORT_NODE_AGENT_STATE_PATH to choose)"
     )
+
+
+class TwoStates(Exception):
+    """A user's state exists in both the old and the current place: one line, an operator chooses."""
+
+
+def adopt_old_state(state_path: str, environ: dict[str, str] | None = None, euid: int | None = None) -> str | None:
+    """
+    One state location per user: when C{state_path} is the user's state file
+    (L{user_state_dir}) and the old place (L{old_user_state_dir}) holds a state, move the old
+    directory's entries there (renames; its lock file is left behind) and say so (the line
+    returned). Blocking (a few renames).
+
+    @raise TwoStates: both places hold a state file (never a second identity: nothing is moved
+        and nothing enrolls), an agent still runs on the old one, or a name is in both.
+    """
+    from llmport_agent.instance import AlreadyRunning, InstanceLock
+
+    if (os.geteuid() if euid is None else euid) == 0:
+        return None
+    new_dir = user_state_dir(environ)
+    if os.path.abspath(state_path) != os.path.join(new_dir, "state.json"):
+        return None
+    old_dir = old_user_state_dir(environ)
+    old_state = os.path.join(old_dir, "state.json")
+    if os.path.realpath(old_dir) == os.path.realpath(new_dir) or not os.path.lexists(old_state):
+        return None
+    if os.path.lexists(state_path):
+        raise TwoStates(
+            f"two states for this user: {old_state} (the old place) and {state_path}; each may hold "
+            f"an identity of its own, so nothing enrolls: keep one (move the other away, e.g. "
+            f"mv {old_dir} {old_dir}.old) and start again"
+        )
+    lock = InstanceLock(old_state)
+    try:
+        lock.acquire()
+    except AlreadyRunning as e:
+        raise TwoStates(f"the old state {old_state} is in use ({e}); stop that agent, then start again") from None
+    try:
+        ensure_private_dir(new_dir)
+        names = sorted(n for n in os.listdir(old_dir) if n != os.path.basename(lock.path))
+        clash = [n for n in names if os.path.lexists(os.path.join(new_dir, n))]
+        if clash:
+            raise TwoStates(f"{old_dir} and {new_dir} both hold {', '.join(clash[:5])}: keep one, move the "
+                            "other away, and start again")
+        # state.json last: a move cut short leaves the old place still the state (tried again).
+        for name in sorted(names, key=lambda n: n == "state.json"):
+            try:
+                os.rename(os.path.join(old_dir, name), os.path.join(new_dir, name))
+            except OSError as e:
+                raise TwoStates(f"could not move {os.path.join(old_dir, name)} to {new_dir} ({e.strerror}): "
+                                f"move what is left in {old_dir} there by hand, then start again") from None
+    finally:
+        lock.release()
+    try:
+        os.unlink(lock.path)
+        os.rmdir(old_dir)
+    except OSError:
+        pass
+    return (f"moved this user's state from {old_dir} (the old place) to {new_dir}: one state, one "
+            "identity, whichever way the agent is started")
 
 
 def _writable_dir(directory: str) -> bool:

@@ -134,6 +134,11 @@ class FileTests(SynchronousTestCase):
             self.assertIn("0644", f.detail)
             self.assertEqual(f.fix, f"`sudo chmod 600 {path}`")
             self.assertNotIn("PRIVATE KEY", f.line())
+            # Group-readable only (0640, 0604) is open to other users too.
+            for mode in (0o640, 0o604, 0o660):
+                os.chmod(path, mode)
+                f = one(self, C.check_files(ctx), "tls client key", FAIL)
+                self.assertIn(f"{mode:04o}", f.detail)
             os.chmod(path, 0o600)
             one(self, C.check_files(ctx), "tls client key", OK)
         self.assertEqual(by_check(C.check_files(ctx_for(self)), "tls client key"), [])

@@ -55,6 +55,22 @@ class LockTests(SynchronousTestCase):
         second.acquire()
         second.release()
 
+    def test_release_clears_the_pid(self) -> None:
+        """After release() the file names nobody (a PID left there would name a dead or reused process)."""
+        d = self.mktemp()
+        lock = InstanceLock(os.path.join(d, "state.json"))
+        lock.acquire()
+        lock.release()
+        self.assertFalse(lock.held)
+        with open(lock.path) as f:
+            self.assertEqual(f.read(), "")
+        # And a later holder is named by its own PID, nothing left over.
+        again = InstanceLock(os.path.join(d, "state.json"))
+        again.acquire()
+        self.addCleanup(again.release)
+        with open(again.path) as f:
+            self.assertEqual(f.read(), f"{os.getpid()}\n")
+
     def test_a_hard_link_is_never_written(self) -> None:
         """state.lock planted as a hard link to another file: refused, that file untouched."""
         d = self.mktemp()

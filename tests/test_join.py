@@ -31,7 +31,7 @@ from tests.test_installer import Host
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class JoinTests(AgentTestCase):
+class JoinHelpers(AgentTestCase):
     timeout = 60
 
     async def backend(self, **kw: Any) -> DevBackend:
@@ -42,7 +42,8 @@ class JoinTests(AgentTestCase):
         return b
 
     def joiner(self, b: DevBackend, state_dir: str | None = None, agent_id: str = "gpu-07",
-               wait: float = 20.0) -> Joiner:
+               wait: float = 20.0, configured: str | None = "") -> Joiner:
+        """C{configured}: the env file's BACKEND_URL before this join (default: C{b}'s, as a node of it has)."""
         d = os.path.abspath(state_dir or self.mktemp())
         os.makedirs(d, exist_ok=True)
         config = load_config(agent_env(b, d, AGENT_ID=agent_id), {})
@@ -50,7 +51,8 @@ class JoinTests(AgentTestCase):
         self.addCleanup(pool.closeCachedConnections)
         backend = BackendHTTP(reactor, http, config.backend_url, 5.0)
         j = Joiner(reactor, config, backend, config.state_path, lambda: succeed({"hostname": agent_id}),
-                   io.StringIO(), io.StringIO(), poll_sec=0.05, wait_sec=wait)
+                   io.StringIO(), io.StringIO(), poll_sec=0.05, wait_sec=wait,
+                   configured_url=b.url if configured == "" else configured)
         return j
 
     def text(self, j: Joiner) -> str:
@@ -73,6 +75,9 @@ class JoinTests(AgentTestCase):
         await response.content()
         return int(response.code)
 
+
+
+class JoinTests(JoinHelpers):
     async def test_approved_through_the_admin_api(self) -> None:
         b = await self.backend()
         j = self.joiner(b)
@@ -313,7 +318,7 @@ class JoinCommandTests(AgentTestCase):
         out = open(log, "wb")
         self.addCleanup(out.close)
         hostport = b.url.split("://", 1)[1]  # as a person types it
-        proc = subprocess.Popen([sys.executable, "-m", "llmport_agent.cli", "join", hostport], cwd=ROOT, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "llmport_agent.cli", "join", "--insecure-http", hostport], cwd=ROOT, env=env,
                                 stdout=out, stderr=subprocess.STDOUT)
         self.addCleanup(lambda: proc.poll() is None and (proc.kill(), proc.wait()))
         await b.wait_for(lambda: bool(b.onboarding.pending()) or proc.poll() is not None, 30)
@@ -345,3 +350,185 @@ class JoinCommandTests(AgentTestCase):
         self.assertIn("Already a member", text)
         self.assertEqual(len(b.onboarding.requests), before)
         self.assertEqual(h.calls().count("restart llmport-agent.service"), 2)
+
+
+class Stranger:
+    """
+    A server that is not the node's backend, on loopback: it records every request (path, its
+    Authorization header, its body) and answers whoami with 200 (as a hostile one would, to be
+    believed), a join request with C{join_reply}, a collect with "pending", anything else 404.
+    """
+
+    def __init__(self, join_reply: dict[str, Any] | None = None) -> None:
+        self.seen: list[tuple[str, str, bytes]] = []
+        self.join_reply = join_reply
+        self.port: Any = None
+
+    def start(self, test: Any) -> str:
+        from twisted.web import resource, server
+
+        stranger = self
+
+        class Everything(resource.Resource):
+            isLeaf = True
+
+            def render(self, request: Any) -> bytes:
+                path = request.path.decode()
+                auth = (request.getHeader("authorization") or "")
+                body = request.content.read()
+                stranger.seen.append((path, auth, body))
+                request.setHeader("content-type", "application/json")
+                if path.endswith("/whoami"):
+                    return json.dumps({"node_id": "evil-node", "agent_id": "gpu-07"}).encode()
+                if path.endswith("/join-requests") and stranger.join_reply is not None:
+                    return json.dumps(stranger.join_reply).encode()
+                if path.endswith("/collect"):
+                    return json.dumps({"status": "pending"}).encode()
+                request.setResponseCode(404)
+                return b'{"detail": "Not Found"}'
+
+        self.port = reactor.listenTCP(0, server.Site(Everything()), interface="127.0.0.1")
+        test.addCleanup(self.port.stopListening)
+        return f"http://127.0.0.1:{self.port.getHost().port}"
+
+    def saw(self, secret: str) -> bool:
+        return any(secret in auth or secret.encode() in body for _, auth, body in self.seen)
+
+
+class CredentialStaysWithItsIssuerTests(JoinHelpers):
+    """
+    Issue 29 #1: the credential goes only to the backend that issued it (recorded in the state
+    file, else the env file's BACKEND_URL); another URL is a new join, said in one line.
+    """
+
+    def stranger_joiner(self, b: DevBackend, url: str, state: dict[str, Any], configured: str | None) -> Joiner:
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        with open(os.path.join(d, "state.json"), "w") as f:
+            json.dump(state, f)
+        config = load_config(agent_env(b, d, AGENT_ID="gpu-07", BACKEND_URL=url), {})
+        http, pool = make_http_client(reactor, config)
+        self.addCleanup(pool.closeCachedConnections)
+        return Joiner(reactor, config, BackendHTTP(reactor, http, url, 5.0), config.state_path,
+                      lambda: succeed({"hostname": "gpu-07"}), io.StringIO(), io.StringIO(), poll_sec=0.05,
+                      wait_sec=0.3, configured_url=configured)
+
+    async def test_a_stranger_answering_whoami_never_sees_the_credential(self) -> None:
+        b = await self.backend()
+        reply = b.enroll_node("gpu-07")
+        stranger = Stranger()
+        url = stranger.start(self)
+        j = self.stranger_joiner(b, url, {"credential": reply["credential"], "node_id": reply["node_id"],
+                                          "backend_url": b.url}, configured=b.url)
+        self.assertEqual(await j.run(), 1)  # the stranger offers no joining
+        self.assertFalse(stranger.saw(reply["credential"]), stranger.seen)
+        self.assertFalse(stranger.saw(reply["credential"].split(".")[-1]), stranger.seen)
+        self.assertNotIn("/api/node-files/whoami", [p for p, _, _ in stranger.seen])
+        self.assertNotIn("Already a member", self.text(j))
+        self.assertIn(f"issued by {b.url}, not {url}, and is not sent there: this is a new join", self.text(j))
+        # Nothing of the old membership was dropped.
+        self.assertEqual(self.state(j)["credential"], reply["credential"])
+
+    async def test_a_legacy_state_is_judged_by_the_configured_url(self) -> None:
+        """No recorded issuer (a state of the original agent): the env file's BACKEND_URL issued it."""
+        b = await self.backend()
+        reply = b.enroll_node("gpu-07")
+        stranger = Stranger()
+        url = stranger.start(self)
+        legacy = {"credential": reply["credential"], "node_id": reply["node_id"]}
+        j = self.stranger_joiner(b, url, legacy, configured=b.url)
+        await j.run()
+        self.assertFalse(stranger.saw(reply["credential"]), stranger.seen)
+        # Neither recorded nor configured: unknown, so never sent either.
+        j = self.stranger_joiner(b, url, legacy, configured=None)
+        await j.run()
+        self.assertFalse(stranger.saw(reply["credential"]), stranger.seen)
+        self.assertIn("issued by a backend this state does not name", self.text(j))
+
+    async def test_the_same_backend_is_still_a_member(self) -> None:
+        """The recorded issuer, written differently (case, default port, a trailing /), is the same backend."""
+        b = await self.backend()
+        reply = b.enroll_node("gpu-07")
+        host_port = b.url.split("://", 1)[1]
+        j = self.stranger_joiner(b, b.url + "/", {"credential": reply["credential"], "node_id": reply["node_id"],
+                                                  "backend_url": "HTTP://" + host_port.upper()}, configured=None)
+        self.assertEqual(await j.run(), 0)
+        self.assertIn("Already a member", self.text(j))
+
+    async def test_an_approved_join_records_its_issuer(self) -> None:
+        b = await self.backend()
+        j = self.joiner(b)
+        d = ensureDeferred(j.run())
+        row = await self.pending(b, j)
+        b.onboarding.decide(row.id, True)
+        self.assertEqual(await d, 0)
+        self.assertEqual(self.state(j)["backend_url"], b.url)
+
+    async def test_a_saved_poll_secret_is_not_sent_to_another_backend(self) -> None:
+        """
+        A pending join saved for backend A; B answers the join request with the same id and no
+        poll secret (as a backend does for a request it already handed one out for): the saved
+        secret is A's, never sent to B.
+        """
+        b = await self.backend()
+        stranger = Stranger(join_reply={"id": "req-1", "code": "ABC-DEF"})
+        url = stranger.start(self)
+        secret = "a-poll-secret-of-backend-a-0123456789"
+        j = self.stranger_joiner(b, url, {"pending_join": {"id": "req-1", "backend_url": b.url,
+                                                           "poll_secret": secret, "code": "ABC-DEF"}},
+                                 configured=None)
+        self.assertEqual(await j.run(), 1)
+        self.assertFalse(stranger.saw(secret), stranger.seen)
+        self.assertNotIn("/api/admin/system/nodes/join-requests/req-1/collect", [p for p, _, _ in stranger.seen])
+        self.assertIn("only that run can collect it", self.text(j))
+
+    async def test_a_node_id_that_is_not_one_is_refused(self) -> None:
+        """Issue 29 #4: an approved join naming a node id with escapes, or too long, stores nothing."""
+        b = await self.backend()
+        for bad in ("n\x1b[2J\x1b]0;pwned\x07", "x" * 129, "a/../../etc", "", "\u202eevil"):
+            j = self.joiner(b)
+            code = await j._approved({"credential": "00000000-0000-0000-0000-000000000000.abc", "node_id": bad})
+            self.assertEqual(code, 1)
+            err = j.err.getvalue()  # type: ignore[attr-defined]
+            self.assertIn("that is not one", err)
+            self.assertEqual(len(err.strip().splitlines()), 1)
+            self.assertNotIn("\x1b", err)
+            self.assertNotIn("\u202e", err)
+            self.assertFalse(os.path.exists(j.state_path) and "credential" in self.state(j))
+
+
+class JoinURLTests(AgentTestCase):
+    """What a typed URL becomes: https unless the operator says otherwise; never a silent http."""
+
+    def test_bare_host_port_is_https(self) -> None:
+        from llmport_agent.join import normalise_url
+
+        self.assertEqual(normalise_url("10.0.0.5:8000"), "https://10.0.0.5:8000")
+        self.assertEqual(normalise_url(" llm.example "), "https://llm.example")
+        self.assertEqual(normalise_url("10.0.0.5:8000", insecure_http=True), "http://10.0.0.5:8000")
+
+    def test_http_needs_consent(self) -> None:
+        from llmport_agent.join import InsecureURL, normalise_url
+
+        with self.assertRaises(InsecureURL) as e:
+            normalise_url("http://10.0.0.5:8000")
+        self.assertIn("--insecure-http", str(e.exception))
+        self.assertEqual(normalise_url("http://10.0.0.5:8000", insecure_http=True), "http://10.0.0.5:8000")
+        # The URL this node is already configured for exposes nothing new.
+        self.assertEqual(normalise_url("http://10.0.0.5:8000/", known=("http://10.0.0.5:8000",)),
+                         "http://10.0.0.5:8000/")
+        with self.assertRaises(InsecureURL):
+            normalise_url("http://10.0.0.6:8000", known=("http://10.0.0.5:8000",))
+        with self.assertRaises(InsecureURL):
+            normalise_url("ftp://10.0.0.5")
+        self.assertEqual(normalise_url("https://10.0.0.5"), "https://10.0.0.5")
+
+    def test_same_backend(self) -> None:
+        from llmport_agent.join import same_backend
+
+        self.assertTrue(same_backend("https://LLM.example/", "https://llm.example:443"))
+        self.assertTrue(same_backend("http://a:80/x/", "http://a/x"))
+        self.assertFalse(same_backend("http://a:8000", "https://a:8000"))
+        self.assertFalse(same_backend("http://a:8000", "http://a:8001"))
+        self.assertFalse(same_backend("http://a:8000", "http://a.evil:8000"))
+        self.assertFalse(same_backend("http://a:8000/x", "http://a:8000/y"))

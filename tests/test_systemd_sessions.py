@@ -239,8 +239,8 @@ class SessionTests(AnomalyGuard, TestCase):
         env = ["env", *(f"LLM_PORT_NODE_AGENT_{k}={v}" for k, v in {
             "AGENT_ID": agent_id, "HOST": "127.0.0.1", "OPS_PORT": "0", "GPU_SOURCE": "none",
             "RECONNECT_MIN_SEC": "0.2", "RECONNECT_MAX_SEC": "1"}.items())]
-        hostport = b.url.split("://", 1)[1]  # as a person types it
-        joined = deferToThread(box.run, *env, *CLI, "join", hostport, check=False)
+        hostport = b.url.split("://", 1)[1]  # as a person types it (http only when said: the stand-in is http)
+        joined = deferToThread(box.run, *env, *CLI, "join", "--insecure-http", hostport, check=False)
         await b.wait_for(lambda: bool(b.onboarding.pending()) or joined.called, 60)
         if joined.called:
             early = await joined
@@ -295,7 +295,8 @@ class SessionTests(AnomalyGuard, TestCase):
         env = {"LLM_PORT_NODE_AGENT_" + k: v for k, v in {
             "AGENT_ID": agent_id, "HOST": "127.0.0.1", "OPS_PORT": "0", "GPU_SOURCE": "none",
             "RECONNECT_MIN_SEC": "0.2", "RECONNECT_MAX_SEC": "1"}.items()}
-        joined = deferToThread(self.as_user, box, *CLI, "join", "--user", b.url, env=env, check=False)
+        joined = deferToThread(self.as_user, box, *CLI, "join", "--user", "--insecure-http", b.url, env=env,
+                               check=False)
         await b.wait_for(lambda: bool(b.onboarding.pending()) or joined.called, 60)
         if joined.called:
             early = await joined

@@ -245,11 +245,51 @@ class TrustTests(SynchronousTestCase):
         self.assertIn("writable by others, so it is left alone", n.h.err.getvalue())
 
     def test_a_directory_writable_by_others_is_refused(self) -> None:
+        """
+        Group- (0775) or world-writable (0777): nothing is kept or put back there; `start` itself
+        refuses such an executable before anything (issue 29 #6).
+        """
+        for mode in (0o777, 0o775, 0o2775):
+            n = Node(self)
+            os.chmod(os.path.dirname(n.exe), mode)
+            with self.assertRaises(NotKept) as e:
+                PreviousBuild(n.exe, 0).keep_current()
+            self.assertIn("writable by others", str(e.exception))
+            self.assertFalse(os.path.lexists(n.exe + ".previous"))
+            self.assertEqual(n.start(**agent_vars()), 1)
+            self.assertIn("is writable by its group or all users", n.h.err.getvalue())
+            self.assertFalse(os.path.lexists(n.exe + ".previous"))
+
+    def test_the_copy_is_on_disk_before_its_rename(self) -> None:
+        """
+        Fault-injected order: the kept copy's data is fsynced before it is renamed into place
+        (else a power cut after the rename can leave an empty or partial .previous), and the
+        directory after the rename.
+        """
         n = Node(self)
-        os.chmod(os.path.dirname(n.exe), 0o777)
-        self.assertEqual(n.start(**agent_vars()), 0)
-        self.assertFalse(os.path.lexists(n.exe + ".previous"))
-        self.assertIn("no copy of this build was kept beside it", n.h.out.getvalue())
+        events: list[tuple[str, str]] = []
+        real_fsync, real_replace = os.fsync, os.replace
+
+        def fsync(fd: int) -> None:
+            events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+            real_fsync(fd)
+
+        def replace(src: Any, dst: Any, **kw: Any) -> None:
+            events.append(("rename", os.path.basename(str(src))))
+            real_replace(src, dst, **kw)
+
+        self.patch(os, "fsync", fsync)
+        self.patch(os, "replace", replace)
+        self.assertTrue(PreviousBuild(n.exe, 0).keep_current())
+        renamed = [i for i, (what, _) in enumerate(events) if what == "rename"]
+        self.assertEqual(len(renamed), 1, events)
+        temp = events[renamed[0]][1]
+        data_synced = [i for i, (what, path) in enumerate(events)
+                       if what == "fsync" and os.path.basename(path) == temp]
+        self.assertTrue(data_synced and data_synced[0] < renamed[0], events)
+        directory = os.path.dirname(n.exe)
+        self.assertTrue(any(what == "fsync" and path == directory for what, path in events[renamed[0]:]), events)
+        self.assertEqual(n.read(n.exe + ".previous"), BUILD_1)
 
     def test_a_previous_of_another_owner_is_refused(self) -> None:
         n = self.upgraded()

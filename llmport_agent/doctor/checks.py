@@ -57,6 +57,10 @@ class Context:
     timeout: float = 3.0
     #: The running agent's /readyz body, when one answers on this node.
     readiness: dict[str, Any] | None = None
+    #: What answered is the agent (its lock's holder owns the port): only then is it believed.
+    ops_trusted: bool = False
+    #: Something that is not the agent answered on the ops port: why it is not believed.
+    ops_note: str = ""
     unit: str = "llmport-agent.service"
     ray_ports: tuple[int, ...] = RAY_PORTS
     sys_root: str = ""
@@ -255,8 +259,32 @@ def _state(ctx: Context) -> dict[str, Any]:
 
 
 def _agent_connected(ctx: Context) -> bool:
+    """The running agent (verified: never a squatter on its port) says it is connected."""
+    if not ctx.ops_trusted:
+        return False
     checks = (ctx.readiness or {}).get("checks") or {}
     return bool((checks.get("session") or {}).get("ok"))
+
+
+def _env_file_url(ctx: Context) -> str | None:
+    """The env file's BACKEND_URL (the unit's), not this shell's."""
+    from llmport_agent.installer import EnvFile
+
+    try:
+        with open(ctx.env_file, encoding="utf-8", errors="replace") as f:
+            values = EnvFile.parse(f.read(1 << 20)).values()
+    except OSError:
+        return None
+    return values.get("LLM_PORT_NODE_AGENT_BACKEND_URL") or None
+
+
+def check_ops_port(ctx: Context) -> list[Finding]:
+    """Something that is not the agent answering on its loopback ops port (opsprobe)."""
+    if ctx.config is None or not ctx.ops_note:
+        return []
+    port = ctx.config.ops_port
+    return [fail("ops port", f"something that is not the agent answers on 127.0.0.1:{port} ({ctx.ops_note}); its "
+                 "answers are ignored", f"find it with `ss -ltnp 'sport = :{port}'`, stop it, then start the agent")]
 
 
 def check_credential(ctx: Context) -> list[Finding]:
@@ -280,13 +308,26 @@ def check_credential(ctx: Context) -> list[Finding]:
                      "start the agent now (`sudo llmport-agent start`), or mint a fresh token if it is older")]
     if _agent_connected(ctx):
         return [ok("credential", "the running agent is connected with it")]
+    from llmport_agent.join import credential_issuer, same_backend
+
+    # The credential goes only to the backend that issued it (recorded in the state; for an
+    # older state, the env file's BACKEND_URL): never to a URL given in this shell.
+    issuer = credential_issuer(state, _env_file_url(ctx))
+    if issuer is not None and not same_backend(issuer, ctx.config.backend_url):
+        from llmport_agent.config import mask_url
+
+        return [fail("credential", f"issued by {mask_url(issuer)}, but BACKEND_URL is "
+                     f"{mask_url(ctx.config.backend_url)}: not sent there (the agent refuses to start so)",
+                     f"set BACKEND_URL back, or `sudo llmport-agent join {mask_url(ctx.config.backend_url)}` "
+                     "(a new join)")]
     url = ctx.config.backend_url.rstrip("/")
     headers = {"Authorization": f"Bearer {credential}"}
     try:
         code, _h, body = _http(ctx, url + WHOAMI_PATH, headers=headers)
     except Exception as e:
         return [warn("credential", f"not checked: the backend did not answer ({_err(e)})", "check the backend first")]
-    from llmport_agent.backend_http import is_route_missing, shown
+    from llmport_agent.backend_http import is_route_missing
+    from llmport_agent.cleantext import shown
 
     route_missing = is_route_missing(code, body)
     if code == 200:
@@ -797,6 +838,7 @@ def check_rdma(ctx: Context) -> list[Finding]:
 #: Every check, in the order the report lists them.
 CHECKS: tuple[tuple[str, Callable[[Context], list[Finding]]], ...] = (
     ("configuration", check_config),
+    ("ops port", check_ops_port),
     ("backend", check_backend),
     ("credential", check_credential),
     ("docker engine", check_engine),

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Any
 
 from attrs import frozen
 
+from llmport_agent.cleantext import shown
+
 OK = "ok"
 WARN = "warn"
 FAIL = "fail"
 _RANK = {OK: 0, WARN: 1, FAIL: 2}
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+#: A finding's line is bounded (a detail quoting what others wrote cannot flood the terminal).
+LINE_MAX = 2000
 
 
 @frozen
@@ -34,8 +36,8 @@ class Finding:
     def line(self) -> str:
         # Details quote what others wrote (the backend, whatever answers on the ops port, file
         # names): on a terminal, no control character (an escape sequence) gets through.
-        text = f"{self.status:<4}  {self.check:<18}  {_CONTROL.sub('?', self.detail)}"
-        return f"{text} -> {_CONTROL.sub('?', self.fix)}" if self.fix else text
+        text = f"{self.status:<4}  {self.check:<18}  {shown(self.detail, LINE_MAX)}"
+        return f"{text} -> {shown(self.fix, LINE_MAX)}" if self.fix else text
 
     def as_dict(self) -> dict[str, Any]:
         return {"check": self.check, "status": self.status, "detail": self.detail, "fix": self.fix}

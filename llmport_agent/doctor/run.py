@@ -6,7 +6,6 @@ time limit, the whole run bounded (under 15 s); one line per finding; exit 0/1/2
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import sys
@@ -65,19 +64,25 @@ def make_context(env_file: str, environ: Mapping[str, str], **kw: Any) -> Contex
 
 
 def readiness(ctx: Context) -> dict[str, Any] | None:
-    """The running agent's /readyz on loopback (read-only), or C{None} when none answers."""
+    """
+    The running agent's /readyz on loopback (read-only), or C{None} when none answers, or when
+    what answers is not the agent (L{llmport_agent.opsprobe}: the holder of the state's lock
+    must own the listening socket; a redirect is never followed). Sets C{ctx.ops_trusted} and,
+    when something else answers, C{ctx.ops_note}.
+    """
     if ctx.config is None or not ctx.config.ops_port:
         return None
-    conn = http.client.HTTPConnection("127.0.0.1", ctx.config.ops_port, timeout=READINESS_LIMIT)
-    try:
-        conn.request("GET", "/readyz")
-        body = conn.getresponse().read(1 << 20)
-        data = json.loads(body)
-        return data if isinstance(data, dict) and "checks" in data else None
-    except (OSError, ValueError, RecursionError, http.client.HTTPException):
+    from llmport_agent.opsprobe import probe
+
+    answer = probe(ctx.config.ops_port, ctx.config.state_path, timeout=READINESS_LIMIT)
+    ctx.ops_trusted = answer.trusted
+    if not answer.answered:
         return None
-    finally:
-        conn.close()
+    if not answer.trusted and not answer.unverifiable:
+        ctx.ops_note = answer.note
+        return None
+    body = answer.body
+    return body if isinstance(body, dict) and "checks" in body else None
 
 
 def _on_thread(reactor: Any, fn: Callable[[], Any]) -> Deferred[Any]:

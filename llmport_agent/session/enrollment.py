@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from twisted.internet.defer import CancelledError, Deferred
 
 from llmport_agent.backend_http import Rejected, Transient
+from llmport_agent.cleantext import BadNodeId
 from llmport_agent.state import token_fingerprint
 
 if TYPE_CHECKING:
@@ -43,6 +44,11 @@ async def enroll(session: SessionService, token: str, *, reenroll: bool = False)
                     )
                 )
             except CancelledError:
+                return False
+            except BadNodeId as e:
+                # The backend took the token and named no usable node: an operator must look.
+                await session._remember_token(token)
+                session._fatal(EXIT_NEEDS_OPERATOR, f"Enrollment failed: {e}")
                 return False
             except Rejected as e:
                 if reenroll and e.status != 422:
@@ -95,6 +101,8 @@ async def enroll(session: SessionService, token: str, *, reenroll: bool = False)
                 previous_credential=previous,
                 node_id=result.node_id,
                 agent_id=session.config.agent_id,
+                # The backend that issued the credential: it goes to no other (join, start).
+                backend_url=session.config.backend_url,
                 backend_host=result.host,
                 enrolled_at=session._wallclock(),
                 last_rotation_at=session._wallclock(),

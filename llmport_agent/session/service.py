@@ -41,7 +41,9 @@ from zope.interface import implementer
 
 from llmport_agent.backend_http import BackendHTTP
 from llmport_agent.backoff import Backoff, FailureCounter, retry_policy
-from llmport_agent.config import AgentConfig
+from llmport_agent.cleantext import node_id_problem
+from llmport_agent.cleantext import shown as shown_text
+from llmport_agent.config import AgentConfig, mask_url
 from llmport_agent.session import enrollment, polling, refusal, rotation, stop
 from llmport_agent.session.dispatch import DispatchDetector
 from llmport_agent.session.enrollment import EXIT_NEEDS_OPERATOR, TOKEN_HELP
@@ -314,6 +316,19 @@ class SessionService(Service):
             )
         # With a credential stored, the token is kept for a refusal (see _refused); whether it
         # can be removed is said once the backend accepted the credential (connection_opened).
+        issuer = self.state.get("backend_url")
+        if self.state.credential and isinstance(issuer, str) and issuer:
+            from llmport_agent.join import same_backend
+
+            if not same_backend(issuer, self.config.backend_url):
+                # The credential goes only to the backend that issued it (join, start, here).
+                self._fatal(
+                    EXIT_NEEDS_OPERATOR,
+                    f"The stored credential was issued by {mask_url(issuer)}, but BACKEND_URL is "
+                    f"{mask_url(self.config.backend_url)}: it is not sent there. Set BACKEND_URL back, or "
+                    f"join the new backend (llmport-agent join {mask_url(self.config.backend_url)})",
+                )
+                return
         if self.state.credential:
             pass
         elif token:
@@ -527,9 +542,17 @@ class SessionService(Service):
             sid = frame.get("session_id")
             nid = frame.get("node_id")
             self.session_id = sid if isinstance(sid, str) else None
-            if isinstance(nid, str) and nid and nid != self.node_id:
-                self.node_id = nid
-                self.state.note(node_id=nid)
+            if nid not in (None, "") and nid != self.node_id:
+                problem = node_id_problem(nid)
+                if problem is None:
+                    self.node_id = nid
+                    self.state.note(node_id=nid)
+                else:
+                    # Checked where it is received: never stored, sent or printed as given.
+                    self.log.error("The backend's hello_ack names a node id that is not one ({problem}: "
+                                   "{value}); it is ignored (the node keeps {node_id}): check that BACKEND_URL "
+                                   "is your llm-port backend", problem=problem, value=shown_text(repr(nid), 80),
+                                   node_id=self.node_id or "-")
         for listener in list(self._listeners):
             try:
                 listener.frame_received(frame)

@@ -63,7 +63,10 @@ class StatusTests(SynchronousTestCase):
                 "agent": {"version": esc, "node_id": esc, "heartbeat_status": esc, "workloads": esc},
                 "checks": {"session" + esc: {"ok": True, "detail": esc}, "bad": "not an object"}}
         h = Host(self, systemd=False)
-        self.patch(installer, "_readyz", lambda port: body)
+        from llmport_agent import opsprobe
+
+        # Trusted (the agent itself): its words are still cleaned.
+        self.patch(opsprobe, "probe", lambda port, state, **kw: opsprobe.OpsAnswer(True, body, True, 4242))
         config = load_config({"LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:9",
                               "LLM_PORT_NODE_AGENT_STATE_PATH": os.path.join(h.root, "state.json")})
         rc = installer.Installer(h.system()).status(config)

@@ -56,9 +56,15 @@ class JoinWordsTests(TestCase):
         return j.out.getvalue() + j.err.getvalue()  # type: ignore[attr-defined]
 
     async def test_whoami_words_are_shown_without_escapes(self) -> None:
-        j = self.joiner({"version": 1, "credential": "old.credential"})
+        """The agent id is shown cleaned; a node id that is not one is refused (issue 29 #4)."""
+        j = self.joiner({"version": 1, "credential": "old.credential", "backend_url": "http://127.0.0.1:9"})
+        self.assertEqual(await j.run(), EX_FAIL)
+        self.assertIn("the backend sent a node id in the whoami reply that is not one", self.text(j))
+        self.assertNotIn("\x1b", self.text(j))
+        j = self.joiner({"version": 1, "credential": "old.credential", "backend_url": "http://127.0.0.1:9"})
+        j.backend.whoami = lambda credential: succeed({"agent_id": "gpu-07" + ESC, "node_id": "n-1"})  # type: ignore[method-assign]
         self.assertEqual(await j.run(), MEMBER)
-        self.assertIn("Already a member: this node is gpu-07?]2;owned??[2J (node n-1?]2;owned??[2J)", self.text(j))
+        self.assertIn("Already a member: this node is gpu-07?]2;owned??[2J (node n-1)", self.text(j))
         self.assertNotIn("\x1b", self.text(j))
 
     async def test_an_approval_with_an_unshowable_node_id_stores_nothing(self) -> None:
@@ -66,7 +72,7 @@ class JoinWordsTests(TestCase):
         reply = await Backend().collect_join("r1", "s3cret")
         self.assertEqual(await j._approved(reply), EX_FAIL)
         self.assertNotIn("\x1b", self.text(j))
-        self.assertIn("no usable credential or node id", self.text(j))
+        self.assertIn("that is not one", self.text(j))
         with open(j.state_path) as f:
             state = json.load(f)
         self.assertNotIn("credential", state)

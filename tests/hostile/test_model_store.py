@@ -429,14 +429,54 @@ class SafeFsTests(SynchronousTestCase):
         safefs.remove_tree(self.fd, "t2")
         self.assertEqual(os.listdir(self.dir), [])
 
-    def test_remove_tree_depth_is_bounded(self) -> None:
-        """A tree deeper than the bound is refused with ELOOP (no recursion, no fd leak)."""
-        make_deep_tree(os.path.join(self.dir, "deep"), safefs.MAX_TREE_DEPTH + 5)
+    def test_remove_tree_depth_cannot_stop_it(self) -> None:
+        """
+        Issue 29 #7: a tree far deeper than the descriptors held (a chain of 1000, a file and a
+        link out at every level) is removed whole: no recursion, no descriptor leak, at most
+        MAX_TREE_DEPTH held, no link followed (the sentinel's files stay).
+        """
+        top = os.path.join(self.dir, "deep")
+        make_deep_tree(top, 1000)
+        d = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+        for _level in range(1000):
+            with open(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=d), "w") as f:
+                f.write("x")
+            os.symlink(os.path.join(self.sentinel, "tmpdir"), "out", dir_fd=d)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=d)
+            os.close(d)
+            d = child
+        os.close(d)
+        before = sorted(os.listdir(self.sentinel))
+        fds = len(os.listdir("/proc/self/fd"))
+        most = [0]
+        real_open = os.open
+
+        def counting_open(*a: Any, **kw: Any) -> int:
+            fd = real_open(*a, **kw)
+            most[0] = max(most[0], len(os.listdir("/proc/self/fd")))
+            return fd
+
+        self.patch(safefs.os, "open", counting_open)
+        safefs.remove_tree(self.fd, "deep")
+        self.assertEqual(os.listdir(self.dir), [])
+        self.assertEqual(len(os.listdir("/proc/self/fd")), fds)
+        # Two per level held (the directory and its listing), whatever the depth.
+        self.assertLessEqual(most[0], fds + 2 * safefs.MAX_TREE_DEPTH + 8)
+        self.assertEqual(sorted(os.listdir(self.sentinel)), before)
+
+    def test_a_tree_that_keeps_growing_is_bounded(self) -> None:
+        """More deep directories than MAX_HOISTED: ELOOP, not a walk for ever."""
+        make_deep_tree(os.path.join(self.dir, "deep"), safefs.MAX_TREE_DEPTH * 4)
+        self.patch(safefs, "MAX_HOISTED", 2)
         fds = len(os.listdir("/proc/self/fd"))
         with self.assertRaises(OSError) as cm:
             safefs.remove_tree(self.fd, "deep")
         self.assertEqual(cm.exception.errno, errno.ELOOP)
         self.assertEqual(len(os.listdir("/proc/self/fd")), fds)
+        # Without the bound it goes (and leaves trial's recursive clean-up nothing too deep).
+        self.patch(safefs, "MAX_HOISTED", 1 << 20)
+        safefs.remove_tree(self.fd, "deep")
+        self.assertEqual(os.listdir(self.dir), [])
 
     def test_open_file_refuses_links_fifos_devices(self) -> None:
         """open_file_at opens regular files only; the rest raise without being opened."""
@@ -477,22 +517,24 @@ class SafeFsTests(SynchronousTestCase):
         self.assertFalse(os.path.islink(os.path.join(self.dir, "blobs")))
 
 
-class UnfixablePlantTests(TestCase):
-    """What cannot be put right fails the sync with storage_error naming the path."""
+class DeepPlantTests(TestCase):
+    """A plant no descriptor bound can stop: the sync puts it right and proceeds."""
 
     timeout = 60
 
     async def test_too_deep_a_tree_in_the_temporary_folder(self) -> None:
-        """A tree deeper than the removal bound in .llmport-tmp: storage_error with its path."""
+        """
+        Issue 29 #7: a chain of 300 directories planted in .llmport-tmp (deeper than the
+        descriptors the removal holds) no longer fails every sync with ELOOP: it is removed and
+        the sync proceeds.
+        """
         store = os.path.abspath(self.mktemp())
         rig = _StoreRig(self, store)
         top = os.path.join(store, "models--acme--tmp", ".llmport-tmp", "deep")
-        make_deep_tree(top, safefs.MAX_TREE_DEPTH + 2)
-        with self.assertRaises(CommandFailed) as cm:
-            await rig.syncer.sync(rig.manifests["tmp"], lambda *a, **k: None)
-        self.assertEqual(cm.exception.error_code, "storage_error")
-        self.assertIn(top, cm.exception.error_message)
-        self.assertEqual(cm.exception.result["path"], top)
+        make_deep_tree(top, 300)
+        await rig.syncer.sync(rig.manifests["tmp"], lambda *a, **k: None)
+        self.assertFalse(os.path.lexists(top))
+        self.assertEqual(os.listdir(os.path.join(store, "models--acme--tmp", ".llmport-tmp")), [])
 
 
 class BlobIdentityTests(TestCase):
