@@ -865,6 +865,27 @@ class RedactionTests(SynchronousTestCase):
         self.assertEqual(redact(f"{TOKEN}"), TOKEN)  # a 32-char value alone is not a secret
         self.assertEqual(redact("abc", ["abc"]), "abc")  # too short to search for
 
+    def test_prose_after_a_label_is_not_a_secret(self) -> None:
+        """
+        "no enrollment token: mint a new one with POST ..." is a sentence: the word after the
+        label stays (issue 26: it read "token: *** a new one"); a value is still masked.
+        """
+        hint = "No credential in /s and no enrollment token: mint a new one with POST /api/x and set Y"
+        self.assertEqual(redact(hint), hint)
+        self.assertEqual(redact("the credential: refused (401) by the backend"),
+                         "the credential: refused (401) by the backend")
+        for text, masked in (
+            ("password: hunter2 and more", "password: *** and more"),  # a digit: a value
+            ("token: Mint a new one", "token: *** a new one"),  # a capital: a value
+            ("password: sunshine", "password: ***"),  # nothing after it: a value
+            ("token:mint a new one", "token:*** a new one"),  # no space: key:value
+            ("token=mint a new one", "token=*** a new one"),
+            ('{"token": "mint", "a": 1}', '{"token": "***", "a": 1}'),  # quoted: a value
+            ("secret: abcdefghijklmnopq and x", "secret: *** and x"),  # longer than a word
+            ("api_key: a,b", "api_key: ***,b"),
+        ):
+            self.assertEqual(redact(text), masked, text)
+
     def test_redactor_reads_secrets_each_time(self) -> None:
         """A Redactor sees secrets added later and survives a failing callable."""
         secrets: list[str] = []

@@ -60,6 +60,19 @@ class JSONLinesTests(SynchronousTestCase):
                                                   why="password=hunter22", reason="x"))[0]
         self.assertEqual(line["message"], "no enrollment token: mint a new one (password=***)")
 
+    def test_a_fix_hint_in_a_field_survives(self) -> None:
+        """
+        The agent's fatal line carries its text in a field ({reason}), which is redacted: the
+        hint after "token:" must survive it (issue 26: "no enrollment token: *** a new one").
+        """
+        from llmport_agent.session.enrollment import TOKEN_HELP
+
+        reason = f"No credential in /var/lib/x and no enrollment token: {TOKEN_HELP} and set Y"
+        line = self.emit(lambda log: log.critical("{reason}", reason=reason))[0]
+        self.assertEqual(line["message"], reason)
+        self.assertEqual(line["reason"], reason)
+        self.assertIn("token: mint a new one with POST", line["message"])
+
     def test_level_filter(self) -> None:
         self.assertEqual(self.emit(lambda log: log.debug("hidden"), level="INFO"), [])
 

@@ -10,7 +10,10 @@ header, a traceback showing a request, a container echoing its environment into 
  - the value after C{Bearer };
  - the password in C{scheme://user:password@host};
  - the value of C{enrollment_token}, C{credential}, C{password}, C{secret}, C{token},
-   C{api_key} written as C{key=value} or C{"key": "value"};
+   C{api_key} written as C{key=value}, C{key:value} or C{"key": "value"}; but not the prose after
+   a label in a sentence: C{key: word more words} (a colon, a space, then a short lower-case
+   word followed by more words, as in "no enrollment token: mint a new one with POST ...") is a
+   sentence, not a secret, and is left as it is;
  - every exact occurrence of a configured secret (the enrollment token, the credential,
    registry passwords, ...), so a 32-character enrollment token is caught wherever it appears.
 """
@@ -52,7 +55,14 @@ def _url_password(m: re.Match[str]) -> str:
 
 
 def _keyed(m: re.Match[str]) -> str:
-    return f"{m.group(1)}{MASK}"
+    label, value = m.group(1), m.group(2)
+    if label.rstrip().endswith(":") and label != label.rstrip() and value.isalpha() and value.islower():
+        # "token: mint a new one ...": a word in a sentence (a lower-case word that more words
+        # follow); a value on its own, quoted, with digits or capitals, or after "=" is masked.
+        rest = m.string[m.end(2):m.end(2) + 2]
+        if len(value) <= 16 and len(rest) == 2 and rest[0] in " \t" and (rest[1].isalpha() or rest[1] == "("):
+            return m.group(0)
+    return f"{label}{MASK}"
 
 
 def _ordered(secrets: Iterable[str | None]) -> list[str]:
