@@ -2,8 +2,12 @@
 The ops endpoint's HTTP server, bounded: any local process can reach 127.0.0.1 (a workload on
 the host network too), so what one client can hold is capped.
 
- - at most L{MAX_CONNECTIONS} open connections; one more is closed as soon as it is accepted
-   (it never reaches the HTTP parser), so the endpoint holds at most that many descriptors;
+ - at most L{MAX_CONNECTIONS} open connections. One more takes the place of the connection
+   that has waited longest on its client (its output unread the longest, else idle or
+   half-sent the longest); when every connection has a request being answered, it is closed
+   as soon as it is accepted (it never reaches the HTTP parser). So the endpoint holds at
+   most that many descriptors, and a flood of connections that do not read cannot keep
+   another client (a monitor's C{/healthz}) out;
  - the request line and headers within L{HEADER_BYTES} bytes and L{MAX_HEADERS} lines, and
    complete within L{HEADER_DEADLINE_S} seconds of the connection (or of the previous
    response): a client sending a byte now and then is dropped;
@@ -24,6 +28,7 @@ the host network too), so what one client can hold is capped.
 
 from __future__ import annotations
 
+import socket
 from io import BytesIO
 from typing import Any
 
@@ -53,6 +58,9 @@ PIPELINE_BYTES = 16384
 #: One read from a client's socket (Twisted's default is 64 KiB): a request head is at most
 #: L{HEADER_BYTES}, so this bounds what a read can add to the pipelined bytes.
 READ_BYTES = 16384
+#: The kernel's send buffer for a client (Linux doubles it): what a client that does not read
+#: can make the agent render before its output is paused.
+SEND_BUFFER_BYTES = 32768
 
 
 class _NoBodyRequest(Request):
@@ -82,14 +90,41 @@ class _BoundedChannel(HTTPChannel):
     #: The transport's output buffer is over its bound (it paused us; the client is not reading).
     _blocked = False
     _gone = False
+    _waiting_since = 0.0
+    _blocked_since = 0.0
 
     def connectionMade(self) -> None:  # noqa: N802
         self._inbox = bytearray()  # request bytes not yet given to the parser
         self._tail = b""  # the last bytes given to the parser of a head not yet complete
+        self._waiting_since = self.site.reactor.seconds()
         if hasattr(self.transport, "bufferSize"):
             self.transport.bufferSize = READ_BYTES
+        handle = getattr(self.transport, "getHandle", None)
+        if handle is not None:
+            try:  # a client that does not read fills a small kernel buffer: less work for it
+                handle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            except (OSError, AttributeError):
+                pass
         super().connectionMade()
         self._arm()
+
+    def eviction_rank(self) -> tuple[int, float] | None:
+        """
+        Where this connection stands in line to make room for a new one (lowest first): one
+        whose output has not been read, by how long; then one idle or half-sent, by how long;
+        C{None} while a request is being answered.
+        """
+        if self._gone:
+            return (0, 0.0)
+        if self._blocked:
+            return (0, self._blocked_since)
+        if self._in_flight:
+            return None
+        return (1, self._waiting_since)
+
+    def evict(self) -> None:
+        self._gone = True
+        self.transport.abortConnection()
 
     # -- one request at a time
 
@@ -142,6 +177,8 @@ class _BoundedChannel(HTTPChannel):
             self._next = self.callLater(0, self._feed)
 
     def pauseProducing(self) -> None:  # noqa: N802 - the transport's output is over its bound
+        if not self._blocked:
+            self._blocked_since = self.site.reactor.seconds()
         self._blocked = True
         super().pauseProducing()
         self._reading()
@@ -187,6 +224,7 @@ class _BoundedChannel(HTTPChannel):
     def requestDone(self, request: Any) -> None:  # noqa: N802
         super().requestDone(request)
         self._in_flight = False
+        self._waiting_since = self.site.reactor.seconds()
         if not self.transport.disconnecting:
             self._arm()
         self._reading()
@@ -202,6 +240,7 @@ class _BoundedChannel(HTTPChannel):
         if self._counted:
             self._counted = False
             self.site.open_connections -= 1
+            self.site.channels.discard(self)
         super().connectionLost(reason)
 
 
@@ -232,13 +271,31 @@ class BoundedSite(Site):
         self.refused = 0
         self.timed_out = 0
         self.bodies_refused = 0
+        #: Connections closed to make room for a new one.
+        self.evicted = 0
         self.noisy = False
+        self.channels: set[_BoundedChannel] = set()
 
     def buildProtocol(self, addr: Any) -> Any:  # noqa: N802
-        if self.open_connections >= self.max_connections:
+        if self.open_connections >= self.max_connections and not self._make_room():
             self.refused += 1
             return None  # the transport is closed at once
         channel = super().buildProtocol(addr)
         channel._counted = True
         self.open_connections += 1
+        self.channels.add(channel)
         return channel
+
+    def _make_room(self) -> bool:
+        """Close the connection that waited longest on its client (see the module's docstring)."""
+        ranked = [(rank, id(c), c) for c in self.channels if (rank := c.eviction_rank()) is not None]
+        if not ranked:
+            return False
+        _rank, _id, victim = min(ranked, key=lambda r: (r[0], r[1]))
+        self.evicted += 1
+        self.channels.discard(victim)
+        if victim._counted:
+            victim._counted = False
+            self.open_connections -= 1
+        victim.evict()
+        return True

@@ -104,6 +104,52 @@ class LoopbackTests(TestCase):
             got += chunk
         self.assertTrue(got.startswith(b"HTTP/1.1 200"), got[:200])
 
+    async def test_a_pipelining_flood_that_never_reads_leaves_room_for_a_monitor(self) -> None:
+        """
+        Issue 29: 64 connections x 64 KiB of pipelined requests, never read, kept a monitor's
+        /healthz out for 46 s and took 700 MiB. Now: the agent holds a bounded amount (each
+        connection is dropped for sending too much ahead or makes room for the monitor), and
+        the monitor is answered while the flood goes on.
+        """
+        port = await self.start_ops()
+        site = self.ops.site
+        flood = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 1700  # about 64 KiB
+        rss_before = psutil.Process().memory_info().rss
+        socks = []
+        for i in range(opshttp.MAX_CONNECTIONS):
+            s = self.client(port)
+            s.setblocking(False)
+            try:
+                s.send(flood)
+            except BlockingIOError:
+                pass
+            socks.append(s)
+            if i % 16 == 15:
+                await deferLater(reactor, 0.01)
+        for _ in range(50):
+            await deferLater(reactor, 0.01)
+        monitor = self.client(port)
+        monitor.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        got = b""
+        for _ in range(1000):
+            try:
+                chunk = monitor.recv(65536, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                await deferLater(reactor, 0.01)
+                continue
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            got += chunk
+        self.assertTrue(got.startswith(b"HTTP/1.1 200"), got[:200])
+        # Every flood connection was dropped for what it sent ahead, or made room.
+        self.assertGreaterEqual(site.pipelining_dropped + site.evicted + site.timed_out, 1)
+        self.assertLessEqual(site.open_connections, opshttp.MAX_CONNECTIONS)
+        # What the flood got rendered is far below what it asked for (64 x 1700 requests).
+        self.assertLess(site.requests_parsed, opshttp.MAX_CONNECTIONS * 1700 // 4)
+        self.assertLess(psutil.Process().memory_info().rss - rss_before, 64 << 20)
+
     async def test_a_huge_body_is_refused_not_spooled(self) -> None:
         """A POST announcing 100 GB gets 413 at once; no temporary file is ever opened."""
         opened: list[Any] = []
@@ -196,12 +242,40 @@ class ChannelTests(SynchronousTestCase):
         self.assertTrue(transport.value().startswith(b"HTTP/1.1 400"))
 
     def test_connection_cap(self) -> None:
+        """
+        At the cap a new connection takes the place of the one that waited longest on its
+        client, its output unread first; when all are being answered it is refused.
+        """
+        from twisted.web.server import NOT_DONE_YET
+
         clock = Clock()
         root = Resource()
+        slow = Resource()
+        slow.isLeaf = True
+        pending: list[Any] = []
+        slow.render_GET = lambda request: pending.append(request) or NOT_DONE_YET  # type: ignore[attr-defined]
+        root.putChild(b"slow", slow)
         site = opshttp.BoundedSite(root, clock, max_connections=3)
-        protos = [site.buildProtocol(None) for _ in range(3)]
-        for p in protos:
+        protos = []
+        for _ in range(3):
+            p = site.buildProtocol(None)
             p.makeConnection(StringTransport())
+            protos.append(p)
+            clock.advance(1)
+        protos[1].pauseProducing()  # its client does not read
+        clock.advance(1)
+        protos[2].pauseProducing()
+        newcomer = site.buildProtocol(None)
+        self.assertIsNotNone(newcomer)
+        self.assertEqual(site.evicted, 1)
+        self.assertTrue(protos[1].transport.disconnecting or protos[1].transport.disconnected)
+        self.assertFalse(protos[0].transport.disconnecting)
+        newcomer.makeConnection(StringTransport())
+        # All answering a request: no room is made.
+        for p in (protos[0], protos[2], newcomer):
+            p.resumeProducing()
+            p.dataReceived(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(len(pending), 3)
         self.assertIsNone(site.buildProtocol(None))
         self.assertEqual(site.refused, 1)
         protos[0].connectionLost(None)
