@@ -476,3 +476,58 @@ class JournalConsentTests(SynchronousTestCase):
         self.assertEqual(shipping.journald.describe()["units"], [])
         shipping = self.build(False, LOKI_URL="http://127.0.0.1:3100", LOG_JOURNAL_UNITS="none")
         self.assertIsNone(shipping.journald)
+
+
+class PlantedBugTests(SynchronousTestCase):
+    """Issue 26's planted bugs in log-sink discovery that no test caught."""
+
+    def test_no_loki_secret_setting_reaches_the_backends_sink(self) -> None:
+        """
+        Every one of the operator's Loki credentials, the file variants included, is left out
+        of what ships to a sink the backend names: nothing of them in the shipper's headers.
+        """
+        from llmport_agent.config import load_config
+        from llmport_agent.logs.sink import sink_config
+        from llmport_agent.logs.wiring import build_log_shipping
+
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        secret_file = os.path.join(d, "loki-secret")
+        with open(secret_file, "w") as f:
+            f.write("file-s3cret-value\n")
+        os.chmod(secret_file, 0o600)
+        for env in ({"LOKI_BEARER_TOKEN_FILE": secret_file},
+                    {"LOKI_BEARER_TOKEN": "env-s3cret-value"},
+                    {"LOKI_USERNAME": "ops", "LOKI_PASSWORD_FILE": secret_file},
+                    {"LOKI_USERNAME": "ops", "LOKI_PASSWORD": "env-s3cret-value"}):
+            full = {f"LLM_PORT_NODE_AGENT_{k}": v for k, v in env.items()}
+            full["LLM_PORT_NODE_AGENT_STATE_PATH"] = os.path.join(d, "state.json")
+            c, note = sink_config(load_config(full), "http://127.0.0.1:3100")
+            shipping = build_log_shipping(reactor, c, state_dir=d, host=lambda: "h", secrets=list,
+                                          backend_sink=True)
+            auth = shipping.shipper.auth
+            auth.load()
+            shown = json.dumps([auth.headers(), auth.basic(), auth.describe()])
+            self.assertNotIn("s3cret", shown, env)
+            self.assertNotIn("authorization", shown.lower(), env)
+            self.assertIsNone(auth.basic(), env)
+            for name in env:
+                self.assertIn(f"LLM_PORT_NODE_AGENT_{name}", note or "", env)
+
+    def test_the_reask_period_is_one_hour(self) -> None:
+        """docs/logs.md: asked again "every hour while connected and told there is none"."""
+        clock = Clock()
+        script = Script(None, None, None)
+        disc = LogSinkDiscovery(clock, script, lambda url: None)  # the agent's own defaults
+        disc.startService()
+        self.addCleanup(disc.stopService)
+        disc.session_opened()
+        clock.advance(0)
+        self.assertEqual(script.calls, 1)
+        clock.advance(3600 - 1)
+        self.assertEqual(script.calls, 1)
+        clock.advance(1)
+        self.assertEqual(script.calls, 2)
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with open(os.path.join(here, "docs", "logs.md")) as f:
+            self.assertIn("every hour while connected and told there is none", " ".join(f.read().split()))
