@@ -47,11 +47,12 @@ def run_agent(config: AgentConfig, json_logs: bool = False) -> int:
     from twisted.internet import reactor
 
     from llmport_agent.fdlimit import raise_open_files_limit
-    from llmport_agent.logsetup import SecretsHolder, begin_logging, want_json
+    from llmport_agent.logsetup import SecretsHolder, begin_logging, choose_format
     from llmport_agent.service import AgentService, install_stop_signals
 
     secrets = SecretsHolder()
-    begin_logging(config.log_level, json=json_logs or want_json(config.log_format), secrets=secrets)
+    begin_logging(config.log_level, secrets=secrets,
+                  format="json" if json_logs else choose_format(config.log_format))
     raise_open_files_limit()
     status = {"code": 0}
 

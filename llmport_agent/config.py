@@ -414,9 +414,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SHUTDOWN_GRACE_SEC", "shutdown_grace_sec", 30.0, _number(0),
             "Seconds a stop (SIGTERM) waits for running commands to finish before checkpointing "
             "the rest (keep it 30 s under the unit's TimeoutStopSec=90)."),
-    Setting("LOG_FORMAT", "log_format", "auto", lambda var, raw: _choice(var, raw, ("auto", "text", "json")),
-            "Log line format on stdout: text, json (one flat object per line) or auto (json when "
-            "stdout is not a terminal)."),
+    Setting("LOG_FORMAT", "log_format", "auto",
+            lambda var, raw: _choice(var, raw, ("auto", "text", "json", "journal")),
+            "Log output: text, json (one flat object per line on stdout), journal (entries with "
+            "priorities and fields) or auto (journal under systemd, else json when stdout is not a "
+            "terminal)."),
     Setting("GPU_SOURCE", "gpu_source", "auto",
             lambda var, raw: _choice(var, raw, ("auto", "nvidia", "amd", "apple", "none")),
             "Where GPU facts come from: auto (NVML, else AMD SMI, else macOS), nvidia, amd, apple or none."),
