@@ -3,8 +3,8 @@ The ops endpoint's HTTP server, bounded: any local process can reach 127.0.0.1 (
 the host network too), so what one client can hold is capped.
 
  - at most L{MAX_CONNECTIONS} open connections. One more takes the place of the connection
-   that has waited longest on its client (its output unread the longest, else idle or
-   half-sent the longest); when every connection has a request being answered, it is closed
+   that has waited longest on its client (its output unread the longest, else one holding
+   pipelined requests, else idle or half-sent the longest); when every connection has a request being answered, it is closed
    as soon as it is accepted (it never reaches the HTTP parser). So the endpoint holds at
    most that many descriptors, and a flood of connections that do not read cannot keep
    another client (a monitor's C{/healthz}) out;
@@ -111,8 +111,8 @@ class _BoundedChannel(HTTPChannel):
     def eviction_rank(self) -> tuple[int, float] | None:
         """
         Where this connection stands in line to make room for a new one (lowest first): one
-        whose output has not been read, by how long; then one idle or half-sent, by how long;
-        C{None} while a request is being answered.
+        whose output has not been read, by how long; then one holding pipelined requests; then
+        one idle or half-sent, by how long; C{None} while a request is being answered.
         """
         if self._gone:
             return (0, 0.0)
@@ -120,7 +120,7 @@ class _BoundedChannel(HTTPChannel):
             return (0, self._blocked_since)
         if self._in_flight:
             return None
-        return (1, self._waiting_since)
+        return (1 if self._inbox else 2, self._waiting_since)
 
     def evict(self) -> None:
         self._gone = True
