@@ -43,8 +43,16 @@ def scrape_lateness(port: int) -> dict[str, float]:
     C{sum} and C{count}. (Not the "max since the previous scrape" gauge: every scrape of the
     flood's own /metrics resets that one.)
     """
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=120) as r:
-        text = r.read().decode()
+    deadline = time.monotonic() + 300
+    while True:  # an agent still digesting a flood may refuse or reset the first tries
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=120) as r:
+                text = r.read().decode()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
     out: dict[str, float] = {}
     for m in re.finditer(r'^llmport_agent_reactor_lateness_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M):
         out[m.group(1)] = float(m.group(2))
