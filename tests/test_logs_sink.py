@@ -341,6 +341,8 @@ class AgentDiscoveryTests(AgentTestCase):
         # The host journal is not the backend's (issue 29): no journal reader for its sink.
         self.assertIsNone(agent.journald)
         self.assertEqual(diag["logs"]["journal"], {})
+        self.assertEqual(diag["logs"]["source"], "backend")
+        self.assertIn("not shipped to this sink", diag["logs"]["host_journal"])
         self.assertNotIn(agent.state.credential.split(".")[1], "\n".join(loki.lines()))
         await agent.stopService()
         self.assertFalse(agent.log_shipping.shipper.running)
