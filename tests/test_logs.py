@@ -826,6 +826,16 @@ class AgentObserverTests(SynchronousTestCase):
         self.assertIn("token *** used", text)
         self.assertIn("https://user:***@reg.example/v2", text)
 
+    def test_the_agents_fix_hints_ship_whole(self) -> None:
+        """Its own sentence after "token:" reaches Loki as written (issue 26); values do not."""
+        from llmport_agent.session.enrollment import TOKEN_HELP
+
+        self.log.critical("{reason}", reason=f"no enrollment token: {TOKEN_HELP} and set X")
+        self.log.info("password: {p} was set", p="hunter22")
+        text = "\n".join(self.sink.lines())
+        self.assertIn("no enrollment token: mint a new one with POST", text)
+        self.assertNotIn("hunter22", text)
+
     def test_failure_text_redacted(self) -> None:
         """A secret inside an exception message is masked in the traceback too."""
         try:
@@ -871,9 +881,14 @@ class RedactionTests(SynchronousTestCase):
         label stays (issue 26: it read "token: *** a new one"); a value is still masked.
         """
         hint = "No credential in /s and no enrollment token: mint a new one with POST /api/x and set Y"
-        self.assertEqual(redact(hint), hint)
-        self.assertEqual(redact("the credential: refused (401) by the backend"),
+        self.assertEqual(redact(hint, prose=True), hint)
+        self.assertEqual(redact("the credential: refused (401) by the backend", prose=True),
                          "the credential: refused (401) by the backend")
+        # Lines from elsewhere (containers, the journal) stay strict: "password: sunshine and more".
+        self.assertEqual(redact("password: sunshine and more"), "password: *** and more")
+        self.assertEqual(Redactor(prose=True)(hint), hint)
+        self.assertEqual(Redactor(prose=True).snapshot()(hint), hint)
+        self.assertNotEqual(Redactor()(hint), hint)
         for text, masked in (
             ("password: hunter2 and more", "password: *** and more"),  # a digit: a value
             ("token: Mint a new one", "token: *** a new one"),  # a capital: a value
@@ -884,7 +899,7 @@ class RedactionTests(SynchronousTestCase):
             ("secret: abcdefghijklmnopq and x", "secret: *** and x"),  # longer than a word
             ("api_key: a,b", "api_key: ***,b"),
         ):
-            self.assertEqual(redact(text), masked, text)
+            self.assertEqual(redact(text, prose=True), masked, text)
 
     def test_redactor_reads_secrets_each_time(self) -> None:
         """A Redactor sees secrets added later and survives a failing callable."""
