@@ -137,6 +137,11 @@ class _BoundedChannel(HTTPChannel):
             self._gone = True
             self.transport.abortConnection()
             return
+        if self._next is None:  # else the next turn takes it
+            self._feed()
+
+    def _turn(self) -> None:
+        self._next = None
         self._feed()
 
     def _feed(self) -> None:
@@ -144,7 +149,6 @@ class _BoundedChannel(HTTPChannel):
         Give the parser what it may have now: the bytes up to the end of one request head,
         then nothing until that request is answered (and a later reactor turn).
         """
-        self._next = None
         if self._in_flight or self._blocked or self._gone or self.transport.disconnecting:
             self._reading()
             return
@@ -174,7 +178,7 @@ class _BoundedChannel(HTTPChannel):
     def _schedule_next(self) -> None:
         if self._next is None and self._inbox and not self._blocked and not self._gone:
             # On a later turn: other connections and the agent's own work go first.
-            self._next = self.callLater(0, self._feed)
+            self._next = self.callLater(0, self._turn)
 
     def pauseProducing(self) -> None:  # noqa: N802 - the transport's output is over its bound
         if not self._blocked:

@@ -341,6 +341,17 @@ class PipeliningTests(SynchronousTestCase):
         self.assertEqual(transport.producerState, "producing")  # all answered: reading again
         self.assertEqual(site.requests_parsed, 10)
 
+    def test_more_data_before_the_next_turn_waits_for_it(self) -> None:
+        """A client that ignores the paused socket (writes more at once) still gets one per turn."""
+        clock = Clock()
+        proto, transport, site, rendered = pipelining_channel(clock)
+        proto.dataReceived(GET * 2)
+        proto.dataReceived(GET)
+        proto.dataReceived(GET)
+        self.assertEqual(len(rendered), 1)
+        turn(clock)
+        self.assertEqual(len(rendered), 2)
+
     def test_no_work_for_a_client_that_does_not_read(self) -> None:
         """The transport says its output is over its bound: nothing more is rendered until it drains."""
         clock = Clock()
