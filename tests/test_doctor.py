@@ -427,6 +427,7 @@ class LokiTests(TestCase):
         ctx.readiness = {}
         f = one(self, await self.run_loki(ctx), "loki", OK)
         self.assertIn("accepts pushes", f.detail)
+        self.assertIn("the whole host journal", f.detail)
         self.assertEqual(fake.lines(), [])  # an empty push: nothing stored
 
     async def test_credentials_refused(self) -> None:
@@ -510,6 +511,7 @@ class LogSinkTests(TestCase):
         self.assertIn("backend's log sink", f.detail)
         self.assertIn(f"sinkuser:***@127.0.0.1:{lport.getHost().port}", f.detail)
         self.assertNotIn("log shipping off", f.detail)
+        self.assertIn("no host journal", f.detail)
         self.assertNotIn("s3cret", f.line())
         self.assertEqual(asked, [f"Bearer {self.CREDENTIAL}".encode()])
         # Pushed as the agent pushes there: the sink's own user info, not the operator's token.

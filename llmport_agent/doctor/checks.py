@@ -799,7 +799,12 @@ def _push_check(ctx: Context, url: str, operator: bool) -> Finding:
     if code >= 500 or code == 404:
         return fail("loki", f"{where} answered HTTP {code} to a push",
                     "check that LOKI_URL points at Loki" if operator else fix_url)
-    return ok("loki", f"{where} accepts pushes (HTTP {code})")
+    from llmport_agent.logs.wiring import journal_selection
+
+    units = journal_selection(c, backend_sink=not operator)
+    journal = ("no host journal" if units is None else "the whole host journal" if not units
+               else "host journal units " + ", ".join(units)[:200])
+    return ok("loki", f"{where} accepts pushes (HTTP {code}); ships the agent's and workloads' logs and {journal}")
 
 
 def _post(ctx: Context, url: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, str], bytes]:
