@@ -196,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     p_run = sub.add_parser("run", help="run the agent in the foreground")
     p_run.add_argument("--json-logs", action="store_true",
-                       help="log JSON lines (one flat object per line; the default when stdout is not a terminal)")
+                       help="log JSON lines on stdout (one flat object per line; the default when stdout is neither a "
+                            "terminal nor the journal)")
     _add_setting_options(p_run)
     p_cfg = sub.add_parser("config", help="show the resolved configuration (secrets masked)")
     p_cfg.add_argument("action", nargs="?", default="show", choices=["show"])
