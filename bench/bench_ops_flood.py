@@ -21,6 +21,7 @@ import errno
 import os
 import re
 import select
+import shutil
 import socket
 import sys
 import tempfile
@@ -237,6 +238,7 @@ def main() -> None:
     finally:
         agent.stop()
         backend.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
