@@ -47,11 +47,12 @@ def run_agent(config: AgentConfig, json_logs: bool = False) -> int:
     from twisted.internet import reactor
 
     from llmport_agent.fdlimit import raise_open_files_limit
-    from llmport_agent.logsetup import SecretsHolder, begin_logging, want_json
+    from llmport_agent.logsetup import SecretsHolder, begin_logging, choose_format
     from llmport_agent.service import AgentService, install_stop_signals
 
     secrets = SecretsHolder()
-    begin_logging(config.log_level, json=json_logs or want_json(config.log_format), secrets=secrets)
+    begin_logging(config.log_level, secrets=secrets,
+                  format="json" if json_logs else choose_format(config.log_format))
     raise_open_files_limit()
     status = {"code": 0}
 
@@ -220,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     p_run = sub.add_parser("run", help="run the agent in the foreground")
     p_run.add_argument("--json-logs", action="store_true",
-                       help="log JSON lines (one flat object per line; the default when stdout is not a terminal)")
+                       help="log JSON lines on stdout (one flat object per line; the default when stdout is neither a "
+                            "terminal nor the journal)")
     _add_setting_options(p_run)
     p_cfg = sub.add_parser("config", help="show the resolved configuration (secrets masked)")
     p_cfg.add_argument("action", nargs="?", default="show", choices=["show"])

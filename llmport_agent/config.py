@@ -9,6 +9,7 @@ Bad values raise L{ConfigError} with one line naming the variable, what is wrong
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -250,6 +251,26 @@ def _csv(var: str, raw: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
+#: A systemd unit name or a journalctl --unit pattern (globs allowed), no option-like start.
+_UNIT = re.compile(r"[A-Za-z0-9:_.@\\*?\[\]][A-Za-z0-9:_.@\\*?\[\]-]{0,255}")
+
+
+def _journal_units(var: str, raw: str) -> tuple[str, ...]:
+    """C{()}: unset; C{("*",)}: the whole journal; C{("none",)}: no journal; else unit names."""
+    units = _csv(var, raw)
+    if not units:
+        return ()
+    if len(units) > 64:
+        raise ConfigError(f"{var} names {len(units)} units; expected at most 64")
+    if len(units) > 1 and ("*" in units or "none" in units):
+        raise ConfigError(f"{var}={raw!r}: '*' and 'none' stand alone; expected '*', 'none' or unit names")
+    for unit in units:
+        if not _UNIT.fullmatch(unit):
+            raise ConfigError(f"{var}: {unit[:80]!r} is not a systemd unit name; expected names like "
+                              "sshd.service, comma-separated, or '*' or 'none'")
+    return units
+
+
 def _agent_id(var: str, raw: str) -> str:
     value = raw.strip()
     if not value or len(value) > 128:
@@ -350,6 +371,9 @@ SETTINGS: tuple[Setting, ...] = (
             "File holding the Loki bearer token (read at start and after a 401/403)."),
     Setting("LOKI_CONTAINER_STREAMS", "loki_container_streams", 16, _number(1, integer=True),
             "Workload containers whose logs are followed at the same time (more take turns)."),
+    Setting("LOG_JOURNAL_UNITS", "log_journal_units", (), lambda var, raw: _journal_units(var, raw),
+            "Host journal units shipped with the logs, comma-separated (unset: the whole journal to "
+            "an operator's LOKI_URL, none to a sink the backend names; * = all; none = no journal)."),
     Setting("MODEL_STORE", "model_store", "/srv/llm-port/models", _path,
             "Directory of the HuggingFace model cache shared with workloads."),
     Setting("RAY_SESSION_DIR", "ray_session_dir", "/var/lib/llm-port/ray", _path,
@@ -390,9 +414,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SHUTDOWN_GRACE_SEC", "shutdown_grace_sec", 30.0, _number(0),
             "Seconds a stop (SIGTERM) waits for running commands to finish before checkpointing "
             "the rest (keep it 30 s under the unit's TimeoutStopSec=90)."),
-    Setting("LOG_FORMAT", "log_format", "auto", lambda var, raw: _choice(var, raw, ("auto", "text", "json")),
-            "Log line format on stdout: text, json (one flat object per line) or auto (json when "
-            "stdout is not a terminal)."),
+    Setting("LOG_FORMAT", "log_format", "auto",
+            lambda var, raw: _choice(var, raw, ("auto", "text", "json", "journal")),
+            "Log output: text, json (one flat object per line on stdout), journal (entries with "
+            "priorities and fields) or auto (journal under systemd, else json when stdout is not a "
+            "terminal)."),
     Setting("GPU_SOURCE", "gpu_source", "auto",
             lambda var, raw: _choice(var, raw, ("auto", "nvidia", "amd", "apple", "none")),
             "Where GPU facts come from: auto (NVML, else AMD SMI, else macOS), nvidia, amd, apple or none."),
@@ -497,6 +523,7 @@ class AgentConfig:
     notes: tuple[str, ...] = ()
     shutdown_grace_sec: float = 30.0
     log_format: str = "auto"
+    log_journal_units: tuple[str, ...] = ()
     gpu_source: str = "auto"
     gpu_health_interval_sec: float = 10.0
     gpu_call_timeout_sec: float = 10.0

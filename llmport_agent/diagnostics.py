@@ -76,9 +76,13 @@ async def diagnostics(agent: AgentService) -> dict[str, Any]:
         "commands": agent.pipeline.describe(),
         "events": {"outbox_depth": agent.outbox.depth, "dropped": agent.outbox.dropped, "sent": agent.outbox.sent},
         "logs": (
-            agent.log_shipping.describe() if agent.log_shipping is not None
-            else {"shipping": "off (no LOKI_URL)"} if agent.log_sink is None
-            else {"shipping": "off (no LOKI_URL; waiting for the backend's log sink)",
+            {**agent.log_shipping.describe(),
+             "source": "LOKI_URL" if agent.config.loki_url else "backend",
+             "host_journal": "off (not shipped to this sink; LOG_JOURNAL_UNITS names units to ship)"
+             if agent.log_shipping.journald is None else "on"}
+            if agent.log_shipping is not None
+            else {"shipping": "off"} if agent.log_sink is None
+            else {"shipping": "off (LOKI_URL unset; waiting for the backend's log sink)",
                   "log_sink": agent.log_sink.describe()}
         ),
         "reports": {"heartbeats_sent": agent.heartbeat.sent, "inventories_sent": agent.inventory.sent,

@@ -1,6 +1,14 @@
 """
-Logging for the foreground runner: text or JSON lines on stdout, level from LOG_LEVEL, Autobahn
-quieted.
+Logging for the foreground runner: journal entries, text or JSON lines on stdout, level from
+LOG_LEVEL, Autobahn quieted.
+
+Under systemd (C{JOURNAL_STREAM} names stdout, sd_journal_print(3)) with C{LOG_FORMAT=auto} the
+agent writes to the journal (L{JournalObserver}): each event one entry whose C{MESSAGE} is the
+readable line and whose C{PRIORITY} is the event's level (C{journalctl -p warning} filters by
+it), with the structured fields as the entry's own fields (C{LOGGER}, C{ERROR}, and the
+event's fields upper-cased: C{journalctl -o json} or C{-o verbose} shows them), sent over the
+journal's native socket. Where that socket cannot take an entry, the line goes to stdout with
+its C{<N>} priority prefix (sd-daemon(3)), which journald reads the same way, without the fields.
 
 JSON lines (C{--json-logs}, C{LOG_FORMAT=json}, and by default when stdout is not a terminal, as
 C{twist --log-format} does) are one flat object each: C{time} (ISO 8601, UTC, milliseconds),
@@ -14,6 +22,10 @@ becomes C{***}.
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
+import struct
 import sys
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
@@ -87,7 +99,7 @@ def _plain(value: Any, secrets: Iterable[str], depth: int = 0) -> Any:
     if isinstance(value, float):
         return value if value == value and value not in (float("inf"), float("-inf")) else str(value)
     if isinstance(value, str):
-        return redact(value[:MAX_FIELD_CHARS], secrets)
+        return redact(value[:MAX_FIELD_CHARS], secrets, prose=True)
     if depth < 3 and isinstance(value, dict):
         return {str(k)[:128]: _plain(v, secrets, depth + 1) for k, v in list(value.items())[:64]}
     if depth < 3 and isinstance(value, list | tuple | set | frozenset):
@@ -135,7 +147,8 @@ def flat_event(event: dict[str, Any], secrets: Iterable[str] = ()) -> dict[str, 
 def _format(event: dict[str, Any], fields: dict[str, Any], secrets: Iterable[str]) -> str:
     plain = {k: v for k, v in event.items() if k.startswith("log_")}
     # Legacy keys (format, message, why, ...) take part in formatting: redacted too.
-    plain.update({k: redact(v, secrets) if isinstance(v, str) else v for k, v in event.items() if k in _INTERNAL})
+    plain.update({k: redact(v, secrets, prose=True) if isinstance(v, str) else v for k, v in event.items()
+                  if k in _INTERNAL})
     plain.update(fields)
     plain.pop("log_failure", None)
     try:
@@ -145,7 +158,7 @@ def _format(event: dict[str, Any], fields: dict[str, Any], secrets: Iterable[str
     if not text or text.startswith("Unable to format event"):
         # The format string needs the objects themselves ({obj.attr}): format, then redact it all.
         try:
-            text = redact(formatEvent(event), secrets)
+            text = redact(formatEvent(event), secrets, prose=True)
         except Exception:
             text = str(event.get("log_format", ""))
     return text
@@ -176,6 +189,144 @@ class FlatJSONObserver:
             pass
 
 
+#: The journal's native protocol socket (systemd.journal-fields(7), the native protocol).
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+#: The most bytes of one entry sent to the journal (fields past it are left out).
+MAX_ENTRY_BYTES = 96 * 1024
+#: syslog priorities (sd-daemon(3)) of Twisted's levels.
+PRIORITIES = {"debug": 7, "info": 6, "warn": 4, "error": 3, "critical": 2}
+#: Field names the journal or the agent sets itself: an event field of that name is renamed.
+_RESERVED = frozenset({"MESSAGE", "MESSAGE_ID", "PRIORITY", "SYSLOG_IDENTIFIER", "SYSLOG_FACILITY",
+                       "SYSLOG_PID", "SYSLOG_TIMESTAMP", "CODE_FILE", "CODE_LINE", "CODE_FUNC", "ERRNO",
+                       "LOGGER", "ERROR", "ERROR_TYPE", "TIME", "LEVEL", "INVOCATION_ID",
+                       "DOCUMENTATION", "TID", "UNIT", "USER_UNIT"})
+_NOT_FIELD = re.compile(r"[^A-Z0-9_]")
+
+
+def journal_field_name(key: str) -> str | None:
+    """An event field's name as a journal field (upper case, A-Z 0-9 _), or C{None}."""
+    name = _NOT_FIELD.sub("_", key.upper()).lstrip("_0123456789")[:64]
+    if not name:
+        return None
+    if name in _RESERVED:
+        name = ("FIELD_" + name)[:64]
+    return name
+
+
+def _field(name: str, value: str) -> bytes:
+    data = value.encode("utf-8", "replace")
+    if b"\n" in data:  # the binary-safe form: name, newline, 64-bit little-endian length, data
+        return name.encode() + b"\n" + struct.pack("<Q", len(data)) + data + b"\n"
+    return name.encode() + b"=" + data + b"\n"
+
+
+def journal_entry(flat: dict[str, Any], identifier: str = "llmport-agent") -> bytes:
+    """One native-protocol datagram for a L{flat_event} (bounded by L{MAX_ENTRY_BYTES})."""
+    level = str(flat.get("level", "info"))
+    out = [
+        _field("MESSAGE", str(flat.get("message", ""))),
+        _field("PRIORITY", str(PRIORITIES.get(level, 6))),
+        _field("SYSLOG_IDENTIFIER", identifier),
+        _field("LOGGER", str(flat.get("logger", "-"))),
+    ]
+    size = sum(map(len, out))
+    extra = {k: v for k, v in flat.items() if k not in ("time", "level", "logger", "message")}
+    for key, value in extra.items():
+        name = "ERROR" if key == "error" else "ERROR_TYPE" if key == "error_type" else journal_field_name(key)
+        if name is None or value is None:
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+        item = _field(name, text)
+        if size + len(item) > MAX_ENTRY_BYTES:
+            continue
+        out.append(item)
+        size += len(item)
+    return b"".join(out)
+
+
+def journal_stream_is(stream: IO[str] | None, environ: dict[str, str] | None = None) -> bool:
+    """Whether C{JOURNAL_STREAM} names C{stream}'s file (stdout connected to the journal)."""
+    value = (os.environ if environ is None else environ).get("JOURNAL_STREAM", "")
+    dev, _, ino = value.partition(":")
+    if not (dev.isdigit() and ino.isdigit()):
+        return False
+    try:
+        st = os.fstat((stream or sys.stdout).fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
+    return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+
+
+@implementer(ILogObserver)
+class JournalObserver:
+    """
+    Writes events to the journal: native entries with fields, else C{<N>}-prefixed text lines on
+    C{stream} (see the module's docstring). Never blocks: the datagram is sent without waiting,
+    and a full journal socket sends that entry to C{stream} instead.
+    """
+
+    def __init__(self, stream: IO[str], secrets: Callable[[], Iterable[str]] | None = None,
+                 socket_path: str | None = JOURNAL_SOCKET) -> None:
+        self._stream = stream
+        self._secrets = secrets
+        self._path = socket_path
+        self._sock: socket.socket | None = None
+        #: Entries that went to the stream because the socket would not take them.
+        self.fallbacks = 0
+
+    def _socket(self) -> socket.socket | None:
+        if self._sock is None and self._path:
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            except OSError:
+                return None
+            self._sock = sock
+        return self._sock
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        try:
+            secrets = list(self._secrets()) if self._secrets is not None else []
+        except Exception:
+            secrets = []
+        try:
+            flat = flat_event(event, secrets)
+        except Exception as e:  # never let a log line kill the agent
+            flat = {"level": "error", "logger": "llmport_agent.logsetup",
+                    "message": f"unloggable event: {type(e).__name__}"}
+        sock = self._socket()
+        if sock is not None and self._path:
+            try:
+                sock.sendto(journal_entry(flat), socket.MSG_DONTWAIT, self._path)
+                return
+            except OSError:
+                self.fallbacks += 1
+        self._text(flat)
+
+    def _text(self, flat: dict[str, Any]) -> None:
+        prefix = f"<{PRIORITIES.get(str(flat.get('level', 'info')), 6)}>"
+        lines = str(flat.get("message", "")).splitlines() or [""]
+        error = flat.get("error")
+        if isinstance(error, str) and error:
+            lines += error.rstrip("\n").splitlines()
+        try:
+            self._stream.write("".join(prefix + line + "\n" for line in lines))
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def choose_format(log_format: str, stream: IO[str] | None = None, environ: dict[str, str] | None = None) -> str:
+    """
+    C{journal}, C{json} or C{text} for C{LOG_FORMAT}: C{auto} is the journal when
+    C{JOURNAL_STREAM} names stdout (under systemd), else JSON unless stdout is a terminal.
+    """
+    if log_format in ("json", "text", "journal"):
+        return log_format
+    if journal_stream_is(stream, environ):
+        return "journal"
+    return "json" if want_json("auto", stream) else "text"
+
+
 def want_json(log_format: str, stream: IO[str] | None = None) -> bool:
     """C{auto}: JSON unless stdout is a terminal."""
     if log_format == "json":
@@ -194,9 +345,19 @@ def make_observer(
     stream: IO[str] | None = None,
     json: bool = False,
     secrets: Callable[[], Iterable[str]] | None = None,
+    format: str | None = None,
+    journal_socket: str | None = JOURNAL_SOCKET,
 ) -> ILogObserver:
+    """C{format}: C{journal}, C{json} or C{text} (C{None}: JSON if C{json}, else text)."""
     out = stream or sys.stdout
-    base = FlatJSONObserver(out, secrets) if json else textFileLogObserver(out)
+    chosen = format or ("json" if json else "text")
+    base: ILogObserver
+    if chosen == "journal":
+        base = JournalObserver(out, secrets, journal_socket)
+    elif chosen == "json":
+        base = FlatJSONObserver(out, secrets)
+    else:
+        base = textFileLogObserver(out)
     return FilteringLogObserver(base, [ThirdPartyRepeats(), level_predicate(level)])
 
 
@@ -210,8 +371,9 @@ class SecretsHolder:
         return self.provider() if self.provider is not None else ()
 
 
-def begin_logging(level: str, json: bool = False, secrets: Callable[[], Iterable[str]] | None = None) -> None:
-    globalLogBeginner.beginLoggingTo([make_observer(level, json=json, secrets=secrets)],
+def begin_logging(level: str, json: bool = False, secrets: Callable[[], Iterable[str]] | None = None,
+                  format: str | None = None) -> None:
+    globalLogBeginner.beginLoggingTo([make_observer(level, json=json, secrets=secrets, format=format)],
                                      redirectStandardIO=False)
 
 

@@ -43,7 +43,7 @@ def readiness(agent: Any) -> dict[str, Any]:
     What C{/readyz} answers: one check per subsystem (session, engine, NVML, Loki), each with
     C{ok} and a C{detail} saying what is wrong; C{ready} when all are ok and no stop is under way.
     """
-    from llmport_agent.metrics import gpu_snapshot, loki_stats, session_state, workload_states
+    from llmport_agent.metrics import gpu_snapshot, session_state, workload_states
 
     session = agent.session
     state = session_state(session)
@@ -68,17 +68,7 @@ def readiness(agent: Any) -> dict[str, Any]:
             else f"Docker engine unreachable: {engine.last_error}",
         }
     checks["nvml"] = gpu_readiness(gpu_snapshot(agent))
-    loki = loki_stats(agent)
-    if loki is None:
-        checks["loki"] = {"ok": True, "detail": "log shipping off (no LOKI_URL)"}
-    else:
-        failures = int(loki.get("consecutive_failures", 0) or 0)
-        checks["loki"] = {
-            "ok": failures < 3,
-            "detail": f"{failures} failed pushes in a row: {loki.get('last_error', '')}" if failures
-            else "pushing",
-            "queue_depth": loki.get("queue_depth", 0),
-        }
+    checks["loki"] = loki_readiness(agent)
     stopping = bool(getattr(agent, "stopping", False))
     ready = all(c["ok"] for c in checks.values()) and not stopping
     heartbeat = getattr(agent, "heartbeat", None)
@@ -95,6 +85,42 @@ def readiness(agent: Any) -> dict[str, Any]:
             "commands_running": len(agent.pipeline._running),
             "heartbeat_status": agent._heartbeat_fields()["status"],
         },
+    }
+
+
+def loki_readiness(agent: Any) -> dict[str, Any]:
+    """
+    The C{loki} check of C{/readyz}: where logs go and whether pushes succeed. C{source} is
+    C{LOKI_URL} (the operator's sink), C{backend} (the sink the backend named, LOKI_URL unset) or
+    C{off}; C{url} is the sink without its password. Not ok after 3 failed pushes in a row,
+    to either sink.
+    """
+    from llmport_agent.config import mask_url
+    from llmport_agent.metrics import loki_stats
+
+    loki = loki_stats(agent)
+    config = getattr(agent, "config", None)
+    operator = bool(getattr(config, "loki_url", None))
+    sink = getattr(agent, "log_sink", None)
+    if loki is None:
+        if sink is None or operator:
+            return {"ok": True, "source": "off", "detail": "log shipping off"}
+        last = str(getattr(sink, "last", "") or "not asked yet")
+        return {"ok": True, "source": "off",
+                "detail": f"log shipping off: LOKI_URL unset and the backend named no log sink ({last})"}
+    source = "LOKI_URL" if operator else "backend"
+    url = str(loki.get("url", "") or "")
+    if not operator and sink is not None and getattr(sink, "url", None):
+        url = mask_url(str(sink.url))
+    where = f"{url} (LOKI_URL)" if operator else f"the backend's log sink {url} (LOKI_URL unset)"
+    failures = int(loki.get("consecutive_failures", 0) or 0)
+    return {
+        "ok": failures < 3,
+        "source": source,
+        "url": url,
+        "detail": f"{failures} failed pushes in a row to {where}: {loki.get('last_error', '')}" if failures
+        else f"pushing to {where}",
+        "queue_depth": loki.get("queue_depth", 0),
     }
 
 

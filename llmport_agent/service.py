@@ -345,11 +345,15 @@ class AgentService(MultiService):
         shipping = build_log_shipping(
             self.reactor, config, state_dir=self._state_dir,
             host=self.backend_host, secrets=self._secrets, engine=self.engine,
-            docker_environ=self._docker_environ, adoption=self.adoption,
+            docker_environ=self._docker_environ, adoption=self.adoption, backend_sink=True,
         )
         self.log_shipping = shipping
         self.loki, self.loki_pool = shipping.shipper, shipping.http_pool
         self.log_observer, self.journald = shipping.observer, shipping.journald
+        if shipping.journald is None:
+            self.log.info("The host journal is not shipped to the backend's log sink (the agent's own "
+                          "lines and its workloads' are); set LLM_PORT_NODE_AGENT_LOG_JOURNAL_UNITS to "
+                          "units to ship (or *), or LLM_PORT_NODE_AGENT_LOKI_URL to a sink of your own")
         for svc in shipping.readers:
             svc.setServiceParent(self._logs_slot)
         if shipping.containers is not None and self._containers_slot is not None:

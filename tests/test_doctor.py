@@ -82,9 +82,24 @@ class EngineTests(SynchronousTestCase):
     def test_no_engine(self) -> None:
         ctx = ctx_for(self, {"DOCKER_HOST": "unix://" + os.path.abspath(self.mktemp()) + ".sock"})
         f = one(self, C.check_engine(ctx), "docker engine", FAIL)
-        self.assertIn("no engine at unix://", f.detail)
+        # The agent's own words (its log says the same), not a raw Python exception (issue 26).
+        self.assertIn("Docker engine at unix://", f.detail)
+        self.assertIn("is unreachable: the socket does not exist (is dockerd running?)", f.detail)
+        self.assertNotIn("Errno", f.detail)
+        self.assertNotIn("Error(", f.detail)
         self.assertIn("systemctl start docker", f.fix)
         self.assertIn("DOCKER_HOST", f.fix)
+
+    def test_the_same_words_as_the_agents_log(self) -> None:
+        """doctor's line is what the agent's engine says for the same failure (translate_error)."""
+        from llmport_agent.workloads.engine import translate_error
+
+        address = "tcp://127.0.0.1:9"  # nothing listens there: connection refused
+        f = one(self, C.check_engine(ctx_for(self, {"DOCKER_HOST": address})), "docker engine", FAIL)
+        self.assertIn("connection refused (is dockerd running?)", f.detail)
+        agent_words = str(translate_error("x", address, ConnectionRefusedError(111, "Connection refused"),
+                                          3)).split(" failed: ", 1)[1]
+        self.assertEqual(f.detail, agent_words)
 
     def test_real_engine(self) -> None:
         from tests.support.docker_env import require_docker
@@ -417,6 +432,7 @@ class LokiTests(TestCase):
         ctx.readiness = {}
         f = one(self, await self.run_loki(ctx), "loki", OK)
         self.assertIn("accepts pushes", f.detail)
+        self.assertIn("the whole host journal", f.detail)
         self.assertEqual(fake.lines(), [])  # an empty push: nothing stored
 
     async def test_credentials_refused(self) -> None:
@@ -436,6 +452,106 @@ class LokiTests(TestCase):
         f = one(self, await self.run_loki(ctx), "loki", FAIL)
         self.assertIn("did not answer", f.detail)
         self.assertIn("LOKI_URL", f.fix)
+
+
+class LogSinkTests(TestCase):
+    """LOKI_URL unset: doctor checks the sink the backend names, as the agent ships to it (issue 26)."""
+
+    CREDENTIAL = "0b7f3c52-1d2e-4f60-9a8b-7c6d5e4f3a21." + "C" * 43
+
+    async def backend(self, answer: Any) -> tuple[str, list[Any]]:
+        from twisted.web.resource import Resource
+        from twisted.web.server import Site
+
+        asked: list[Any] = []
+
+        class Sink(Resource):
+            isLeaf = True
+
+            def render_GET(self, request: Any) -> bytes:  # noqa: N802
+                asked.append(request.getHeader(b"authorization"))
+                if answer == 404:
+                    request.setResponseCode(404)
+                    return b'{"detail": "Not Found"}'
+                return json.dumps({"loki_url": answer}).encode()
+
+        root = Resource()
+        api = Resource()
+        files = Resource()
+        root.putChild(b"api", api)
+        api.putChild(b"node-files", files)
+        files.putChild(b"log-sink", Sink())
+        port = reactor.listenTCP(0, Site(root), interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        return f"http://127.0.0.1:{port.getHost().port}", asked
+
+    def ctx(self, backend: str, **env: str) -> C.Context:
+        ctx = ctx_for(self, {"LLM_PORT_NODE_AGENT_BACKEND_URL": backend,
+                             **{f"LLM_PORT_NODE_AGENT_{k}": v for k, v in env.items()}})
+        assert ctx.config is not None
+        os.makedirs(os.path.dirname(ctx.config.state_path), exist_ok=True)
+        with open(ctx.config.state_path, "w") as f:
+            json.dump({"credential": self.CREDENTIAL}, f)
+        ctx.readiness = {}
+        return ctx
+
+    async def run_loki(self, ctx: C.Context) -> Finding:
+        findings = await diagnose(reactor, ctx, [("loki", C.check_loki)])
+        self.assertEqual(len(findings), 1, [f.line() for f in findings])
+        return findings[0]
+
+    async def test_the_backends_sink_is_checked_not_called_off(self) -> None:
+        """Before: "ok loki LOKI_URL unset: log shipping off" while the agent shipped to the backend's sink."""
+        from twisted.web.server import Site
+
+        from llmport_agent.logs.testing import FakeLoki
+
+        fake = FakeLoki()
+        lport = reactor.listenTCP(0, Site(fake), interface="127.0.0.1")
+        self.addCleanup(lport.stopListening)
+        sink = f"http://sinkuser:sink-pw-s3cret@127.0.0.1:{lport.getHost().port}"
+        url, asked = await self.backend(sink)
+        f = await self.run_loki(self.ctx(url, LOKI_BEARER_TOKEN="operator-bearer-s3cret"))
+        self.assertEqual(f.status, OK, f.line())
+        self.assertIn("backend's log sink", f.detail)
+        self.assertIn(f"sinkuser:***@127.0.0.1:{lport.getHost().port}", f.detail)
+        self.assertNotIn("log shipping off", f.detail)
+        self.assertIn("no host journal", f.detail)
+        self.assertNotIn("s3cret", f.line())
+        self.assertEqual(asked, [f"Bearer {self.CREDENTIAL}".encode()])
+        # Pushed as the agent pushes there: the sink's own user info, not the operator's token.
+        self.assertEqual(len(fake.pushes), 1)
+        self.assertTrue(fake.pushes[0].headers.get("authorization", "").startswith("Basic "))
+
+    async def test_a_failing_backend_sink_fails(self) -> None:
+        url, _ = await self.backend("http://127.0.0.1:9")
+        f = await self.run_loki(self.ctx(url))
+        self.assertEqual(f.status, FAIL, f.line())
+        self.assertIn("LOKI_URL unset: the backend's log sink http://127.0.0.1:9 did not answer", f.detail)
+
+    async def test_no_sink(self) -> None:
+        for answer in (None, 404):
+            url, _ = await self.backend(answer)
+            f = await self.run_loki(self.ctx(url))
+            self.assertEqual(f.status, OK, f.line())
+            self.assertIn("backend names no log sink", f.detail)
+            self.assertIn("log shipping off", f.detail)
+
+    async def test_the_running_agents_failed_pushes_are_a_failure(self) -> None:
+        """/readyz says 5 failed pushes to the backend's sink: doctor says so, in the agent's words."""
+        url, asked = await self.backend("http://127.0.0.1:9")
+        ctx = self.ctx(url)
+        ctx.readiness = {"checks": {"loki": {
+            "ok": False, "source": "backend", "url": "http://127.0.0.1:3100",
+            "detail": "5 failed pushes in a row to the backend's log sink http://127.0.0.1:3100 (LOKI_URL unset): "
+                      "HTTP 502"}}}
+        f = await self.run_loki(ctx)
+        self.assertEqual(f.status, FAIL, f.line())
+        self.assertIn("5 failed pushes in a row to the backend's log sink", f.detail)
+        ctx.readiness["checks"]["loki"].update(ok=True, detail="pushing to the backend's log sink x")
+        f = await self.run_loki(ctx)
+        self.assertEqual(f.status, OK, f.line())
+        self.assertIn("the running agent ships to the backend's log sink", f.detail)
 
 
 class HostTests(SynchronousTestCase):

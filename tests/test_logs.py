@@ -826,6 +826,16 @@ class AgentObserverTests(SynchronousTestCase):
         self.assertIn("token *** used", text)
         self.assertIn("https://user:***@reg.example/v2", text)
 
+    def test_the_agents_fix_hints_ship_whole(self) -> None:
+        """Its own sentence after "token:" reaches Loki as written (issue 26); values do not."""
+        from llmport_agent.session.enrollment import TOKEN_HELP
+
+        self.log.critical("{reason}", reason=f"no enrollment token: {TOKEN_HELP} and set X")
+        self.log.info("password: {p} was set", p="hunter22")
+        text = "\n".join(self.sink.lines())
+        self.assertIn("no enrollment token: mint a new one with POST", text)
+        self.assertNotIn("hunter22", text)
+
     def test_failure_text_redacted(self) -> None:
         """A secret inside an exception message is masked in the traceback too."""
         try:
@@ -864,6 +874,32 @@ class RedactionTests(SynchronousTestCase):
         self.assertEqual(redact(f"{TOKEN}", [TOKEN]), "***")
         self.assertEqual(redact(f"{TOKEN}"), TOKEN)  # a 32-char value alone is not a secret
         self.assertEqual(redact("abc", ["abc"]), "abc")  # too short to search for
+
+    def test_prose_after_a_label_is_not_a_secret(self) -> None:
+        """
+        "no enrollment token: mint a new one with POST ..." is a sentence: the word after the
+        label stays (issue 26: it read "token: *** a new one"); a value is still masked.
+        """
+        hint = "No credential in /s and no enrollment token: mint a new one with POST /api/x and set Y"
+        self.assertEqual(redact(hint, prose=True), hint)
+        self.assertEqual(redact("the credential: refused (401) by the backend", prose=True),
+                         "the credential: refused (401) by the backend")
+        # Lines from elsewhere (containers, the journal) stay strict: "password: sunshine and more".
+        self.assertEqual(redact("password: sunshine and more"), "password: *** and more")
+        self.assertEqual(Redactor(prose=True)(hint), hint)
+        self.assertEqual(Redactor(prose=True).snapshot()(hint), hint)
+        self.assertNotEqual(Redactor()(hint), hint)
+        for text, masked in (
+            ("password: hunter2 and more", "password: *** and more"),  # a digit: a value
+            ("token: Mint a new one", "token: *** a new one"),  # a capital: a value
+            ("password: sunshine", "password: ***"),  # nothing after it: a value
+            ("token:mint a new one", "token:*** a new one"),  # no space: key:value
+            ("token=mint a new one", "token=*** a new one"),
+            ('{"token": "mint", "a": 1}', '{"token": "***", "a": 1}'),  # quoted: a value
+            ("secret: abcdefghijklmnopq and x", "secret: *** and x"),  # longer than a word
+            ("api_key: a,b", "api_key: ***,b"),
+        ):
+            self.assertEqual(redact(text, prose=True), masked, text)
 
     def test_redactor_reads_secrets_each_time(self) -> None:
         """A Redactor sees secrets added later and survives a failing callable."""

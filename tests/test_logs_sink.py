@@ -7,6 +7,7 @@ whole agent without C{LOKI_URL} shipping to the sink the backend names.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -337,6 +338,11 @@ class AgentDiscoveryTests(AgentTestCase):
         self.assertEqual(loki.violations, [])
         diag = await agent.diagnostics()
         self.assertEqual(diag["logs"]["loki"]["url"], url + "/loki/api/v1/push")
+        # The host journal is not the backend's (issue 29): no journal reader for its sink.
+        self.assertIsNone(agent.journald)
+        self.assertEqual(diag["logs"]["journal"], {})
+        self.assertEqual(diag["logs"]["source"], "backend")
+        self.assertIn("not shipped to this sink", diag["logs"]["host_journal"])
         self.assertNotIn(agent.state.credential.split(".")[1], "\n".join(loki.lines()))
         await agent.stopService()
         self.assertFalse(agent.log_shipping.shipper.running)
@@ -410,3 +416,120 @@ class SinkConfigTests(SynchronousTestCase):
         self.assertNotIn("s3cret", note)
         self.assertNotIn(":p@", note)
         self.assertEqual(sink_config(load_config({}), "http://l.example")[1], None)
+
+
+class JournalConsentTests(SynchronousTestCase):
+    """
+    Issue 29: with LOKI_URL unset the backend's sink got every unit's journal (sshd logins, a
+    sudo command line with its password). The host journal goes only where the operator chose:
+    an own LOKI_URL (all of it, as the original agent shipped it), or LOG_JOURNAL_UNITS.
+    """
+
+    def config(self, **env: str) -> Any:
+        from llmport_agent.config import load_config
+
+        return load_config({f"LLM_PORT_NODE_AGENT_{k}": v for k, v in env.items()})
+
+    def test_selection(self) -> None:
+        from llmport_agent.logs.wiring import journal_selection
+
+        for env, operator, backend in (
+            ({}, (), None),  # the default: all to LOKI_URL, none to the backend's sink
+            ({"LOG_JOURNAL_UNITS": "sshd.service,nginx.service"},
+             ("sshd.service", "nginx.service"), ("sshd.service", "nginx.service")),
+            ({"LOG_JOURNAL_UNITS": "*"}, (), ()),
+            ({"LOG_JOURNAL_UNITS": "none"}, None, None),
+        ):
+            c = self.config(**env)
+            self.assertEqual(journal_selection(c, backend_sink=False), operator, env)
+            self.assertEqual(journal_selection(c, backend_sink=True), backend, env)
+
+    def test_bad_unit_names_are_refused(self) -> None:
+        from llmport_agent.config import ConfigError
+
+        for bad in ("-x", "a b", "*,sshd.service", "x\ny", "none,sshd.service", ",".join(["u"] * 65)):
+            with self.assertRaises(ConfigError, msg=bad):
+                self.config(LOG_JOURNAL_UNITS=bad)
+
+    def build(self, backend_sink: bool, **env: str) -> Any:
+        from llmport_agent.logs.sink import sink_config
+        from llmport_agent.logs.wiring import build_log_shipping
+
+        c = self.config(STATE_PATH=os.path.join(os.path.abspath(self.mktemp()), "state.json"), **env)
+        if backend_sink:
+            c, _note = sink_config(c, "http://127.0.0.1:3100")
+        return build_log_shipping(reactor, c, state_dir=os.path.dirname(c.state_path), host=lambda: "h",
+                                  secrets=list, backend_sink=backend_sink)
+
+    def test_the_backends_sink_gets_no_host_journal_unless_units_are_named(self) -> None:
+        shipping = self.build(True)
+        self.assertIsNone(shipping.journald)
+        self.assertNotIn(shipping.journald, shipping.readers)
+        self.assertEqual(shipping.describe()["journal"], {})
+        # The agent's own lines and its workloads' still go there.
+        self.assertIsNotNone(shipping.observer)
+        self.assertIsNotNone(shipping.ray_serve)
+        shipping = self.build(True, LOG_JOURNAL_UNITS="sshd.service")
+        self.assertEqual(shipping.journald.describe()["units"], ["sshd.service"])
+
+    def test_an_operators_loki_url_gets_the_journal(self) -> None:
+        shipping = self.build(False, LOKI_URL="http://127.0.0.1:3100")
+        self.assertIsNotNone(shipping.journald)
+        self.assertEqual(shipping.journald.describe()["units"], [])
+        shipping = self.build(False, LOKI_URL="http://127.0.0.1:3100", LOG_JOURNAL_UNITS="none")
+        self.assertIsNone(shipping.journald)
+
+
+class PlantedBugTests(SynchronousTestCase):
+    """Issue 26's planted bugs in log-sink discovery that no test caught."""
+
+    def test_no_loki_secret_setting_reaches_the_backends_sink(self) -> None:
+        """
+        Every one of the operator's Loki credentials, the file variants included, is left out
+        of what ships to a sink the backend names: nothing of them in the shipper's headers.
+        """
+        from llmport_agent.config import load_config
+        from llmport_agent.logs.sink import sink_config
+        from llmport_agent.logs.wiring import build_log_shipping
+
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        secret_file = os.path.join(d, "loki-secret")
+        with open(secret_file, "w") as f:
+            f.write("file-s3cret-value\n")
+        os.chmod(secret_file, 0o600)
+        for env in ({"LOKI_BEARER_TOKEN_FILE": secret_file},
+                    {"LOKI_BEARER_TOKEN": "env-s3cret-value"},
+                    {"LOKI_USERNAME": "ops", "LOKI_PASSWORD_FILE": secret_file},
+                    {"LOKI_USERNAME": "ops", "LOKI_PASSWORD": "env-s3cret-value"}):
+            full = {f"LLM_PORT_NODE_AGENT_{k}": v for k, v in env.items()}
+            full["LLM_PORT_NODE_AGENT_STATE_PATH"] = os.path.join(d, "state.json")
+            c, note = sink_config(load_config(full), "http://127.0.0.1:3100")
+            shipping = build_log_shipping(reactor, c, state_dir=d, host=lambda: "h", secrets=list,
+                                          backend_sink=True)
+            auth = shipping.shipper.auth
+            auth.load()
+            shown = json.dumps([auth.headers(), auth.basic(), auth.describe()])
+            self.assertNotIn("s3cret", shown, env)
+            self.assertNotIn("authorization", shown.lower(), env)
+            self.assertIsNone(auth.basic(), env)
+            for name in env:
+                self.assertIn(f"LLM_PORT_NODE_AGENT_{name}", note or "", env)
+
+    def test_the_reask_period_is_one_hour(self) -> None:
+        """docs/logs.md: asked again "every hour while connected and told there is none"."""
+        clock = Clock()
+        script = Script(None, None, None)
+        disc = LogSinkDiscovery(clock, script, lambda url: None)  # the agent's own defaults
+        disc.startService()
+        self.addCleanup(disc.stopService)
+        disc.session_opened()
+        clock.advance(0)
+        self.assertEqual(script.calls, 1)
+        clock.advance(3600 - 1)
+        self.assertEqual(script.calls, 1)
+        clock.advance(1)
+        self.assertEqual(script.calls, 2)
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with open(os.path.join(here, "docs", "logs.md")) as f:
+            self.assertIn("every hour while connected and told there is none", " ".join(f.read().split()))

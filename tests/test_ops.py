@@ -260,12 +260,25 @@ class ReadinessRulesTests(AgentTestCase):
             def describe(self) -> dict[str, object]:
                 return {"consecutive_failures": self.failures, "last_error": "HTTP 502", "queue_depth": 7}
 
+        # No LOKI_URL and no sink named yet: off, and it says why (not "(no LOKI_URL)").
+        loki = readiness(agent)["checks"]["loki"]
+        self.assertEqual((loki["ok"], loki["source"]), (True, "off"))
+        self.assertIn("LOKI_URL unset and the backend named no log sink", loki["detail"])
+        self.assertNotIn("(no LOKI_URL)", loki["detail"])
+        # Shipping to the sink the backend named (LOKI_URL unset): named as such, failures count.
         agent.loki = Loki()
-        self.assertTrue(readiness(agent)["checks"]["loki"]["ok"])
-        agent.loki.failures = 3
+        agent.log_sink.url = "http://sink:pw-s3cret@127.0.0.1:3100"
+        loki = readiness(agent)["checks"]["loki"]
+        self.assertTrue(loki["ok"])
+        self.assertEqual(loki["source"], "backend")
+        self.assertIn("pushing to the backend's log sink http://sink:***@127.0.0.1:3100", loki["detail"])
+        agent.loki.failures = 5
         body = readiness(agent)
         self.assertFalse(body["ready"])
+        self.assertIn("5 failed pushes in a row to the backend's log sink", body["checks"]["loki"]["detail"])
         self.assertIn("HTTP 502", body["checks"]["loki"]["detail"])
+        self.assertNotIn("s3cret", json.dumps(body))
+        agent.log_sink.url = None
         agent.loki = None
         agent.stopping = True
         self.assertEqual(readiness(agent)["status"], "stopping")

@@ -108,6 +108,34 @@ class ShippedUnitTests(AnomalyGuard, TestCase):
         await b.wait_for(lambda: any(n == node_id for n, _ in b.stream_closes), 10)  # type: ignore[attr-defined]
         self.assertEqual([c for n, c in b.stream_closes if n == node_id], [1000])  # type: ignore[attr-defined]
 
+    async def test_the_journal_has_readable_lines_priorities_and_fields(self) -> None:
+        """
+        Issue 26: under the unit the operator read raw JSON lines, all at priority 6. Now
+        `journalctl -p warning` shows only warnings and worse, as lines, with the fields in -o json.
+        """
+        import json
+
+        box = await self.boot()
+        # A Docker engine that is not there: the agent warns about it (a known WARN line).
+        b, agent_id = await self.configure(box, LOG_LEVEL="INFO")
+        await deferToThread(box.run, "systemctl", "start", UNIT)
+        await self.up(box, b, agent_id)
+        await deferToThread(box.run, "systemctl", "stop", UNIT)
+        every = await deferToThread(box.run, "journalctl", "-u", UNIT, "--no-pager", "-o", "json")
+        entries = [json.loads(line) for line in every.stdout.splitlines() if line.strip()]
+        mine = [e for e in entries if e.get("SYSLOG_IDENTIFIER") == "llmport-agent"]
+        self.assertTrue(mine, every.stdout[-3000:])
+        self.assertFalse([e for e in mine if str(e.get("MESSAGE", "")).startswith("{")])  # no JSON lines
+        self.assertTrue(all("LOGGER" in e and "PRIORITY" in e for e in mine))
+        self.assertTrue({e["PRIORITY"] for e in mine} >= {"6", "4"}, {e["PRIORITY"] for e in mine})
+        warned = await deferToThread(box.run, "journalctl", "-u", UNIT, "--no-pager", "-p", "warning",
+                                     "-o", "json")
+        picked = [json.loads(line) for line in warned.stdout.splitlines() if line.strip()]
+        ours = [e for e in picked if e.get("SYSLOG_IDENTIFIER") == "llmport-agent"]
+        self.assertTrue(ours)
+        self.assertTrue(all(int(e["PRIORITY"]) <= 4 for e in ours))
+        self.assertLess(len(ours), len(mine))
+
     def _restarted(self, box: BootedSystemd, old: str) -> bool:
         props = box.show(UNIT, "ActiveState", "MainPID")
         return props["ActiveState"] == "active" and props["MainPID"] not in ("0", old)

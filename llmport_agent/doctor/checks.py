@@ -401,12 +401,12 @@ def check_engine(ctx: Context) -> list[Finding]:
 
         client = docker.DockerClient(base_url=address, version="auto", timeout=max(1, int(ctx.timeout)))
     except Exception as e:
-        return [_engine_failure(address, e)]
+        return [_engine_failure(address, e, ctx.timeout)]
     try:
         version = client.version()
         info = client.info()
     except Exception as e:
-        return [_engine_failure(address, e)]
+        return [_engine_failure(address, e, ctx.timeout)]
     finally:
         client.close()
     runtimes = sorted((info.get("Runtimes") or {}).keys())
@@ -415,20 +415,24 @@ def check_engine(ctx: Context) -> list[Finding]:
     return [ok("docker engine", detail)]
 
 
-def _engine_failure(address: str, e: BaseException) -> Finding:
-    text = _err(e)
+def _engine_failure(address: str, e: BaseException, timeout: float | None = None) -> Finding:
+    """The failure in the agent's own words (its L{translate_error}), and the fix for its cause."""
+    from llmport_agent.workloads.engine import translate_error
+
+    error = translate_error("checking the engine", address, e, timeout)
+    text = str(error).split(" failed: ", 1)[-1]
     cause: BaseException | None = e
-    while cause is not None:
+    seen: set[int] = set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
         if isinstance(cause, PermissionError) or getattr(cause, "errno", None) == errno.EACCES:
             return fail("docker engine", f"no access to {address} (permission denied)",
                         "run the agent as root or add its user to the docker group (`usermod -aG docker USER`)")
         cause = cause.__cause__ or cause.__context__
-    if "No such file" in text or "FileNotFound" in type(e).__name__ or "Connection refused" in text \
-            or "ConnectionRefused" in text or "Errno 2" in text:
-        return fail("docker engine", f"no engine at {address} ({text[:120]})",
+    if getattr(error, "unreachable", False):
+        return fail("docker engine", text[:300],
                     "start it (`systemctl start docker`) or set DOCKER_HOST to its socket")
-    return fail("docker engine", f"the engine at {address} did not answer ({text[:160]})",
-                "check `systemctl status docker` and `docker info`")
+    return fail("docker engine", text[:300], "check `systemctl status docker` and `docker info`")
 
 
 def _nvidia_present(ctx: Context) -> bool:
@@ -735,19 +739,85 @@ def check_journald(ctx: Context) -> list[Finding]:
 # -- Loki -------------------------------------------------------------------------------------
 
 
+LOG_SINK_PATH = "/api/node-files/log-sink"
+
+
 def check_loki(ctx: Context) -> list[Finding]:
-    if ctx.config is None or not ctx.config.loki_url:
-        return [ok("loki", "LOKI_URL unset: log shipping off")]
+    """
+    Where the agent ships logs, as the agent does it: to C{LOKI_URL} with the operator's Loki
+    credentials; with C{LOKI_URL} unset, to the sink the backend names (asked here with the
+    node's credential, as the agent asks; pushed to without the operator's Loki credentials),
+    or nowhere. A running agent's own count of failed pushes (its C{/readyz}) comes first.
+    """
+    if ctx.config is None:
+        return []
     c = ctx.config
-    parts = urlsplit(str(c.loki_url))
+    running = ((ctx.readiness or {}).get("checks") or {}).get("loki")
+    if isinstance(running, dict) and running.get("ok") is False:
+        return [fail("loki", f"the running agent: {str(running.get('detail', ''))[:300]}",
+                     "check LLM_PORT_NODE_AGENT_LOKI_URL and its credentials" if c.loki_url else
+                     "the sink is the backend's (LOKI_URL unset): check it with the llm-port operator, or "
+                     "set LLM_PORT_NODE_AGENT_LOKI_URL to ship elsewhere")]
+    if c.loki_url:
+        return [_push_check(ctx, str(c.loki_url), operator=True)]
+    state = _state(ctx)
+    credential = state.get("credential") if isinstance(state.get("credential"), str) else ""
+    if isinstance(running, dict) and running.get("source") == "backend":
+        return [ok("loki", f"LOKI_URL unset: the running agent ships to the backend's log sink "
+                   f"{str(running.get('url', ''))[:200]} ({str(running.get('detail', ''))[:200]})")]
+    if not credential:
+        return [ok("loki", "LOKI_URL unset: the agent asks the backend for its log sink once it has a "
+                   "credential; until then logs are not shipped")]
+    url = c.backend_url.rstrip("/") + LOG_SINK_PATH
+    try:
+        code, _h, body = _http(ctx, url, headers={"Authorization": f"Bearer {credential}"})
+    except Exception as e:
+        return [warn("loki", f"LOKI_URL unset, and the backend did not answer the question for its log sink "
+                     f"({_err(e)})", "check the backend first")]
+    if code == 404:
+        return [ok("loki", "LOKI_URL unset and the backend names no log sink (HTTP 404): log shipping off")]
+    if code != 200:
+        return [warn("loki", f"LOKI_URL unset; the backend answered HTTP {code} to the question for its log sink",
+                     "check the credential line above and the backend's logs")]
+    try:
+        raw = json.loads(body).get("loki_url")
+    except (ValueError, AttributeError, RecursionError):
+        return [warn("loki", "LOKI_URL unset; the backend's answer for its log sink is not JSON",
+                     "check the backend's logs")]
+    if raw is None or raw == "":
+        return [ok("loki", "LOKI_URL unset and the backend names no log sink: log shipping off")]
+    from llmport_agent.logs.sink import validate_sink_url
+
+    try:
+        sink = validate_sink_url(raw)
+    except ValueError as e:
+        return [warn("loki", f"LOKI_URL unset; the backend's log sink is not usable ({str(e)[:200]}): logs are "
+                     "not shipped", "ask the llm-port operator to fix the sink, or set LLM_PORT_NODE_AGENT_LOKI_URL")]
+    return [_push_check(ctx, sink, operator=False)]
+
+
+def _push_check(ctx: Context, url: str, operator: bool) -> Finding:
+    """An empty push to the sink, with the credentials the agent would send there."""
+    from llmport_agent.config import mask_url
+
+    assert ctx.config is not None
+    c = ctx.config
+    parts = urlsplit(url)
     base = f"{parts.scheme}://{parts.hostname}{':' + str(parts.port) if parts.port else ''}"
+    where = base if operator else f"LOKI_URL unset: the backend's log sink {mask_url(url)}"
+    fix_url = ("check LLM_PORT_NODE_AGENT_LOKI_URL and the network" if operator else
+               "the sink is the backend's: check it with the llm-port operator, or set LLM_PORT_NODE_AGENT_LOKI_URL")
     headers: dict[str, str] = {}
     try:
         from llmport_agent.logs.auth import LokiAuth
 
-        auth = LokiAuth(tenant=c.loki_tenant, username=c.loki_username or parts.username, password=c.loki_password
-                        or parts.password, password_file=c.loki_password_file, bearer_token=c.loki_bearer_token,
-                        bearer_token_file=c.loki_bearer_token_file)
+        if operator:
+            auth = LokiAuth(tenant=c.loki_tenant, username=c.loki_username or parts.username,
+                            password=c.loki_password or parts.password, password_file=c.loki_password_file,
+                            bearer_token=c.loki_bearer_token, bearer_token_file=c.loki_bearer_token_file)
+        else:
+            # As the agent does: the operator's Loki credentials are not sent to the backend's sink.
+            auth = LokiAuth(tenant=c.loki_tenant, username=parts.username, password=parts.password)
         auth.load()
         headers.update(auth.headers())
         pair = auth.basic()
@@ -756,19 +826,26 @@ def check_loki(ctx: Context) -> list[Finding]:
 
             headers["Authorization"] = "Basic " + base64.b64encode(f"{pair[0]}:{pair[1]}".encode()).decode()
     except ValueError as e:
-        return [fail("loki", f"the Loki credentials cannot be used ({str(e)[:160]})", "fix the LOKI_* settings")]
+        return fail("loki", f"the Loki credentials cannot be used ({str(e)[:160]})", "fix the LOKI_* settings")
     # An empty push: Loki answers 204 when the credentials are good, 401/403 when not.
     body = json.dumps({"streams": []}).encode()
     try:
-        code, _h, answer = _post(ctx, base + "/loki/api/v1/push", body, headers)
+        code, _h, answer = _post(ctx, base + (parts.path or "").rstrip("/") + "/loki/api/v1/push", body, headers)
     except Exception as e:
-        return [fail("loki", f"{base} did not answer ({_err(e)})", "check LLM_PORT_NODE_AGENT_LOKI_URL and the network")]
+        return fail("loki", f"{where} did not answer ({_err(e)})", fix_url)
     if code in (401, 403):
-        return [fail("loki", f"{base} refused the credentials (HTTP {code})",
-                     "check LOKI_USERNAME/LOKI_PASSWORD(_FILE), LOKI_BEARER_TOKEN(_FILE) or LOKI_TENANT")]
+        return fail("loki", f"{where} refused the credentials (HTTP {code})",
+                    "check LOKI_USERNAME/LOKI_PASSWORD(_FILE), LOKI_BEARER_TOKEN(_FILE) or LOKI_TENANT" if operator
+                    else fix_url)
     if code >= 500 or code == 404:
-        return [fail("loki", f"{base} answered HTTP {code} to a push", "check that LOKI_URL points at Loki")]
-    return [ok("loki", f"{base} accepts pushes (HTTP {code})")]
+        return fail("loki", f"{where} answered HTTP {code} to a push",
+                    "check that LOKI_URL points at Loki" if operator else fix_url)
+    from llmport_agent.logs.wiring import journal_selection
+
+    units = journal_selection(c, backend_sink=not operator)
+    journal = ("no host journal" if units is None else "the whole host journal" if not units
+               else "host journal units " + ", ".join(units)[:200])
+    return ok("loki", f"{where} accepts pushes (HTTP {code}); ships the agent's and workloads' logs and {journal}")
 
 
 def _post(ctx: Context, url: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, str], bytes]:

@@ -101,7 +101,7 @@ class AgentLogObserver:
     ) -> None:
         self._sink = shipper
         self._labels_fn = labels_fn
-        self._redact = Redactor(secrets)
+        self._redact = Redactor(secrets, prose=True)  # the agent's own words
         self._min = _PRIORITY.get(min_level, 1)
         self._excluded = tuple(exclude_namespaces)
         self._wallclock = wallclock

@@ -10,7 +10,12 @@ header, a traceback showing a request, a container echoing its environment into 
  - the value after C{Bearer };
  - the password in C{scheme://user:password@host};
  - the value of C{enrollment_token}, C{credential}, C{password}, C{secret}, C{token},
-   C{api_key} written as C{key=value} or C{"key": "value"};
+   C{api_key} written as C{key=value}, C{key: value} or C{"key": "value"}. In the agent's own
+   lines (C{prose=True}: its log output and its lines shipped to Loki) the words of a sentence
+   after a label are not a value: C{key: word more words} (a colon, a space, then a short
+   lower-case word followed by more words, as in "no enrollment token: mint a new one with POST
+   ...") is left as it is. Lines from elsewhere (the journal, containers, Ray) are masked
+   strictly;
  - every exact occurrence of a configured secret (the enrollment token, the credential,
    registry passwords, ...), so a 32-character enrollment token is caught wherever it appears.
 """
@@ -55,6 +60,17 @@ def _keyed(m: re.Match[str]) -> str:
     return f"{m.group(1)}{MASK}"
 
 
+def _keyed_prose(m: re.Match[str]) -> str:
+    label, value = m.group(1), m.group(2)
+    if label.rstrip().endswith(":") and label != label.rstrip() and value.isalpha() and value.islower():
+        # "token: mint a new one ...": a word in a sentence (a lower-case word that more words
+        # follow); a value on its own, quoted, with digits or capitals, or after "=" is masked.
+        rest = m.string[m.end(2):m.end(2) + 2]
+        if len(value) <= 16 and len(rest) == 2 and rest[0] in " \t" and (rest[1].isalpha() or rest[1] == "("):
+            return m.group(0)
+    return f"{label}{MASK}"
+
+
 def _ordered(secrets: Iterable[str | None]) -> list[str]:
     """The secrets worth searching for, longest first (a secret inside another one is masked last)."""
     return sorted(
@@ -62,7 +78,7 @@ def _ordered(secrets: Iterable[str | None]) -> list[str]:
     )
 
 
-def _redact(text: str, ordered: list[str]) -> str:
+def _redact(text: str, ordered: list[str], prose: bool = False) -> str:
     for secret in ordered:
         if secret in text:
             text = text.replace(secret, MASK)
@@ -77,14 +93,17 @@ def _redact(text: str, ordered: list[str]) -> str:
         text = _URL_PASSWORD.sub(_url_password, text)
     for word in _KEY_WORDS:
         if word in low:
-            text = _KEYED.sub(_keyed, text)
+            text = _KEYED.sub(_keyed_prose if prose else _keyed, text)
             break
     return text
 
 
-def redact(text: str, secrets: Iterable[str] = ()) -> str:
-    """C{text} with every secret-looking value and every exact C{secrets} entry masked."""
-    return _redact(text, _ordered(secrets))
+def redact(text: str, secrets: Iterable[str] = (), prose: bool = False) -> str:
+    """
+    C{text} with every secret-looking value and every exact C{secrets} entry masked;
+    C{prose}: the agent's own words (see the module's docstring).
+    """
+    return _redact(text, _ordered(secrets), prose)
 
 
 class Redactor:
@@ -96,8 +115,9 @@ class Redactor:
         patterns still apply).
     """
 
-    def __init__(self, secrets: Callable[[], Iterable[str | None]] | None = None) -> None:
+    def __init__(self, secrets: Callable[[], Iterable[str | None]] | None = None, prose: bool = False) -> None:
         self._secrets = secrets
+        self._prose = prose
 
     def _values(self) -> list[str]:
         if self._secrets is None:
@@ -108,12 +128,12 @@ class Redactor:
             return []
 
     def __call__(self, text: str) -> str:
-        return _redact(text, self._values())
+        return _redact(text, self._values(), self._prose)
 
     def snapshot(self) -> Callable[[str], str]:
         """
         A redacting function with the secrets as they are now, for a batch of lines (reading
         the secrets once per batch instead of once per line). Safe in any thread.
         """
-        values = self._values()
-        return lambda text: _redact(text, values)
+        values, prose = self._values(), self._prose
+        return lambda text: _redact(text, values, prose)

@@ -19,7 +19,26 @@ from attrs import define
 from llmport_agent.config import AgentConfig
 from llmport_agent.threads import PoolService
 
-__all__ = ["LogShipping", "build_log_shipping"]
+__all__ = ["LogShipping", "build_log_shipping", "journal_selection"]
+
+
+def journal_selection(config: AgentConfig, *, backend_sink: bool) -> tuple[str, ...] | None:
+    """
+    Which of the host journal ships (issue 29: by the operator's consent): C{None} none, C{()}
+    all of it, else these units. The operator chooses with C{LOG_JOURNAL_UNITS}; unset, the
+    whole journal goes to the operator's own C{LOKI_URL} (as the original agent shipped it) and
+    none of it to a sink the backend names, which gets the agent's own lines and its workloads'
+    (what the backend may read, docs/security.md): sshd logins, sudo command lines and other
+    services' logs are the host's, not the backend's.
+    """
+    units = tuple(config.log_journal_units)
+    if units == ("none",):
+        return None
+    if units == ("*",):
+        return ()
+    if units:
+        return units
+    return None if backend_sink else ()
 
 
 @define
@@ -61,10 +80,14 @@ def build_log_shipping(
     journal_directory: str | None = None,
     journal_units: tuple[str, ...] | None = None,
     adoption: Any = None,
+    backend_sink: bool = False,
 ) -> LogShipping:
     """
     Build (not start) log shipping to C{config.loki_url}.
 
+    @param backend_sink: C{config.loki_url} is the sink the backend named (C{LOKI_URL} unset):
+        the host journal ships only as far as C{LOG_JOURNAL_UNITS} says (see L{journal_selection}).
+    @param journal_units: tests: these units instead of L{journal_selection}'s.
     @param host: returns the C{host} label (what the backend stores as the node host).
     @param secrets: returns the agent's secret values (token, credentials) to mask in every line.
     @param engine: the L{DockerEngine}, or C{None} for no container logs.
@@ -120,10 +143,13 @@ def build_log_shipping(
     observer = AgentLogObserver(
         shipper, labels, secrets=all_secrets, min_level=LEVELS.get(c.log_level, LogLevel.info)
     )
-    journald = JournaldSource(
-        reactor, shipper, labels, pool, state_dir=state_dir, secrets=all_secrets,
-        directory=journal_directory, units=journal_units,
-    )
+    units = journal_units if journal_units is not None else journal_selection(c, backend_sink=backend_sink)
+    journald = None
+    if units is not None:
+        journald = JournaldSource(
+            reactor, shipper, labels, pool, state_dir=state_dir, secrets=all_secrets,
+            directory=journal_directory, units=units,
+        )
     containers = None
     if engine is not None:
         containers = ContainerLogSource(
