@@ -160,6 +160,17 @@ class SeedingServerTests(SynchronousTestCase):
         self.assertIn(b"Retry-After: 5", transport.value())
         self.assertEqual(len(self.state.active), self.state.max_active)
 
+    def test_token_holders_connections_are_bounded_too(self) -> None:
+        """Connections that presented the token are counted apart, and capped (503 beyond)."""
+        held = [self.get(f"10.0.2.{i}", b"Range: bytes=0-0\r\n") for i in range(self.site.max_authenticated)]
+        self.assertTrue(all(t.value().startswith(b"HTTP/1.1 206") and not t.disconnecting for _p, t in held))
+        self.assertEqual(len(self.site.authenticated), self.site.max_authenticated)
+        _proto, transport = self.get("10.0.3.1")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 503"), transport.value()[:100])
+        held[0][0].connectionLost(None)
+        _proto, transport = self.get("10.0.3.1", b"Range: bytes=0-0\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 206"), transport.value()[:100])
+
     def test_503_while_exporting(self) -> None:
         """The holder listens before its docker save is written: token holders are told to retry."""
         self.state.fd = None
