@@ -294,9 +294,10 @@ def fetch_attempt(client: Any, control: StreamControl, host: str, port: int, pat
         control.attach(_SocketCloser(sock))
         sock.settimeout(stall_sec)
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        request = (f"GET {path} HTTP/1.1\r\nHost: {where}\r\nUser-Agent: llmport-agent\r\n"
-                   f"Connection: close\r\n{f'Range: bytes={have}-' + chr(13) + chr(10) if have else ''}"
-                   ).encode("ascii") + b"Authorization: Bearer " + token + b"\r\n\r\n"
+        lines = [f"GET {path} HTTP/1.1", f"Host: {where}", "User-Agent: llmport-agent", "Connection: close"]
+        if have:
+            lines.append(f"Range: bytes={have}-")
+        request = "\r\n".join(lines).encode("ascii") + b"\r\nAuthorization: Bearer " + token + b"\r\n\r\n"
         try:
             sock.sendall(request)
             buf = b""
