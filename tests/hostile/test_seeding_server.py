@@ -141,6 +141,16 @@ class SeedingServerTests(SynchronousTestCase):
         self.get("10.0.0.4")
         self.assertEqual((self.state.completed, self.state.finished), (3, True))
 
+    def test_receivers_behind_one_address_are_told_apart_by_download_id(self) -> None:
+        """Two whole downloads from one address, each under its own download id: two peers."""
+        self.state.expected = 2
+        self.get("10.0.0.2", b"X-Llmport-Download: aaaaaaaa11111111\r\n")
+        self.get("10.0.0.2", b"X-Llmport-Download: aaaaaaaa11111111\r\nRange: bytes=0-\r\n")
+        self.assertEqual(self.state.completed, 1)
+        self.get("10.0.0.2", b"X-Llmport-Download: bad id\r\n")  # not a valid id: the address alone
+        self.assertEqual(self.state.completed, 2)
+        self.assertTrue(self.state.finished)
+
     def test_no_more_downloads_at_once_than_max_active(self) -> None:
         reads: list[Deferred[bytes]] = []
 
