@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 
 from attrs import define
 from twisted.internet import error as ierror
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
@@ -408,6 +408,8 @@ class _Serving:
         #: Byte ranges [start, end) sent to each peer address, merged; addresses served whole.
         self.coverage: dict[str, list[tuple[int, int]]] = {}
         self.served_peers: set[str] = set()
+        #: Reads of the tar running on the pool (the file is closed only once they are done).
+        self.reads: set[Deferred[bytes]] = set()
 
     @property
     def exporting(self) -> bool:
@@ -478,7 +480,15 @@ class _FileSender:
 
     def _read(self, offset: int) -> Deferred[bytes]:
         s = self.state
-        return s.pool.run(os.pread, s.fd, min(SEND_READ, self.end - offset + 1), offset)
+        d: Deferred[bytes] = s.pool.run(os.pread, s.fd, min(SEND_READ, self.end - offset + 1), offset)
+        s.reads.add(d)
+
+        def done(result: Any) -> Any:
+            s.reads.discard(d)
+            return result
+
+        d.addBoth(done)
+        return d
 
     async def run(self) -> None:
         s = self.state
@@ -813,6 +823,8 @@ class ImageSeeding:
             for channel in list(site.authenticated):
                 channel.transport.loseConnection()
             if fd is not None:
+                if state.reads:  # reads still on the pool: the descriptor must not be reused under them
+                    await DeferredList(list(state.reads), consumeErrors=True)
                 os.close(fd)
             await self._pool.run(remove_file, self.download_dir, tar_name)
         result = {
