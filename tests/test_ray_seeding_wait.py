@@ -30,9 +30,11 @@ class Seeder:
         self.clock = clock
         self.script = script
         self.calls: list[tuple[float, int]] = []
+        self.ids: set[str] = set()
 
-    def __call__(self, host: str, port: int, path: str, token: bytes, tar: str, have: int,
+    def __call__(self, host: str, port: int, path: str, token: bytes, download_id: str, tar: str, have: int,
                  meter: seeding.Meter) -> Deferred[Attempt]:
+        self.ids.add(download_id)
         self.calls.append((self.clock.seconds(), have))
         step = self.script.pop(0) if len(self.script) > 1 else self.script[0]
         return succeed(step(have) if callable(step) else step)
@@ -129,6 +131,7 @@ class WaitTests(SynchronousTestCase):
         self.run_for(5)
         self.assertEqual(self.successResultOf(d), TOTAL)
         self.assertEqual([have for _t, have in seeder.calls], [0, TOTAL // 2])
+        self.assertEqual(len(seeder.ids), 1)  # one download id across its resumes
         done = [f for f in ctx.frames if f["phase"] == "peer_download"]
         self.assertEqual(done[-1]["bytes_done"], TOTAL)
 

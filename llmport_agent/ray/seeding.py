@@ -13,7 +13,8 @@ The server listens where every machine of the fabric reaches it, before any toke
 connections that have not presented the token are few and short-lived (a header deadline of
 L{PRE_AUTH_DEADLINE_S} seconds, at most L{PRE_AUTH_PER_HOST} per address and L{PRE_AUTH_MAX} in
 all, the oldest dropped for a new one), so idle sockets never lock a real peer out; a peer counts
-as served only once every byte of the file went to it (byte ranges tracked per address).
+as served only once every byte of the file went to it (byte ranges tracked per address, and per
+download id where the receiver names one: L{DOWNLOAD_ID_HEADER}).
 
 A peer downloads the tar into C{IMAGE_DOWNLOAD_DIR} with resume (C{Range}) on a thread (large
 reads straight to the file, no hand-off to the reactor per chunk), retrying a seeder that still
@@ -34,6 +35,7 @@ import hmac
 import ipaddress
 import os
 import re
+import secrets
 import shutil
 import socket
 from collections.abc import Callable, Iterator, Mapping
@@ -42,7 +44,7 @@ from urllib.parse import urlsplit
 
 from attrs import define
 from twisted.internet import error as ierror
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
@@ -75,6 +77,10 @@ RECV_BUFFER = 4 * 1024 * 1024
 _RANGE_RE = re.compile(r"^bytes=(\d{1,15})-(\d{0,15})$")
 _CONTENT_RANGE_RE = re.compile(r"^bytes (\d{1,15})-(\d{1,15})/(\d{1,15})$")
 _UNSATISFIED_RE = re.compile(r"^bytes \*/(\d{1,15})$")
+#: Names one receiver's download (across its resumes), so that receivers behind one address are
+#: told apart; without it a peer is its address.
+DOWNLOAD_ID_HEADER = "X-Llmport-Download"
+_DOWNLOAD_ID_RE = re.compile(r"[A-Za-z0-9-]{8,64}")
 #: The path of a peer URL (it goes into the request line as it is).
 _PATH_RE = re.compile(r"/[A-Za-z0-9._~/-]{0,256}")
 #: Connections that have not presented the token: seconds to send their headers, how many one
@@ -279,7 +285,7 @@ def _header_int(text: str | None, limit: int = 10**15) -> int | None:
 
 
 def fetch_attempt(client: Any, control: StreamControl, host: str, port: int, path: str, token: bytes,
-                  directory: str, name: str, have: int, stall_sec: float, meter: Meter) -> Attempt:
+                  download_id: str, directory: str, name: str, have: int, stall_sec: float, meter: Meter) -> Attempt:
     """
     Thread function (C{client} unused): one C{GET} of the seeder's tar, resuming at C{have};
     the body goes from the socket to C{directory/name} in large reads, with no other copy.
@@ -294,9 +300,11 @@ def fetch_attempt(client: Any, control: StreamControl, host: str, port: int, pat
         control.attach(_SocketCloser(sock))
         sock.settimeout(stall_sec)
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        request = (f"GET {path} HTTP/1.1\r\nHost: {where}\r\nUser-Agent: llmport-agent\r\n"
-                   f"Connection: close\r\n{f'Range: bytes={have}-' + chr(13) + chr(10) if have else ''}"
-                   ).encode("ascii") + b"Authorization: Bearer " + token + b"\r\n\r\n"
+        lines = [f"GET {path} HTTP/1.1", f"Host: {where}", "User-Agent: llmport-agent", "Connection: close",
+                 f"{DOWNLOAD_ID_HEADER}: {download_id}"]
+        if have:
+            lines.append(f"Range: bytes={have}-")
+        request = "\r\n".join(lines).encode("ascii") + b"\r\nAuthorization: Bearer " + token + b"\r\n\r\n"
         try:
             sock.sendall(request)
             buf = b""
@@ -400,6 +408,8 @@ class _Serving:
         #: Byte ranges [start, end) sent to each peer address, merged; addresses served whole.
         self.coverage: dict[str, list[tuple[int, int]]] = {}
         self.served_peers: set[str] = set()
+        #: Reads of the tar running on the pool (the file is closed only once they are done).
+        self.reads: set[Deferred[bytes]] = set()
 
     @property
     def exporting(self) -> bool:
@@ -470,7 +480,15 @@ class _FileSender:
 
     def _read(self, offset: int) -> Deferred[bytes]:
         s = self.state
-        return s.pool.run(os.pread, s.fd, min(SEND_READ, self.end - offset + 1), offset)
+        d: Deferred[bytes] = s.pool.run(os.pread, s.fd, min(SEND_READ, self.end - offset + 1), offset)
+        s.reads.add(d)
+
+        def done(result: Any) -> Any:
+            s.reads.discard(d)
+            return result
+
+        d.addBoth(done)
+        return d
 
     async def run(self) -> None:
         s = self.state
@@ -576,6 +594,9 @@ class ImageResource(Resource):
         request.setHeader(b"x-image-id", s.image_id.encode("ascii", "replace"))
         request.setHeader(b"content-length", str(end - start + 1).encode())
         peer = str(getattr(request.getClientAddress(), "host", "") or "")
+        download = (request.getHeader(DOWNLOAD_ID_HEADER.lower().encode()) or b"").decode("latin-1")
+        if _DOWNLOAD_ID_RE.fullmatch(download):
+            peer = f"{peer} {download}"
         sender = _FileSender(s, request, start, end, peer)
         request.notifyFinish().addErrback(lambda _: sender.stopProducing())
         Deferred.fromCoroutine(sender.run()).addErrback(
@@ -698,8 +719,8 @@ def _peer_wait(ctx: CommandContext) -> float:
     return DEFAULT_PEER_WAIT_S
 
 
-#: attempt(host, port, path, token, tar_name, have, meter) -> Attempt
-AttemptRunner = Callable[[str, int, str, bytes, str, int, Meter], "Deferred[Attempt]"]
+#: attempt(host, port, path, token, download_id, tar_name, have, meter) -> Attempt
+AttemptRunner = Callable[[str, int, str, bytes, str, str, int, Meter], "Deferred[Attempt]"]
 
 
 class ImageSeeding:
@@ -802,6 +823,8 @@ class ImageSeeding:
             for channel in list(site.authenticated):
                 channel.transport.loseConnection()
             if fd is not None:
+                if state.reads:  # reads still on the pool: the descriptor must not be reused under them
+                    await DeferredList(list(state.reads), consumeErrors=True)
                 os.close(fd)
             await self._pool.run(remove_file, self.download_dir, tar_name)
         result = {
@@ -852,10 +875,10 @@ class ImageSeeding:
         finally:
             await self._pool.run(remove_file, self.download_dir, tar_name)
 
-    def _attempt_on_thread(self, host: str, port: int, path: str, token: bytes, tar_name: str, have: int,
-                           meter: Meter) -> Deferred[Attempt]:
+    def _attempt_on_thread(self, host: str, port: int, path: str, token: bytes, download_id: str, tar_name: str,
+                           have: int, meter: Meter) -> Deferred[Attempt]:
         return Deferred.fromCoroutine(self._engine.stream(
-            fetch_attempt, StreamControl(), host, port, path, token, self.download_dir, tar_name, have,
+            fetch_attempt, StreamControl(), host, port, path, token, download_id, self.download_dir, tar_name, have,
             self.stall_sec, meter, what="downloading the runtime image from a peer"))
 
     async def download(self, host: str, port: int, path: str, token: bytes, tar_name: str, ctx: CommandContext,
@@ -866,6 +889,7 @@ class ImageSeeding:
         progress message every L{WAIT_NOTE_S}; a broken download resumes with C{Range}.
         """
         where = f"{host}:{port}"
+        download_id = secrets.token_hex(8)
         clock = self._reactor
         started = clock.seconds()
         have = 0
@@ -886,7 +910,7 @@ class ImageSeeding:
             ticker.clock = clock
             ticker.start(self.progress_interval, now=False)
             try:
-                attempt = await self.attempt(host, port, path, token, tar_name, have, meter)
+                attempt = await self.attempt(host, port, path, token, download_id, tar_name, have, meter)
             finally:
                 ticker.stop()
             now = clock.seconds()

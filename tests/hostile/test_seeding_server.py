@@ -141,6 +141,16 @@ class SeedingServerTests(SynchronousTestCase):
         self.get("10.0.0.4")
         self.assertEqual((self.state.completed, self.state.finished), (3, True))
 
+    def test_receivers_behind_one_address_are_told_apart_by_download_id(self) -> None:
+        """Two whole downloads from one address, each under its own download id: two peers."""
+        self.state.expected = 2
+        self.get("10.0.0.2", b"X-Llmport-Download: aaaaaaaa11111111\r\n")
+        self.get("10.0.0.2", b"X-Llmport-Download: aaaaaaaa11111111\r\nRange: bytes=0-\r\n")
+        self.assertEqual(self.state.completed, 1)
+        self.get("10.0.0.2", b"X-Llmport-Download: bad id\r\n")  # not a valid id: the address alone
+        self.assertEqual(self.state.completed, 2)
+        self.assertTrue(self.state.finished)
+
     def test_no_more_downloads_at_once_than_max_active(self) -> None:
         reads: list[Deferred[bytes]] = []
 
@@ -159,6 +169,17 @@ class SeedingServerTests(SynchronousTestCase):
         self.assertTrue(transport.value().startswith(b"HTTP/1.1 503"), transport.value()[:100])
         self.assertIn(b"Retry-After: 5", transport.value())
         self.assertEqual(len(self.state.active), self.state.max_active)
+
+    def test_token_holders_connections_are_bounded_too(self) -> None:
+        """Connections that presented the token are counted apart, and capped (503 beyond)."""
+        held = [self.get(f"10.0.2.{i}", b"Range: bytes=0-0\r\n") for i in range(self.site.max_authenticated)]
+        self.assertTrue(all(t.value().startswith(b"HTTP/1.1 206") and not t.disconnecting for _p, t in held))
+        self.assertEqual(len(self.site.authenticated), self.site.max_authenticated)
+        _proto, transport = self.get("10.0.3.1")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 503"), transport.value()[:100])
+        held[0][0].connectionLost(None)
+        _proto, transport = self.get("10.0.3.1", b"Range: bytes=0-0\r\n")
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 206"), transport.value()[:100])
 
     def test_503_while_exporting(self) -> None:
         """The holder listens before its docker save is written: token holders are told to retry."""
