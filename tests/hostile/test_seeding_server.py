@@ -17,6 +17,7 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmport_agent import opshttp
 from llmport_agent.commands.base import CommandFailed
 from llmport_agent.ray import seeding
 
@@ -71,7 +72,11 @@ class SeedingServerTests(SynchronousTestCase):
     def test_a_body_is_refused_not_spooled(self) -> None:
         """A client without the token sending a large body: 413 and closed, nothing spooled."""
         proto, transport = self.connect()
-        proto.dataReceived(b"POST /image HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n\r\n" + b"x" * 65536)
+        data = b"POST /image HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n\r\n" + b"x" * 65536
+        # As the transport hands it over: at most opshttp.READ_BYTES a read.
+        for at in range(0, len(data), opshttp.READ_BYTES):
+            if not transport.disconnecting:
+                proto.dataReceived(data[at:at + opshttp.READ_BYTES])
         self.assertTrue(transport.value().startswith(b"HTTP/1.1 413"), transport.value()[:100])
         self.assertTrue(transport.disconnecting)
         self.assertEqual(self.site.bodies_refused, 1)
