@@ -851,7 +851,8 @@ class Installer:
         data = result.data if result else {}
         self.sys.say(f"state file: {path} ({'present' if result else 'absent'}), enrolled: "
                      f"{'yes' if data.get('credential') else 'no'}, node id {data.get('node_id', '-')}, "
-                     f"maintenance {bool(data.get('maintenance'))}, draining {bool(data.get('draining'))}")
+                     f"{'in' if data.get('maintenance') else 'not in'} maintenance mode, "
+                     f"{'draining' if data.get('draining') else 'not draining'}")
 
     # config --set / --unset ---------------------------------------------------------------
 

@@ -421,6 +421,8 @@ class SessionService(Service):
         if self._stopping:
             return
         reason = describe_connection_error(f, self.config.tls_client_cert) or f.getErrorMessage() or "connection failed"
+        # Twisted's messages end in "." ("... Connection refused."); the line goes on "; retrying".
+        reason = reason.rstrip(" .") or "connection failed"
         self.stats.last_error = f"could not connect: {reason}"[:200]
         self._note_retry(LogLevel.warn, "Could not connect to the backend at {endpoint}: {reason}",
                          endpoint=repr(self._endpoint), reason=reason)
