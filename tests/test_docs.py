@@ -62,6 +62,12 @@ class BuildTests(SynchronousTestCase):
             config = f.read()
         self.assertEqual([s.env for s in SETTINGS if s.env not in config], [])
         self.assertEqual([s.option for s in SETTINGS if f"--{s.option}" not in config], [])
+        # Readable on a laptop: one block per setting (no wide table), code scrolling inside.
+        self.assertNotIn("<table", config.split('id="settings"', 1)[1].split('id="notes-on-some-settings"', 1)[0])
+        self.assertIn("_static/custom.css", config)
+        with open(os.path.join(out, "_static", "custom.css"), encoding="utf-8") as f:
+            css = f.read()
+        self.assertIn("overflow-x: auto", css)
         with open(os.path.join(out, "cli.html"), encoding="utf-8") as f:
             cli = f.read()
         for command in ("run", "config", "start", "join", "stop", "status", "doctor", "demo",
@@ -92,16 +98,26 @@ class BuildTests(SynchronousTestCase):
 
 
 class ReferenceTests(SynchronousTestCase):
-    def test_settings_table(self) -> None:
-        """Each row: the variable, its option, its default as written, its parser's rule."""
+    def test_settings_blocks(self) -> None:
+        """One block per setting: the variable as a heading, its option, default as written, rule, change."""
         ext = _extension()
-        text = "\n".join(ext.settings_rst())
-        rows = {line.split(" | ")[0]: line.split(" | ") for line in text.splitlines()}
-        row = rows["| `LLM_PORT_NODE_AGENT_HEARTBEAT_INTERVAL_SEC`"]
-        self.assertEqual(row[1:4], ["`--heartbeat-interval-sec`", "15", "a number >= 1"])
-        self.assertEqual(row[5], "a restart |")
-        self.assertIn("`llmport-agent start` again", rows["| `LLM_PORT_NODE_AGENT_MODEL_STORE`"][5])
-        self.assertIn("this host's name", text)  # a computed default shows its docstring
+        lines = ext.settings_rst()
+        blocks: dict[str, list[str]] = {}
+        for line in lines:
+            if line.startswith("### `"):
+                current = blocks.setdefault(line[5:-1], [])
+            elif line:
+                current.append(line)
+        self.assertEqual(list(blocks), [s.env for s in SETTINGS])
+        block = blocks["LLM_PORT_NODE_AGENT_HEARTBEAT_INTERVAL_SEC"]
+        self.assertEqual(block[:4], ["- option: `--heartbeat-interval-sec`", "- default: 15",
+                                     "- accepts: a number >= 1", "- a change needs: a restart"])
+        self.assertTrue(block[4].startswith("Seconds"), block)
+        self.assertIn("`llmport-agent start` again", blocks["LLM_PORT_NODE_AGENT_MODEL_STORE"][3])
+        self.assertIn("this host's name", "\n".join(lines))  # a computed default shows its docstring
+        self.assertIn("*Secret: masked by*", blocks["LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN"][4])
+        # No table: nothing that needs a screen wider than a laptop's.
+        self.assertFalse([line for line in lines if line.startswith("|")])
 
     def test_default_without_docstring_fails(self) -> None:
         """A computed default with nothing to show fails the build rather than showing a repr."""
