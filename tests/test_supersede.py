@@ -19,6 +19,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmport_agent.workloads.handlers import SUPERSEDED, WorkloadManager, workload_handler_specs
 from llmport_agent.workloads.settings import WorkloadSettings
+from tests.support.rig import httpd_payload
 from tests.test_pipeline import Harness, command
 
 TIMEOUT = 1800.0
@@ -45,6 +46,7 @@ class FakeEngine:
         self.calls: list[str] = []
         self.gates: dict[str, Deferred[None]] = {}
         self.adopted_seen: list[dict[str, str]] = []
+        self.created = 0
 
     async def call(self, fn: Any, *args: Any, what: str | None = None) -> Any:
         name = fn.__name__
@@ -54,23 +56,47 @@ class FakeEngine:
             await gate
         if name == "find_runtime":
             self.adopted_seen.append(dict(args[3]))
-            c = self.containers.get(args[0])
-            return [dict(c)] if c is not None else []
+            return [dict(c) for key, c in self.containers.items() if key in (args[0], f"new-{args[0]}")]
         if name == "list_managed":
             return []
         if name in ("start", "restart"):
             for c in self.containers.values():
-                c["running"] = True
+                if c["id"] == args[0]:
+                    c["running"] = True
             return None
         if name == "stop":
             for c in self.containers.values():
-                c["running"] = False
+                if c["id"] == args[0]:
+                    c["running"] = False
             return True
         if name == "remove":
-            self.containers.clear()
+            for key, c in list(self.containers.items()):
+                if c["id"] == args[0]:
+                    del self.containers[key]
             return True
         if name == "exit_info":
             return None  # still running, never answering
+        if name == "_inspect_image":
+            return {"id": "sha256:" + "1" * 64, "repo_tags": [args[0]], "repo_digests": [], "size": 1,
+                    "rootfs_digest": None}
+        if name == "create_and_start":
+            labels = dict(args[0]["create"].get("labels") or {})
+            runtime_id = labels.get("io.llmport.runtime-id", "r1")
+            self.created += 1
+            new = snap(runtime_id, running=True, name=args[0]["create"]["name"])
+            new["id"] = f"{self.created:064x}"
+            new["labels"] = labels
+            self.containers[f"new-{runtime_id}"] = new
+            return {"id": new["id"]}
+        if name == "inspect":
+            return next((dict(c) for c in self.containers.values() if c["id"] == args[0]), None)
+        if name == "by_exact_name":
+            return next((dict(c) for c in self.containers.values() if c["name"] == args[0]), None)
+        if name == "rename":
+            for c in self.containers.values():
+                if c["id"] == args[0]:
+                    c["name"] = args[1]
+            return None
         if name == "log_tail":
             return ""
         raise AssertionError(f"unexpected engine call {name}")
@@ -250,6 +276,48 @@ class SupersedeTests(SynchronousTestCase):
         for _ in range(30):
             h.clock.advance(1)
         self.assertIsNone(self.result(h, again["id"]))  # waiting for readiness, not superseded
+
+    def test_remove_ends_a_deploy_waiting_for_readiness(self) -> None:
+        h, engine, _m = self.rig()
+        payload = httpd_payload(runtime_id="r1", name="r1", image="busybox:1")
+        deploy = command("deploy_workload", payload)
+        h.deliver(deploy)
+        for _ in range(60):
+            h.clock.advance(1)
+        self.assertIn("create_and_start", engine.calls)
+        self.assertIsNone(self.result(h, deploy["id"]))
+        remove = command("remove_workload", self.payload())
+        h.deliver(remove)
+        h.clock.advance(0)
+        self.assertSuperseded(h, deploy, remove)
+        self.assertEqual(self.result(h, remove["id"])["result"]["removed"], 1)  # type: ignore[index]
+        self.assertEqual(engine.containers, {})
+
+    def test_an_update_superseded_puts_the_previous_container_back_without_waiting(self) -> None:
+        h, engine, _m = self.rig()
+        old = snap("r1", running=True)
+        old["labels"]["io.llmport.image"] = "busybox:1"
+        engine.containers["r1"] = old
+        payload = httpd_payload(runtime_id="r1", name="r1", image="busybox:1")
+        update = command("update_workload", payload)
+        h.deliver(update)
+        for _ in range(60):
+            h.clock.advance(1)
+        self.assertIsNone(self.result(h, update["id"]))
+        stop = command("stop_workload", self.payload())
+        h.deliver(stop)
+        h.clock.advance(0)
+        result = self.result(h, update["id"])
+        assert result is not None
+        self.assertEqual(result["error_code"], SUPERSEDED)
+        self.assertTrue(result["result"]["rolled_back"], result)
+        self.assertIn("not waited for", result["error_message"])
+        self.assertIn(f"superseded by stop_workload {stop['id']}", result["error_message"])
+        # The new container is gone, the previous one is back under its name, then stopped.
+        self.assertEqual(list(engine.containers), ["r1"])
+        self.assertEqual(engine.containers["r1"]["name"], "llm-port-r1")
+        self.assertFalse(engine.containers["r1"]["running"])
+        self.assertTrue(self.result(h, stop["id"])["success"])  # type: ignore[index]
 
     def test_deadline_is_still_a_timeout(self) -> None:
         """Without a stop, the wait ends only at the readiness timeout (never 'superseded')."""

@@ -997,7 +997,10 @@ class WorkloadManager:
                 ),
                 {**cause.result, "rolled_back": False},
             )
-        state = f"is running again at {url}" if url else "is back (it was not running before)"
+        if cause.error_code == SUPERSEDED and old_running:
+            state = "is back and started (not waited for: the stop or removal of the runtime comes next)"
+        else:
+            state = f"is running again at {url}" if url else "is back (it was not running before)"
         ctx.progress("rollback", f"Rolled back: the previous container {state}", endpoint_url=url)
         return CommandFailed(
             cause.error_code,
