@@ -83,6 +83,54 @@ class BuildTests(SynchronousTestCase):
         self.assertGreater(len(families), 50)
         self.assertEqual([name for name, *_ in families if name not in metrics], [])
 
+    def test_pages_fit_a_laptop_screen(self) -> None:
+        """
+        Headless Chromium at 1280x900 lays out the built configuration and operator-guide pages:
+        no horizontal page scroll, and no code block, table or heading sticking out of the body
+        (a code block scrolls inside itself). Before issue 26 the configuration page was 2261 px
+        wide and an operator-guide table stuck out of the body.
+        """
+        _need_sphinx()
+        from tests.support.packages import require_package
+
+        require_package("chromium", "chromium")
+        rc, output, out = self.build(DOCS)
+        self.assertEqual(rc, 0, output)
+        for page in ("configuration", "operator-guide"):
+            width, right, body = self.measure(out, page)
+            self.assertLessEqual(width, 1280, f"{page}: the page is {width} px wide at a 1280 px window")
+            self.assertLessEqual(right, body + 1, f"{page}: something ends at {right} px, the body at {body} px")
+        # The measure sees a page that does not fit.
+        width, right, body = self.measure(out, "configuration", extra='<pre style="width: 3000px; max-width: none">x</pre>')
+        self.assertGreater(width, 1280)
+        self.assertGreater(right, body)
+
+    def measure(self, out: str, page: str, extra: str = "") -> tuple[int, int, int]:
+        """(document width, right edge of the body's widest block, the body's right edge) in px."""
+        with open(os.path.join(out, f"{page}.html"), encoding="utf-8") as f:
+            html = f.read()
+        script = (
+            "<script>document.title = [document.documentElement.scrollWidth,"
+            " Math.max(0, ...Array.from(document.querySelectorAll('div.body pre, div.body table, div.body h3,"
+            " div.body div.highlight')).map(e => e.getBoundingClientRect().right)),"
+            " document.querySelector('div.body').getBoundingClientRect().right].map(Math.round).join(' ');</script>")
+        if extra:
+            html = html.replace('<div class="body" role="main">', '<div class="body" role="main">' + extra, 1)
+        probe = os.path.join(out, f"probe-{page}.html")
+        with open(probe, "w", encoding="utf-8") as f:
+            f.write(html.replace("</body>", script + "</body>", 1))
+        profile = tempfile.mkdtemp()
+        self.addCleanup(subprocess.run, ["rm", "-rf", profile])
+        done = subprocess.run(
+            ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
+             "--window-size=1280,900", "--dump-dom", "file://" + probe],
+            capture_output=True, text=True, timeout=120)
+        found = re.search(r"<title>(\d+) (\d+) (\d+)</title>", done.stdout)
+        self.assertIsNotNone(found, done.stderr[-2000:])
+        assert found is not None
+        return int(found.group(1)), int(found.group(2)), int(found.group(3))
+
     def test_setting_without_help_fails_the_build(self) -> None:
         """A setting added to SETTINGS with an empty help text turns the build red."""
         _need_sphinx()
