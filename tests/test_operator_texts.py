@@ -335,3 +335,21 @@ class SmallGlitchTests(SynchronousTestCase):
         self.assertEqual([quiet(e) for e in (nvml, other, broken)],
                          [PredicateResult.no, PredicateResult.maybe, PredicateResult.maybe])
         self.assertEqual(demo_log_predicate(True)(nvml), PredicateResult.maybe)
+
+
+class ClosedStreamLineTests(AgentTestCase):
+    async def test_a_dropped_stream_is_one_line_without_a_doubled_retry(self) -> None:
+        """The backend drops an open stream: "Backend stream closed (...) after N s; retrying in ...", said once."""
+        captured = Captured(self)
+        backend = await self.start_backend()
+        agent = self.start_agent(backend)
+        node_id = await self.wait_connected(backend, agent)
+        self.allow_anomalies(".", "the stream is dropped on purpose")
+        backend.drop_connections(node_id)
+        await backend.wait_for(lambda: any("Backend stream closed" in t for t in captured.lines()), 10)
+        await self.wait_connected(backend, agent)
+        said = [t for t in captured.lines() if "Backend stream closed" in t]
+        self.assertEqual(len(said), 1, said)
+        self.assertRegex(said[0], r"^Backend stream closed \(code \d+, .*[^.]\) after \d+ s; retrying in "
+                                  r"\d+\.\d s \(attempt \d+\)$")
+        self.assertNotIn("reconnecting; retrying", said[0])
