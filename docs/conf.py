@@ -15,5 +15,9 @@ source_suffix = {".md": "markdown"}
 exclude_patterns = ["_build", "_split"]
 myst_heading_anchors = 3
 html_theme = "alabaster"
-html_static_path: list[str] = []
+# A laptop screen (1280 px) is used whole: the body takes the width the sidebar leaves, and
+# custom.css keeps a long code line scrolling inside its block (never cut off at the page edge).
+html_theme_options = {"page_width": "96%", "sidebar_width": "240px", "body_max_width": "none"}
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 suppress_warnings: list[str] = []

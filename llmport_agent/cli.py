@@ -27,11 +27,22 @@ EX_USAGE = 2
 _AGENT_RAN = False
 
 
-def _add_setting_options(parser: argparse.ArgumentParser) -> None:
+def _add_setting_options(parser: argparse.ArgumentParser, listed: bool = True) -> None:
+    """
+    One option per setting. C{listed=False}: accepted but left out of C{--help} (which then
+    points at C{run --help} and the configuration reference), so a short command's own
+    options are not buried under sixty settings.
+    """
     group = parser.add_argument_group("configuration (each also settable as LLM_PORT_NODE_AGENT_*)")
     for s in SETTINGS:
         group.add_argument(f"--{s.option}", dest=s.attr, default=None, metavar="VALUE",
-                           help=f"{s.help} [{s.env}]")
+                           help=f"{s.help} [{s.env}]" if listed else argparse.SUPPRESS)
+
+
+#: The epilog of a command whose setting options are accepted but not listed.
+SETTINGS_EPILOG = ("Every setting option of `run` is accepted too (e.g. --state-path), as is its "
+                   "LLM_PORT_NODE_AGENT_* variable: see `llmport-agent run --help` or the configuration "
+                   "reference.")
 
 
 def _config_from(args: argparse.Namespace) -> AgentConfig:
@@ -224,15 +235,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="log JSON lines on stdout (one flat object per line; the default when stdout is neither a "
                             "terminal nor the journal)")
     _add_setting_options(p_run)
-    p_cfg = sub.add_parser("config", help="show the resolved configuration (secrets masked)")
-    p_cfg.add_argument("action", nargs="?", default="show", choices=["show"])
-    p_cfg.add_argument("--json", action="store_true")
+    p_cfg = sub.add_parser(
+        "config", help="show the resolved configuration (secrets masked)",
+        usage="llmport-agent config [show] [--json] [--set NAME=VALUE ...] [--unset NAME ...] [setting options]",
+        description="Show the configuration resolved from the defaults, this shell's LLM_PORT_NODE_AGENT_* "
+        "variables and the options, secrets masked; or edit /etc/llmport-agent.env (what the unit "
+        "reads) with --set/--unset (root).",
+        epilog=SETTINGS_EPILOG)
+    p_cfg.add_argument("action", nargs="?", default="show", choices=["show"], metavar="show",
+                       help="show the configuration (the default)")
+    p_cfg.add_argument("--json", action="store_true",
+                       help="one JSON object, variable name to value (unset: null)")
     p_cfg.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                        help="set a variable in /etc/llmport-agent.env (validated; repeatable)")
     p_cfg.add_argument("--unset", action="append", default=[], metavar="NAME",
                        help="remove a variable from /etc/llmport-agent.env (repeatable)")
-    _add_setting_options(p_cfg)
-    p_start = sub.add_parser("start", help="install (or update) and start the systemd unit (root)")
+    _add_setting_options(p_cfg, listed=False)
+    p_start = sub.add_parser(
+        "start", help="install (or update) and start the systemd unit (root)",
+        description="Install (or update) the llmport-agent systemd unit and /etc/llmport-agent.env from "
+        "the LLM_PORT_NODE_AGENT_* variables given, enable it and start (or restart) it; an upgrade "
+        "whose new build does not come up is rolled back. Needs root, or --user for a service of your "
+        "own user.")
     p_start.add_argument("--user", nargs="?", const=True, default=None, metavar="NAME",
                          help="alone: a systemd --user service of the invoking user, no root "
                          "(~/.config/systemd/user); with NAME (root): run as that dedicated user "
@@ -247,11 +271,20 @@ def build_parser() -> argparse.ArgumentParser:
     p_join.add_argument("--insecure-http", action="store_true", dest="insecure_http",
                         help="accept a plain http:// URL (or make a bare HOST:PORT http): the request and the "
                         "credential cross the network in clear text")
-    p_stop = sub.add_parser("stop", help="stop and disable the systemd unit (root; --user: your user service)")
-    p_stop.add_argument("--user", action="store_true", dest="user_mode")
-    p_status = sub.add_parser("status", help="show enrollment and service status (--user: your user service)")
-    p_status.add_argument("--user", action="store_true", dest="user_mode")
-    _add_setting_options(p_status)
+    p_stop = sub.add_parser(
+        "stop", help="stop and disable the systemd unit (root; --user: your user service)",
+        description="Stop and disable the llmport-agent systemd unit (running commands are given their "
+        "grace period). The unit, the env file and the state are kept; `start` starts it again.")
+    p_stop.add_argument("--user", action="store_true", dest="user_mode",
+                        help="your own systemd --user service (installed by `start --user`), no root")
+    p_status = sub.add_parser(
+        "status", help="show enrollment and service status (--user: your user service)",
+        description="Show the unit's state, the agent's enrollment (state file, node id, modes) and its "
+        "readiness as its ops endpoint reports it. Exit status 0: running and ready.",
+        epilog=SETTINGS_EPILOG)
+    p_status.add_argument("--user", action="store_true", dest="user_mode",
+                          help="your own systemd --user service (installed by `start --user`)")
+    _add_setting_options(p_status, listed=False)
     sub.add_parser("doctor", help="check this node and say what to fix (read-only; --json)")
     sub.add_parser("demo", help="run the end-to-end demo against the stand-in backend")
     sub.add_parser("devbackend", help="run the local stand-in backend")

@@ -554,7 +554,8 @@ class AgentConfig:
         for s in SETTINGS:
             value = getattr(self, s.attr)
             if s.secret:
-                value = mask(value)
+                # Unset is None like any other unset setting (JSON null; "(unset)" as text).
+                value = mask(value) if value else None
             elif isinstance(value, str) and s.parse in (_http_url, _optional_http_url, _backend_url):
                 value = mask_url(value)
             elif isinstance(value, tuple):

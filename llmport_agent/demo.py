@@ -22,6 +22,8 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.task import react
+from twisted.logger import ILogFilterPredicate, LogLevel, PredicateResult
+from zope.interface import implementer
 
 from llmport_agent import VERSION
 
@@ -108,6 +110,44 @@ async def _run_commands(backend: Any, node_id: str, specs: list[tuple[str, dict[
     return ok, issued
 
 
+#: Namespaces whose warnings are about this host's hardware, not the demo's story: on a machine
+#: without a GPU (most machines the demo runs on) NVML's "No GPU facts ... retrying" would
+#: interrupt the narrative; the inventory line already says "GPUs 0". Shown with --verbose.
+HARDWARE_NAMESPACES = ("llmport_agent.inventory.nvml",)
+
+
+@implementer(ILogFilterPredicate)
+class HardwareQuiet:
+    """Drop the hardware warnings (below error) of L{HARDWARE_NAMESPACES} unless C{verbose}."""
+
+    def __init__(self, verbose: bool) -> None:
+        self.verbose = verbose
+
+    def __call__(self, event: dict[str, Any]) -> PredicateResult:
+        if self.verbose:
+            return PredicateResult.maybe
+        namespace = str(event.get("log_namespace", ""))
+        level = event.get("log_level")
+        quiet = level is None or level < LogLevel.error
+        if quiet and namespace.startswith(HARDWARE_NAMESPACES):
+            return PredicateResult.no
+        return PredicateResult.maybe
+
+
+def demo_log_predicate(verbose: bool) -> HardwareQuiet:
+    return HardwareQuiet(verbose)
+
+
+def begin_demo_logging(verbose: bool) -> None:
+    """The agent's log during the demo: warnings and errors (info with --verbose), NVML's quiet."""
+    from twisted.logger import FilteringLogObserver, globalLogBeginner
+
+    from llmport_agent.logsetup import make_observer
+
+    observer = FilteringLogObserver(make_observer("INFO" if verbose else "WARN"), [demo_log_predicate(verbose)])
+    globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
+
+
 async def _demo(
     reactor: Any,
     args: argparse.Namespace,
@@ -118,11 +158,10 @@ async def _demo(
 ) -> int:
     from llmport_agent.config import load_config
     from llmport_agent.devbackend import DevBackend
-    from llmport_agent.logsetup import begin_logging
     from llmport_agent.service import AgentService
 
     if say is _say:
-        begin_logging("WARN" if not args.verbose else "INFO")
+        begin_demo_logging(args.verbose)
     started = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="llmport-demo-")
     # The current generation (protocol 10): commands are pushed, overdue ones re-dispatched.
@@ -259,9 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     def run(reactor: Any) -> Deferred[None]:
         if args.ray:
             from llmport_agent.demoray import demo_ray
-            from llmport_agent.logsetup import begin_logging
 
-            begin_logging("WARN" if not args.verbose else "INFO")
+            begin_demo_logging(args.verbose)
             d = Deferred.fromCoroutine(demo_ray(reactor, args, _say, None))
             return d.addCallback(lambda code: status.update(code=code))
         d = Deferred.fromCoroutine(_demo(reactor, args))

@@ -982,7 +982,8 @@ class Installer:
         # The node id came from the backend: shown bounded and cleaned (an old state may hold anything).
         self.sys.say(f"state file: {path} ({'present' if result else 'absent'}), enrolled: "
                      f"{'yes' if data.get('credential') else 'no'}, node id {shown(data.get('node_id', '-'), 200)}, "
-                     f"maintenance {bool(data.get('maintenance'))}, draining {bool(data.get('draining'))}")
+                     f"{'in' if data.get('maintenance') else 'not in'} maintenance mode, "
+                     f"{'draining' if data.get('draining') else 'not draining'}")
 
     # config --set / --unset ---------------------------------------------------------------
 

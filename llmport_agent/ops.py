@@ -38,6 +38,11 @@ class _Metrics(Resource):
         return render(self.registry)
 
 
+def _engine_problem(error: str) -> str:
+    """The engine's own error names it ("Docker engine at ... is unreachable: ..."): said once."""
+    return error if error.startswith("Docker engine") else f"Docker engine unreachable: {error}"
+
+
 def readiness(agent: Any) -> dict[str, Any]:
     """
     What C{/readyz} answers: one check per subsystem (session, engine, NVML, Loki), each with
@@ -65,7 +70,7 @@ def readiness(agent: Any) -> dict[str, Any]:
         checks["engine"] = {
             "ok": bool(engine.available),
             "detail": f"Docker engine {engine.version} at {engine.address}" if engine.available
-            else f"Docker engine unreachable: {engine.last_error}",
+            else _engine_problem(engine.last_error),
         }
     checks["nvml"] = gpu_readiness(gpu_snapshot(agent))
     checks["loki"] = loki_readiness(agent)

@@ -7,7 +7,11 @@ happened and what to do, and nothing repeated forever.
    no raw Failure repr, no duplicate Autobahn line;
  - `config`: no Python None/True/False;
  - "started" comes before the critical "no credential and no token" line;
- - `demo --help`: plain text, no epytext markup.
+ - `demo --help`: plain text, no epytext markup;
+ - (issue 26) short `status --help`, descriptions and option help for start/stop/status,
+   `config --help` with a real usage line, modes said as a sentence, the engine named once,
+   unset secrets and unset settings alike in `config --json`, the demo's story without NVML's
+   back-off warning.
 """
 
 from __future__ import annotations
@@ -195,3 +199,157 @@ class CliTextTests(SynchronousTestCase):
         self.assertIn("usage: llmport-agent demo", text)
         for markup in ("C{", "L{", "I{", "@param"):
             self.assertNotIn(markup, text)
+
+
+class HelpTextTests(SynchronousTestCase):
+    """`--help` of the main commands (issue 26 item 7)."""
+
+    def help(self, command: str) -> str:
+        from llmport_agent.cli import build_parser
+
+        parser = build_parser()
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            parser.parse_args([command, "--help"])
+        return out.getvalue()
+
+    def option_help(self, text: str, option: str) -> str:
+        """The help text given for C{option} (its line and continuation lines)."""
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            stripped = line.strip()
+            if stripped.startswith(option + " ") or stripped == option:
+                rest = [stripped[len(option):].strip()]
+                for more in lines[i + 1:]:
+                    if not more.startswith(" " * 6) or more.strip().startswith("-"):
+                        break
+                    rest.append(more.strip())
+                return " ".join(r for r in rest if r)
+        self.fail(f"{option} not in help:\n{text}")
+
+    def test_status_help_is_short_and_shows_user(self) -> None:
+        text = self.help("status")
+        self.assertLess(len(text.splitlines()), 30, text)
+        self.assertIn("your own systemd --user service", self.option_help(text, "--user"))
+        self.assertNotIn("--heartbeat-interval-sec", text)
+        self.assertIn("run --help", text)  # where the settings are listed
+
+    def test_status_and_config_still_take_setting_options(self) -> None:
+        from llmport_agent.cli import build_parser
+
+        args = build_parser().parse_args(["status", "--user", "--state-path", "/x/state.json"])
+        self.assertEqual((args.user_mode, args.state_path), (True, "/x/state.json"))
+        args = build_parser().parse_args(["config", "--json", "--state-path", "/y/state.json"])
+        self.assertEqual(args.state_path, "/y/state.json")
+        self.assertIn("--heartbeat-interval-sec", self.help("run"))
+
+    def test_start_stop_status_have_descriptions(self) -> None:
+        for command, words in (("start", "Install (or update)"), ("stop", "Stop and disable"),
+                               ("status", "Show the unit's state")):
+            text = self.help(command)
+            body = text.split("\n\n", 1)[1]  # after the usage line: the description
+            self.assertTrue(body.startswith(words), text)
+        self.assertIn("no root", self.option_help(self.help("stop"), "--user"))
+        self.assertIn("--user service", self.option_help(self.help("start"), "--user [NAME]"))
+
+    def test_config_help_has_a_proper_usage(self) -> None:
+        text = self.help("config")
+        self.assertNotIn("{show}", text)
+        self.assertTrue(text.startswith("usage: llmport-agent config [show] [--json] [--set NAME=VALUE"), text)
+        self.assertLess(len(text.splitlines()), 30, text)
+        self.assertIn("unset: null", self.option_help(text, "--json"))
+
+
+class ConfigJsonTests(SynchronousTestCase):
+    run_cli = CliTextTests.run_cli
+
+    def test_unset_secrets_and_unset_settings_alike(self) -> None:
+        """`config --json`: every unset setting, secret or not, is null; text shows (unset) for both."""
+        import json
+
+        env = {"LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN": "", "LLM_PORT_NODE_AGENT_CA_BUNDLE": ""}
+        shown = json.loads(self.run_cli(["config", "--json"], env))
+        self.assertIsNone(shown["LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN"])
+        self.assertIsNone(shown["LLM_PORT_NODE_AGENT_CA_BUNDLE"])
+        self.assertNotIn("(unset)", shown.values())
+        text = self.run_cli(["config"], env)
+        values = {line.split()[0]: line.split(None, 1)[1] for line in text.splitlines() if line.strip()}
+        self.assertEqual(values["LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN"], "(unset)")
+        self.assertEqual(values["LLM_PORT_NODE_AGENT_CA_BUNDLE"], "(unset)")
+        # A set secret is still masked, never shown.
+        shown = json.loads(self.run_cli(["config", "--json"], {"LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN": "s3cret-token"}))
+        self.assertEqual(shown["LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN"], "*** (12 chars)")
+
+
+class SmallGlitchTests(SynchronousTestCase):
+    def test_status_says_modes_as_a_sentence(self) -> None:
+        import json
+        import os
+
+        from llmport_agent.installer import Installer
+        from tests.test_installer import Host
+
+        for modes, said in (({"maintenance": True, "draining": False}, "in maintenance mode, not draining"),
+                            ({}, "not in maintenance mode, not draining"),
+                            ({"draining": True}, "not in maintenance mode, draining")):
+            h = Host(self)
+            state = h.path("/var/lib/llmport-agent/state.json")
+            os.makedirs(os.path.dirname(state))
+            with open(state, "w") as f:
+                json.dump({"credential": "c", "node_id": "n-1", **modes}, f)
+            with open(h.path("/etc/llmport-agent.env"), "w") as f:
+                f.write("LLM_PORT_NODE_AGENT_OPS_PORT=1\n")
+            Installer(h.system()).status()
+            line = next(t for t in h.out.getvalue().splitlines() if t.startswith("state file:"))
+            self.assertTrue(line.endswith(f"node id n-1, {said}"), line)
+            self.assertNotIn("True", line)
+            self.assertNotIn("False", line)
+
+    def test_readiness_names_the_engine_once(self) -> None:
+        from types import SimpleNamespace
+
+        from llmport_agent.ops import readiness
+
+        error = "Docker engine at unix:///run/docker.sock is unreachable: connection refused (is dockerd running?)"
+        agent = SimpleNamespace(
+            session=SimpleNamespace(connected=True, stats=SimpleNamespace(last_error=""), node_id="n-1"),
+            engine=SimpleNamespace(available=False, last_error=error, version="", address="unix:///run/docker.sock"),
+            config=SimpleNamespace(agent_id="gpu-1"), pipeline=SimpleNamespace(_running={}),
+            _heartbeat_fields=lambda: {"status": "degraded"},
+        )
+        detail = readiness(agent)["checks"]["engine"]["detail"]
+        self.assertEqual(detail, error)
+        self.assertEqual(detail.count("Docker engine"), 1)
+        agent.engine.last_error = "not checked yet"
+        self.assertEqual(readiness(agent)["checks"]["engine"]["detail"], "Docker engine unreachable: not checked yet")
+
+    def test_demo_keeps_nvml_back_off_out_of_its_story(self) -> None:
+        from twisted.logger import PredicateResult
+
+        from llmport_agent.demo import demo_log_predicate
+
+        nvml = {"log_namespace": "llmport_agent.inventory.nvml.NVMLGPUSource", "log_level": LogLevel.warn}
+        other = {"log_namespace": "llmport_agent.session.service", "log_level": LogLevel.warn}
+        broken = {"log_namespace": "llmport_agent.inventory.nvml.NVMLGPUSource", "log_level": LogLevel.error}
+        quiet = demo_log_predicate(False)
+        self.assertEqual([quiet(e) for e in (nvml, other, broken)],
+                         [PredicateResult.no, PredicateResult.maybe, PredicateResult.maybe])
+        self.assertEqual(demo_log_predicate(True)(nvml), PredicateResult.maybe)
+
+
+class ClosedStreamLineTests(AgentTestCase):
+    async def test_a_dropped_stream_is_one_line_without_a_doubled_retry(self) -> None:
+        """The backend drops an open stream: "Backend stream closed (...) after N s; retrying in ...", said once."""
+        captured = Captured(self)
+        backend = await self.start_backend()
+        agent = self.start_agent(backend)
+        node_id = await self.wait_connected(backend, agent)
+        self.allow_anomalies(".", "the stream is dropped on purpose")
+        backend.drop_connections(node_id)
+        await backend.wait_for(lambda: any("Backend stream closed" in t for t in captured.lines()), 10)
+        await self.wait_connected(backend, agent)
+        said = [t for t in captured.lines() if "Backend stream closed" in t]
+        self.assertEqual(len(said), 1, said)
+        self.assertRegex(said[0], r"^Backend stream closed \(code \d+, .*[^.]\) after \d+ s; retrying in "
+                                  r"\d+\.\d s \(attempt \d+\)$")
+        self.assertNotIn("reconnecting; retrying", said[0])

@@ -303,6 +303,21 @@ class SessionServiceTests(SynchronousTestCase):
         self.assertEqual(svc.stats.as_dict()["connects"], 4)
         self.assertEqual(svc.stats.opens, 0)
 
+    def test_refused_connection_reads_as_one_sentence(self) -> None:
+        """Twisted's "...: Connection refused." is said without its full stop before "; retrying"."""
+        from twisted.internet.error import ConnectionRefusedError
+        from twisted.python.failure import Failure
+
+        svc = self.make(credential=CRED)
+        svc.startService()
+        self.reactor.tcpClients[-1][2].clientConnectionFailed(
+            None, Failure(ConnectionRefusedError(111, "Connection refused")))
+        retry = [t for t in self.lines() if "retrying in" in t]
+        self.assertEqual(len(retry), 1, self.lines())
+        self.assertIn("Connection refused; retrying in", retry[0])
+        self.assertNotIn(".;", retry[0])
+        self.assertNotIn(".;", svc.stats.last_error)
+
     def refuse(self, svc: SessionService, times: int, every: float) -> None:
         for _ in range(times):
             svc.connection_closed(FakeProto(None), False, 1006, "upgrade failed [403]", 403)  # type: ignore[arg-type]

@@ -209,7 +209,7 @@ class SessionTests(AnomalyGuard, TestCase):
         status = await deferToThread(self.as_user, box, *CLI, "status", "--user", check=False)
         self.assertIn("service:    active (running)", status.stdout, status.stdout + status.stderr)
         self.assertIn(f"node id {node_id}", status.stdout)
-        self.assertIn("BAD engine   Docker engine unreachable", status.stdout)
+        self.assertIn("BAD engine   Docker engine at unix://" + sock, status.stdout)
         self.assertIn(sock, status.stdout)
         journal = await deferToThread(box.run, "journalctl", f"_SYSTEMD_USER_UNIT={UNIT}", "--no-pager", "-o", "cat")
         said = [line for line in journal.stdout.splitlines() if "Docker engine at unix://" + sock in line]

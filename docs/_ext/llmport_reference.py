@@ -1,9 +1,9 @@
 """
 Sphinx directives that generate the reference pages from the code, at build time:
 
-- ``llmport-settings``: the configuration reference, from ``llmport_agent.config.SETTINGS``
-  (name, option, default, validation, secret, what a change needs). A setting whose help is empty
-  fails the build.
+- ``llmport-settings``: the configuration reference, from ``llmport_agent.config.SETTINGS``,
+  one block per setting (name, option, default, validation, secret, what a change needs). A
+  setting whose help is empty fails the build.
 - ``llmport-cli``: the command-line reference, from the argument parsers (``cli.build_parser``,
   and the doctor, demo and devbackend parsers).
 - ``llmport-metrics``: the metrics reference, from ``metrics.make_registry`` around an agent
@@ -77,10 +77,15 @@ def default_text(setting: Any) -> str:
 
 
 def settings_rst() -> list[str]:
+    """
+    One block per setting (a heading with the variable, then its option, default, what it
+    accepts, what a change needs, and its meaning): readable on a laptop screen, where a
+    six-column table was not.
+    """
     from llmport_agent.config import SETTINGS
     from llmport_agent.installer import UNIT_PATH_SETTINGS
 
-    rows = []
+    lines: list[str] = []
     for s in SETTINGS:
         if not s.help.strip():
             raise ExtensionError(
@@ -89,10 +94,19 @@ def settings_rst() -> list[str]:
             )
         change = ("`llmport-agent start` again (the unit's writable paths change)"
                   if s.name in UNIT_PATH_SETTINGS else "a restart")
-        rows.append([f"`{s.env}`", f"`--{s.option}`", default_text(s), validation(s),
-                     s.help + (" *Secret: masked by* `config` *and never logged.*" if s.secret else ""),
-                     change])
-    return _table(["variable", "option", "default", "validation", "meaning", "a change needs"], rows)
+        meaning = _cell(s.help) + (" *Secret: masked by* `config` *and never logged.*" if s.secret else "")
+        lines += [
+            f"### `{s.env}`",
+            "",
+            f"- option: `--{s.option}`",
+            f"- default: {_cell(default_text(s))}",
+            f"- accepts: {_cell(validation(s))}",
+            f"- a change needs: {change}",
+            "",
+            meaning,
+            "",
+        ]
+    return lines
 
 
 # -- command line ------------------------------------------------------------------------------

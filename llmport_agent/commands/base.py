@@ -135,6 +135,9 @@ class HandlerSpec:
     @ivar blocked_by_draining: refused with C{policy_violation} while draining.
     @ivar keep_result: keep the full result in the journal after delivery (small results
         only; logs and diagnostics are dropped once delivered).
+    @ivar on_arrival: called with the command when the pipeline takes it to run, before it
+        waits for its lane (a stop or remove ends the readiness wait of a start of the same
+        runtime that holds the lane: L{WorkloadManager.superseding}). Must not block or raise.
     """
 
     handler: Handler
@@ -144,6 +147,7 @@ class HandlerSpec:
     blocked_by_maintenance: bool = False
     blocked_by_draining: bool = False
     keep_result: bool = True
+    on_arrival: Callable[[Command], None] | None = None
 
 
 def is_uuid(value: object) -> bool:

@@ -643,6 +643,12 @@ class CommandPipeline(Service):
             await self._finish(rec, False, {}, refusal[0], refusal[1])
             return
         assert spec is not None
+        if spec.on_arrival is not None:
+            try:
+                spec.on_arrival(command)
+            except Exception:
+                self.log.failure("Command {id} ({type}): its arrival hook failed", id=rec.id,
+                                 type=command.command_type)
         key = self._lane_key(command, spec)
         lock = self._locks.setdefault(key, DeferredLock()) if key is not None else None
         # Reads and node-state commands never wait for deploy slots (the node lane is

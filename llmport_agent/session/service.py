@@ -428,7 +428,11 @@ class SessionService(Service):
         What went wrong with this attempt, said together with the retry delay in one line when
         ClientService asks for the delay (at once, in the same call chain as the close). C{None}
         as the level: already said (a line of its own); the retry is then only logged at debug.
+        A C{reason} loses its closing full stop (Twisted's "... Connection refused."): the line
+        goes on with "; retrying in".
         """
+        if isinstance(fields.get("reason"), str):
+            fields["reason"] = fields["reason"].rstrip(" .") or "no reason given"
         self._retry_note = (level, fmt, fields)
 
     def _connect_failed(self, f: Any) -> None:
@@ -436,6 +440,7 @@ class SessionService(Service):
         if self._stopping:
             return
         reason = describe_connection_error(f, self.config.tls_client_cert) or f.getErrorMessage() or "connection failed"
+        reason = reason.rstrip(" .") or "connection failed"  # the line goes on "; retrying in ..."
         self.stats.last_error = f"could not connect: {reason}"[:200]
         self._note_retry(LogLevel.warn, "Could not connect to the backend at {endpoint}: {reason}",
                          endpoint=repr(self._endpoint), reason=reason)
@@ -600,7 +605,7 @@ class SessionService(Service):
             self.stats.last_error = f"stream closed (code {code}, {reason or 'no reason'})"[:200]
             self._note_retry(
                 LogLevel.info,
-                "Backend stream closed (code {code}, {reason}) after {seconds:.0f} s; reconnecting",
+                "Backend stream closed (code {code}, {reason}) after {seconds:.0f} s",
                 code=code,
                 reason=reason or "no reason",
                 seconds=round(opened_for, 1),

@@ -15,11 +15,13 @@ from typing import Any, Protocol
 from twisted.internet import defer
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from ..commands.base import (
     CONTAINER_NOT_OWNED,
     INVALID_COMMAND,
     RUNTIME_ERROR,
+    Command,
     CommandContext,
     CommandFailed,
     HandlerSpec,
@@ -68,6 +70,49 @@ __all__ = ["WorkloadManager", "WorkloadSettings", "workload_handler_specs"]
 SyncModel = Callable[[dict[str, Any], Callable[..., None]], Awaitable[dict[str, Any]]]
 
 _STOP_EXTRA_SEC = 60.0
+
+#: The error code of a deploy, start, restart or update whose wait for readiness a stop or
+#: remove of the same runtime ended (issue 26): the stop or remove then goes ahead at once.
+SUPERSEDED = "superseded"
+#: The commands that end a readiness wait of their runtime (L{WorkloadManager.superseding}).
+SUPERSEDING = ("stop_workload", "remove_workload")
+
+
+class _ReadinessWait:
+    """
+    One readiness wait in flight. C{result} is what the handler awaits: it fires with the
+    wait's outcome, or fails at once (C{CancelledError}) when the wait is superseded or the
+    handler is cancelled; the probe loop then ends at its next step (L{stopped}), even where a
+    cancelled probe reads as "no answer yet".
+    """
+
+    def __init__(self) -> None:
+        self.by: tuple[str, str] | None = None  # (command type, command id) that superseded it
+        self.stopped = False
+        self._loop: Deferred[float] | None = None
+        self.result: Deferred[float] = Deferred(lambda _: self._stop())
+
+    def run(self, loop: Deferred[float]) -> None:
+        self._loop = loop
+        loop.addBoth(self._ended)
+
+    def _ended(self, outcome: Any) -> None:
+        if not self.result.called:
+            if isinstance(outcome, Failure):
+                self.result.errback(outcome)
+            else:
+                self.result.callback(outcome)
+        # Otherwise the handler has moved on: the loop's late outcome is dropped.
+
+    def _stop(self) -> None:
+        self.stopped = True
+        if self._loop is not None and not self._loop.called:
+            self._loop.cancel()
+
+    def supersede(self, by: tuple[str, str]) -> None:
+        if self.by is None and not self.result.called:
+            self.by = by
+            self.result.cancel()
 
 
 class HealthHooks(Protocol):
@@ -274,6 +319,10 @@ class WorkloadManager:
         self._port_free = port_free
         self._claimed: set[int] = set()
         self._gpus = gpus or (lambda: None)
+        #: runtime id -> its readiness wait in flight (one at a time: the runtime's lane).
+        self._waits: dict[str, _ReadinessWait] = {}
+        #: runtime id -> {command id: command type} of the stops/removes taken and not yet run.
+        self._superseding: dict[str, dict[str, str]] = {}
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -369,9 +418,63 @@ class WorkloadManager:
             error=info["error"],
         )
 
+    # -- supersession (issue 26) -------------------------------------------------------
+
+    def superseding(self, command: Command) -> None:
+        """
+        The pipeline took a C{stop_workload} or C{remove_workload} (L{HandlerSpec.on_arrival}),
+        before it waits behind the commands of its runtime: a deploy, start, restart or update
+        of that runtime waiting for readiness ends now with a L{SUPERSEDED} failure, and so does
+        any that reaches its readiness wait before this command runs. The container is left to
+        the stop or remove.
+        """
+        try:
+            runtime_id = check_runtime_id(command.runtime_id)
+        except PolicyError:
+            return  # the handler answers the bad payload
+        self._superseding.setdefault(runtime_id, {})[command.id] = command.command_type
+        wait = self._waits.get(runtime_id)
+        if wait is not None:
+            self.log.info(
+                "{type} {id} of runtime {runtime} ends the readiness wait of the command before it",
+                type=command.command_type, id=command.id, runtime=runtime_id,
+            )
+            wait.supersede((command.command_type, command.id))
+
+    def _superseder(self, runtime_id: str) -> tuple[str, str] | None:
+        """The first stop/remove of C{runtime_id} taken and not yet run, as (type, id)."""
+        pending = self._superseding.get(runtime_id)
+        if not pending:
+            return None
+        cid, kind = next(iter(pending.items()))
+        return kind, cid
+
+    def _runs(self, ctx: CommandContext) -> None:
+        """A stop/remove starts (whatever its payload): it no longer ends readiness waits."""
+        for runtime_id, pending in list(self._superseding.items()):
+            if pending.pop(ctx.command.id, None) is not None and not pending:
+                del self._superseding[runtime_id]
+
+    def _superseded(self, ctx: CommandContext, name: str, by: tuple[str, str]) -> CommandFailed:
+        kind, cid = by
+        what = "stop" if kind == "stop_workload" else "removal"
+        return CommandFailed(
+            SUPERSEDED,
+            f"{ctx.command.command_type} of {name} was superseded by {kind} {cid} while waiting for "
+            f"the container to become ready: the wait ended and the {what} goes ahead.",
+            {"container_name": name, "superseded_by": cid, "superseded_by_type": kind},
+        )
+
     async def _await_ready(
-        self, ctx: CommandContext, cid: str, name: str, host_port: int, health_path: str
+        self, ctx: CommandContext, runtime_id: str, cid: str, name: str, host_port: int, health_path: str
     ) -> float:
+        """
+        L{wait_ready} for the runtime's container; ended at once (L{SUPERSEDED}) by a stop or
+        remove of the runtime that the pipeline took (L{superseding}).
+        """
+        by = self._superseder(runtime_id)
+        if by is not None:
+            raise self._superseded(ctx, name, by)
         url = probe_url(host_port, health_path)
         endpoint = endpoint_url(self.settings, host_port)
 
@@ -389,21 +492,29 @@ class WorkloadManager:
             elapsed_sec=0,
             endpoint_url=endpoint,
         )
+        wait = _ReadinessWait()
+        wait.run(Deferred.fromCoroutine(wait_ready(
+            self._reactor,
+            url=url,
+            container_name=name,
+            probe=self._probe,
+            check_exit=lambda: self._exit_info(cid),
+            progress=progress,
+            timeout=self.settings.readiness_timeout_sec,
+            interval=self.settings.readiness_interval_sec,
+            progress_every=self.settings.readiness_progress_sec,
+            read_logs=lambda: self.engine.call(
+                ops.log_tail, cid, LOG_TAIL_LINES, what=f"reading the logs of {name}"
+            ),
+            stopped=lambda: wait.stopped,
+        )))
+        self._waits[runtime_id] = wait
         try:
-            return await wait_ready(
-                self._reactor,
-                url=url,
-                container_name=name,
-                probe=self._probe,
-                check_exit=lambda: self._exit_info(cid),
-                progress=progress,
-                timeout=self.settings.readiness_timeout_sec,
-                interval=self.settings.readiness_interval_sec,
-                progress_every=self.settings.readiness_progress_sec,
-                read_logs=lambda: self.engine.call(
-                    ops.log_tail, cid, LOG_TAIL_LINES, what=f"reading the logs of {name}"
-                ),
-            )
+            return await wait.result
+        except CancelledError:
+            if wait.by is not None:
+                raise self._superseded(ctx, name, wait.by) from None
+            raise
         except CommandFailed as exc:
             if exc.error_code == "container_exited":
                 # Stop the crash loop the restart policy would otherwise keep going.
@@ -412,6 +523,9 @@ class WorkloadManager:
                 except EngineError:
                     pass
             raise
+        finally:
+            if self._waits.get(runtime_id) is wait:
+                del self._waits[runtime_id]
 
     def _sync_progress(self, ctx: CommandContext) -> Callable[..., None]:
         def progress(*args: Any, **extra: Any) -> None:
@@ -557,7 +671,7 @@ class WorkloadManager:
         finally:
             self._claimed.discard(host_port)
         elapsed = await self._await_ready(
-            ctx, cid, spec.container_name, real_port, spec.health_path
+            ctx, spec.runtime_id, cid, spec.container_name, real_port, spec.health_path
         )
         ctx.progress(
             "ready",
@@ -746,7 +860,7 @@ class WorkloadManager:
             raise _port_error(exc) from None
         url = endpoint_url(self.settings, host_port)
         ctx.progress("resolve_endpoint", f"Endpoint {url}", endpoint_url=url, host_port=host_port)
-        elapsed = await self._await_ready(ctx, snap["id"], name, host_port, health_path)
+        elapsed = await self._await_ready(ctx, runtime_id, snap["id"], name, host_port, health_path)
         ctx.progress(
             "ready", f"{name} is ready at {url} after {elapsed:.1f} s", endpoint_url=url, progress_pct=100
         )
@@ -867,10 +981,10 @@ class WorkloadManager:
             if old_running:
                 await self.engine.call(ops.start, old["id"], what="starting the previous container")
                 port = ops.host_port_of(old, None)
-                if port:
+                if port and cause.error_code != SUPERSEDED:
                     url = endpoint_url(self.settings, port)
                     health_path = old["labels"].get(LABEL_HEALTH_PATH) or spec.health_path
-                    await self._await_ready(ctx, old["id"], spec.container_name, port, health_path)
+                    await self._await_ready(ctx, spec.runtime_id, old["id"], spec.container_name, port, health_path)
         except CancelledError:
             raise
         except CommandFailed as rb:
@@ -883,7 +997,10 @@ class WorkloadManager:
                 ),
                 {**cause.result, "rolled_back": False},
             )
-        state = f"is running again at {url}" if url else "is back (it was not running before)"
+        if cause.error_code == SUPERSEDED and old_running:
+            state = "is back and started (not waited for: the stop or removal of the runtime comes next)"
+        else:
+            state = f"is running again at {url}" if url else "is back (it was not running before)"
         ctx.progress("rollback", f"Rolled back: the previous container {state}", endpoint_url=url)
         return CommandFailed(
             cause.error_code,
@@ -917,6 +1034,7 @@ class WorkloadManager:
 
     async def stop(self, ctx: CommandContext) -> dict[str, Any]:
         """C{stop_workload}: SIGTERM, C{stop_grace_sec}, SIGKILL. Missing is success."""
+        self._runs(ctx)
         runtime_id, name = _ids(ctx.command.payload)
         self.health.hold(runtime_id)
         expect = None
@@ -950,6 +1068,7 @@ class WorkloadManager:
 
     async def remove(self, ctx: CommandContext) -> dict[str, Any]:
         """C{remove_workload}: idempotent; a missing container is success."""
+        self._runs(ctx)
         runtime_id, name = _ids(ctx.command.payload)
         self.health.hold(runtime_id)
         try:
@@ -1102,7 +1221,9 @@ def workload_handler_specs(manager: WorkloadManager) -> dict[str, HandlerSpec]:
         "update_workload": HandlerSpec(
             manager.update, "runtime", False, deadline, blocked_by_maintenance=True, blocked_by_draining=False
         ),
-        "stop_workload": HandlerSpec(manager.stop, "runtime", True, stop_deadline),
-        "remove_workload": HandlerSpec(manager.remove, "runtime", True, stop_deadline),
+        "stop_workload": HandlerSpec(manager.stop, "runtime", True, stop_deadline,
+                                     on_arrival=manager.superseding),
+        "remove_workload": HandlerSpec(manager.remove, "runtime", True, stop_deadline,
+                                       on_arrival=manager.superseding),
         "fetch_container_logs": HandlerSpec(manager.logs, "read", True, 10.0, keep_result=False),
     }

@@ -171,6 +171,7 @@ async def wait_ready(
     interval: float = 1.0,
     progress_every: float = 15.0,
     read_logs: Callable[[], Awaitable[str]] | None = None,
+    stopped: Callable[[], bool] | None = None,
 ) -> float:
     """
     Probe C{url} until it answers 2xx/3xx; return the seconds it took.
@@ -178,6 +179,9 @@ async def wait_ready(
     @param check_exit: returns a L{ContainerExit} once the container has stopped.
     @param progress: called with the elapsed seconds about every C{progress_every}.
     @param read_logs: returns the container's last log lines (for the timeout's message).
+    @param stopped: when it says so, the wait ends (C{CancelledError}) at its next step: a
+        cancelled probe reads like a probe that got no answer, so cancelling alone could leave
+        the loop probing until the timeout.
     @raise CommandFailed: C{container_exited} (exit code and last log lines) or
         C{readiness_timeout} (the last log lines too); either message is at most
         L{MESSAGE_LIMIT} characters.
@@ -185,7 +189,12 @@ async def wait_ready(
     start = reactor.seconds()
     last_progress = start
     last_problem = "no answer yet"
+    def check_stopped() -> None:
+        if stopped is not None and stopped():
+            raise CancelledError()
+
     while True:
+        check_stopped()
         try:
             status = await probe(url)
         except CancelledError:
@@ -197,7 +206,9 @@ async def wait_ready(
             if 200 <= status < 400:
                 return reactor.seconds() - start
             last_problem = f"HTTP {status}"
+        check_stopped()
         exited = await check_exit()
+        check_stopped()
         if exited is not None:
             raise ReadinessFailed(
                 CONTAINER_EXITED,

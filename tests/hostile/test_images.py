@@ -482,6 +482,34 @@ class TarFilterTests(SynchronousTestCase):
             bad.linkname = target
             self.assertRejected(docker_save_like(["allowed/app:1"], [(d, None), (bad, None)]), "symlink")
 
+    def test_member_directly_below_an_accepted_layer_link(self) -> None:
+        """
+        `<id>/layer.tar -> ../<id>/layer.tar` is accepted; `<id>/layer.tar/x` after it would be
+        written through the link (as would a hard link naming it): both refused.
+        """
+        d = tarfile.TarInfo("c" * 64)
+        d.type = tarfile.DIRTYPE
+        link = tarfile.TarInfo("c" * 64 + "/layer.tar")
+        link.type = tarfile.SYMTYPE
+        link.linkname = "../" + "a" * 64 + "/layer.tar"
+        below = file_info("c" * 64 + "/layer.tar/x", b"x")
+        self.assertRejected(docker_save_like(["allowed/app:1"], [(d, None), (link, None), below]),
+                            "below a symlink")
+        hard = tarfile.TarInfo("h")
+        hard.type = tarfile.LNKTYPE
+        hard.linkname = "c" * 64 + "/layer.tar/x"
+        self.assertRejected(docker_save_like(["allowed/app:1"], [(d, None), (link, None), (hard, None)]),
+                            "below a symlink")
+
+    def test_hard_link_to_outside_the_archive(self) -> None:
+        """A hard link whose target leaves the archive's root (`../outside`) is refused."""
+        for target in ("../outside", "a/../../outside", "./../outside"):
+            hard = tarfile.TarInfo("h")
+            hard.type = tarfile.LNKTYPE
+            hard.linkname = target
+            self.assertRejected(docker_save_like(["allowed/app:1"], [(hard, None)]),
+                                "hard link pointing outside")
+
     def test_manifest_that_is_a_hard_link(self) -> None:
         evil = file_info("evil.json", b"[]")
         link = tarfile.TarInfo("manifest.json")
