@@ -148,8 +148,10 @@ class EventBatch:
     """
     What one L{NVMLGPUSource.wait_events} call saw.
 
-    @ivar state: C{ok}; C{not_ready} (NVML not initialised yet); C{unsupported} (no device
-        offers events: rely on the periodic checks).
+    @ivar state: C{ok}; C{not_ready} (NVML not initialised yet); C{unavailable} (NVML cannot
+        be used: no library, no driver, initialisation failing; nothing to wait for until a
+        health check initialises it); C{unsupported} (no device offers events: rely on the
+        periodic checks).
     @ivar count: events handled.
     @ivar check: some event asks for an immediate health check.
     @ivar lost: the wait itself said a GPU is lost (back off, then check).
@@ -378,8 +380,15 @@ class NVMLGPUSource:
         return self._next_attempt if self._state == "failing" else None
 
     @property
+    def retry_in(self) -> float | None:
+        """Seconds until the next initialisation attempt while failing, else C{None}."""
+        if self._state != "failing" or self._next_attempt is None:
+            return None
+        return max(0.0, self._next_attempt - self._clock())
+
+    @property
     def events_state(self) -> str:
-        """C{ok}, C{not_ready} or C{unsupported} (see L{EventBatch})."""
+        """C{ok}, C{not_ready}, C{unavailable} or C{unsupported} (see L{EventBatch})."""
         return self._events_state
 
     # -- watchdog
@@ -1009,7 +1018,7 @@ class NVMLGPUSource:
     def _ensure_event_set(self) -> Any:
         with self._events_lock:
             if not self._initialized:
-                self._events_state = "not_ready"
+                self._events_state = "unavailable" if self._state == "failing" else "not_ready"
                 return None
             if self._event_set is not None and self._event_session == self._session:
                 return self._event_set
