@@ -145,8 +145,8 @@ class ReactorLatenessProbe(Service):
 
     It measures the wake-ups that happen anyway: the heartbeat loop hands the lateness of
     each of its ticks to L{observe}. Its own timer (every C{interval} seconds, 60 by default)
-    only runs when nothing was observed for that long (disconnected, no heartbeats), and is
-    pushed back by every observation, so a connected idle agent never wakes up for it.
+    runs only while no heartbeats do: before the first connect and while disconnected (it is
+    a session listener), so a connected idle agent never wakes up for it.
     """
 
     def __init__(self, reactor: Any, interval: float = 60.0) -> None:
@@ -156,7 +156,7 @@ class ReactorLatenessProbe(Service):
         self.histogram = Histogram(
             PREFIX + "reactor_lateness_seconds",
             "How late the agent's periodic timers fired (heartbeats; a 60 s timer of its own "
-            "while no heartbeat runs)",
+            "while disconnected)",
             buckets=LATENESS_BUCKETS,
             registry=None,
         )
@@ -165,6 +165,7 @@ class ReactorLatenessProbe(Service):
         self.observed = 0
         self._call: Any = None
         self._due = 0.0
+        self._connected = False
 
     def startService(self) -> None:
         super().startService()
@@ -177,14 +178,29 @@ class ReactorLatenessProbe(Service):
         self.observed += 1
         self.max_recent = max(self.max_recent, late)
         self.histogram.observe(late)
-        if self._call is not None and self._call.active():
-            self._due = self._reactor.seconds() + self.interval
-            self._call.reset(self.interval)
+
+    # -- session listener: heartbeats run while connected
+
+    def session_opened(self) -> None:
+        self._connected = True
+        self._disarm()
+
+    def session_closed(self) -> None:
+        self._connected = False
+        self._arm()
+
+    def frame_received(self, frame: dict[str, Any]) -> None:
+        pass
 
     def _arm(self) -> None:
-        if self.running:
+        if self.running and not self._connected and self._call is None:
             self._due = self._reactor.seconds() + self.interval
             self._call = self._reactor.callLater(self.interval, self._tick)
+
+    def _disarm(self) -> None:
+        call, self._call = self._call, None
+        if call is not None and call.active():
+            call.cancel()
 
     def _tick(self) -> None:
         self._call = None
@@ -198,9 +214,7 @@ class ReactorLatenessProbe(Service):
 
     def stopService(self) -> None:  # type: ignore[override]
         super().stopService()
-        call, self._call = self._call, None
-        if call is not None and call.active():
-            call.cancel()
+        self._disarm()
 
 
 # -- accessors: small and tolerant, so the subsystems can grow without breaking metrics ------

@@ -256,6 +256,7 @@ class AgentService(MultiService):
         self.session.subscribe(self.pipeline)
         self.session.subscribe(self.inventory)
         self.session.subscribe(self.outbox)
+        self.session.subscribe(self.lateness)
         self.session.subscribe(_ProfileFromHello(self.modes))
         if self.health is not None:
             self.session.subscribe(_Announcer(self.health))

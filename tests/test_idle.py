@@ -18,6 +18,7 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmport_agent.events.outbox import EventOutbox
+from llmport_agent.inventory import nvml
 from llmport_agent.inventory.fakes import h100_node
 from llmport_agent.inventory.monitor import GPUHealthMonitor
 from llmport_agent.inventory.nvml import NVMLGPUSource
@@ -106,6 +107,33 @@ class NoNVMLTests(SynchronousTestCase):
         waits = self.source.waits
         advance(self.clock, 10, step=0.5)
         self.assertGreater(self.source.waits, waits)  # listening again
+
+
+class NoBindingsImportTests(SynchronousTestCase):
+    """Without libnvidia-ml the NVML bindings (pynvml, about 2 MiB) are not imported at all."""
+
+    def test_library_checked_before_the_import(self) -> None:
+        imported: list[str] = []
+
+        def no_library(name: str) -> Any:
+            raise OSError(f"{name}: cannot open shared object file")
+
+        self.patch(nvml.ctypes, "CDLL", no_library)
+        self.patch(nvml.importlib, "import_module", lambda name: imported.append(name))
+        source = NVMLGPUSource(pool=WatchdogPool("t", synchronous=True))
+        snapshot = source.snapshot()
+        self.assertEqual(imported, [])
+        self.assertIn("libnvidia-ml.so.1", snapshot.gpu_error)
+        self.assertIn("no NVIDIA driver is installed", snapshot.gpu_error)
+
+    def test_imported_once_the_library_loads(self) -> None:
+        imported: list[str] = []
+        self.patch(nvml.ctypes, "CDLL", lambda name: object())
+        self.patch(nvml.importlib, "import_module", lambda name: imported.append(name) or h100_node())
+        source = NVMLGPUSource(pool=WatchdogPool("t", synchronous=True))
+        source.snapshot()
+        self.assertEqual(imported, ["pynvml"])
+        self.assertFalse(source.failing)
 
 
 class WatchdogThreadTests(SynchronousTestCase):
@@ -213,14 +241,16 @@ class LatenessProbeTests(SynchronousTestCase):
                                       on_lateness=probe.observe)
         heartbeat.startService()
         self.addCleanup(heartbeat.stopService)
+        probe.session_opened()
         heartbeat.session_opened()
+        self.assertEqual(len(clock.getDelayedCalls()), 1)  # the heartbeat's loop only
         advance(clock, HOUR, step=0.5)
         ticks = len(session.of_type("heartbeat"))
         self.assertEqual(ticks, 241)
         # Every observation is a heartbeat tick (the first has no expected time): none of its own.
         self.assertEqual(probe.observed, ticks - 1)
 
-    def test_own_timer_only_when_nothing_else_runs(self) -> None:
+    def test_own_timer_only_while_disconnected(self) -> None:
         clock = Clock()
         probe = ReactorLatenessProbe(clock)
         probe.startService()
@@ -229,6 +259,14 @@ class LatenessProbeTests(SynchronousTestCase):
         self.assertEqual(probe.observed, 60)  # once a minute, not once a second
         clock.advance(65)  # due at 3660, runs at 3665
         self.assertAlmostEqual(probe.take_max(), 5.0)
+        probe.session_opened()
+        self.assertEqual(clock.getDelayedCalls(), [])
+        observed = probe.observed
+        clock.advance(HOUR)
+        self.assertEqual(probe.observed, observed)
+        probe.session_closed()
+        advance(clock, 600, step=1)
+        self.assertEqual(probe.observed, observed + 10)
 
 
 class OpsSiteTimerTests(SynchronousTestCase):

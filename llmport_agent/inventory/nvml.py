@@ -116,7 +116,21 @@ _CAUSE_SBE = 0  # NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS
 _CAUSE_DBE = 1  # NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
 
 
+class _NoLibrary(OSError):
+    """C{libnvidia-ml.so.1} does not load (what pynvml calls NVML_ERROR_LIBRARY_NOT_FOUND)."""
+
+    value = 12  # _LIBRARY_NOT_FOUND
+
+
 def _import_pynvml() -> Any:
+    """
+    The bindings, imported only once the driver's library loads: a host without an NVIDIA
+    driver never imports them (about 2 MiB), and says why at each (backed-off) retry.
+    """
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError as e:
+        raise _NoLibrary(f"libnvidia-ml.so.1 does not load: {e}") from None
     return importlib.import_module("pynvml")
 
 
