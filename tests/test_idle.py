@@ -49,9 +49,9 @@ class _CountingSource(NVMLGPUSource):
     waits = 0
     checks = 0
 
-    def wait_events(self, timeout_ms: int = 500, max_events: int = 100) -> Any:
+    def wait_events(self, *args: Any, **kwargs: Any) -> Any:
         self.waits += 1
-        return super().wait_events(timeout_ms, max_events)
+        return super().wait_events(*args, **kwargs)
 
     def check_health(self) -> None:
         self.checks += 1
@@ -107,6 +107,65 @@ class NoNVMLTests(SynchronousTestCase):
         waits = self.source.waits
         advance(self.clock, 10, step=0.5)
         self.assertGreater(self.source.waits, waits)  # listening again
+
+
+class QuietGPUEventWaitTests(SynchronousTestCase):
+    """
+    On a GPU host, one event wait goes around on its thread (C{wait_rounds} short waits, about
+    30 s) instead of coming back to the reactor empty twice a second.
+    """
+
+    def source(self) -> tuple[Any, NVMLGPUSource]:
+        node = h100_node()
+        node.wait_mode = "immediate"  # no event: each short wait times out at once
+        source = NVMLGPUSource(node, pool=WatchdogPool("t", synchronous=True))
+        source.snapshot()
+        return node, source
+
+    def test_rounds_on_the_thread(self) -> None:
+        node, source = self.source()
+        batch = source.wait_events(500, 100, 60)
+        self.assertEqual((batch.state, batch.count), ("ok", 0))
+        self.assertEqual(node.called("nvmlEventSetWait"), 60)
+
+    def test_an_event_ends_the_rounds(self) -> None:
+        node, source = self.source()
+        source.wait_events(500, 100, 1)  # registers the event set
+        before = node.called("nvmlEventSetWait")
+        node.inject_xid(1, 79)
+        batch = source.wait_events(500, 100, 60)
+        self.assertEqual(batch.count, 1)
+        self.assertLessEqual(node.called("nvmlEventSetWait") - before, 2)  # the event, then "no more"
+
+    def test_stop_ends_the_rounds(self) -> None:
+        node, source = self.source()
+        source.wait_events(500, 100, 1)
+        before = node.called("nvmlEventSetWait")
+        stop = threading.Event()
+        stop.set()
+        source.wait_events(500, 100, 60, stop)
+        self.assertEqual(node.called("nvmlEventSetWait") - before, 1)
+
+    def test_monitor_asks_for_the_rounds_and_stops_them(self) -> None:
+        seen: list[tuple[Any, ...]] = []
+
+        class Spy(NVMLGPUSource):
+            def wait_events(self, *args: Any, **kwargs: Any) -> Any:
+                seen.append(args)
+                return super().wait_events(*args, **kwargs)
+
+        node = h100_node()
+        node.wait_mode = "immediate"
+        clock = Clock()
+        monitor = GPUHealthMonitor(clock, Spy(node, pool=WatchdogPool("t", synchronous=True)),
+                                   SynchronousRunner())
+        monitor.startService()
+        clock.advance(0)
+        stop = seen[0][3]
+        self.assertEqual(seen[0][:3], (500, 100, 60))
+        self.assertFalse(stop.is_set())
+        monitor.stopService()
+        self.assertTrue(stop.is_set())
 
 
 class NoBindingsImportTests(SynchronousTestCase):

@@ -4,7 +4,10 @@ L{GPUHealthMonitor}: the service that keeps GPU verdicts current.
 
  - B{Events.} With a source that has them (NVML), a loop waits for driver events
    (C{wait_events}) on the source's own watchdog threads, a short timeout at a time, and
-   goes around again at once: an Xid reaches the tracker within milliseconds. Each wait
+   goes around again at once: an Xid reaches the tracker within milliseconds. One wait
+   goes around C{wait_rounds} times on its thread before it comes back empty (about 30 s),
+   so a quiet GPU host does not wake the reactor twice a second; a stop ends it within one
+   short timeout. Each wait
    takes at most C{max_batch} events, and the reactor gets control back between two waits,
    so a burst of thousands is worked off in bounded steps without stalling anything.
  - B{Checks.} Every C{interval} seconds (and at once when an event asks for it) the
@@ -23,6 +26,7 @@ L{GPUHealthMonitor}: the service that keeps GPU verdicts current.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +49,7 @@ class GPUHealthMonitor(Service):
     @param runner: runs C{check_health} off the reactor thread.
     @param interval: seconds between health checks.
     @param wait_timeout_ms: how long one event wait may block (also bounds the stop).
+    @param wait_rounds: short waits one call makes on its thread before it returns empty.
     @param max_batch: the most events taken per wait.
     @param on_transition: called on the reactor thread for every verdict change.
     """
@@ -59,6 +64,7 @@ class GPUHealthMonitor(Service):
         *,
         interval: float = 10.0,
         wait_timeout_ms: int = 500,
+        wait_rounds: int = 60,
         max_batch: int = 100,
         on_transition: Callable[[Transition], None] | None = None,
     ) -> None:
@@ -68,6 +74,9 @@ class GPUHealthMonitor(Service):
         self._runner = runner
         self.interval = interval
         self.wait_timeout_ms = wait_timeout_ms
+        self.wait_rounds = max(1, wait_rounds)
+        #: Set at stop: the wait in flight returns after its current short wait.
+        self._stopping = threading.Event()
         self.max_batch = max(1, max_batch)
         self.on_transition = on_transition
         self._check_call: Any = None
@@ -145,6 +154,7 @@ class GPUHealthMonitor(Service):
 
     def startService(self) -> None:
         super().startService()
+        self._stopping = threading.Event()
         tracker = getattr(self.source, "tracker", None)
         if tracker is not None and hasattr(self._reactor, "callFromThread"):
             # Verdicts also change in snapshots taken by the inventory collector.
@@ -155,6 +165,7 @@ class GPUHealthMonitor(Service):
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
+        self._stopping.set()
         tracker = getattr(self.source, "tracker", None)
         if tracker is not None:
             tracker.notify = None
@@ -246,14 +257,17 @@ class GPUHealthMonitor(Service):
             return
         pool = getattr(self.source, "pool", None)
         wait: Callable[..., Any] = getattr(self.source, "wait_events")  # noqa: B009 - optional in the protocol
+        rounds, stopping = self.wait_rounds, self._stopping
         if isinstance(pool, WatchdogPool):
-            deadline = self.wait_timeout_ms / 1000.0 + float(getattr(self.source, "call_timeout", 10.0))
+            deadline = (
+                rounds * self.wait_timeout_ms / 1000.0 + float(getattr(self.source, "call_timeout", 10.0))
+            )
             d = run_deferred(
-                self._reactor, pool, wait, self.wait_timeout_ms, self.max_batch,
+                self._reactor, pool, wait, self.wait_timeout_ms, self.max_batch, rounds, stopping,
                 deadline=deadline, label="nvmlEventSetWait",
             )
         else:
-            d = self._runner.run(wait, self.wait_timeout_ms, self.max_batch)
+            d = self._runner.run(wait, self.wait_timeout_ms, self.max_batch, rounds, stopping)
         self._waiting = d
         self._wait_started = self._reactor.seconds()
         d.addCallbacks(self._waited, self._wait_failed)

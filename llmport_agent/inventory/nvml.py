@@ -970,11 +970,21 @@ class NVMLGPUSource:
 
     # -- events
 
-    def wait_events(self, timeout_ms: int = 500, max_events: int = 100) -> EventBatch:
+    def wait_events(
+        self,
+        timeout_ms: int = 500,
+        max_events: int = 100,
+        rounds: int = 1,
+        stop: threading.Event | None = None,
+    ) -> EventBatch:
         """
         Wait up to C{timeout_ms} for driver events, then take what else is queued, up to
         C{max_events}, and feed them to the tracker. Blocks: run it on its own thread.
         Creates and registers the event set on first use (and after NVML re-initialises).
+
+        @param rounds: short waits to make while none brings an event (the thread goes
+            around instead of returning empty after each one).
+        @param stop: set by the caller to end the rounds after the current short wait.
         """
         es = self._ensure_event_set()
         if es is None:
@@ -984,12 +994,16 @@ class NVMLGPUSource:
         handled = 0
         check = False
         lost = False
+        left = max(1, rounds)
         while handled < max_events:
             try:
                 data = nvml.nvmlEventSetWait(es, timeout_ms if handled == 0 else 0)
             except nvml_error as e:
                 code = _code(e)
                 if code == _TIMEOUT:
+                    left -= 1
+                    if handled == 0 and left > 0 and not (stop is not None and stop.is_set()):
+                        continue  # quiet: wait again here, not via the reactor
                     break
                 if code == _GPU_IS_LOST:
                     lost = check = True
