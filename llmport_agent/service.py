@@ -290,6 +290,7 @@ class AgentService(MultiService):
         self._ordered.insert(3, self.lateness)
         # Not a child: it must outlive every other service (watchdog pings while draining).
         self.notify = NotifyService(reactor, Notifier(notify_environ), self.status_line)
+        self.session.subscribe(self.notify)
         self.recent_errors: list[dict[str, Any]] = []
         self._started: Deferred[None] | None = None
 

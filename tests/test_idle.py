@@ -26,6 +26,7 @@ from llmport_agent.inventory.watchdog import WatchdogPool
 from llmport_agent.metrics import ReactorLatenessProbe
 from llmport_agent.ops import OpsService
 from llmport_agent.reporting import HeartbeatReporter
+from llmport_agent.sdnotify import Notifier, NotifyService
 from llmport_agent.testing import FakeSession, SynchronousRunner
 
 HOUR = 3600.0
@@ -343,3 +344,39 @@ class OpsSiteTimerTests(SynchronousTestCase):
         self.assertEqual(clock.getDelayedCalls(), [])
         clock.advance(60)
         self.assertEqual(clock.getDelayedCalls(), [])
+
+
+class SystemdStatusTests(SynchronousTestCase):
+    """Under systemd the status line rides on the watchdog's pings: no 5 s status timer."""
+
+    def test_status_on_pings_and_connects_only(self) -> None:
+        clock = Clock()
+        sent: list[str] = []
+        notifier = Notifier({"NOTIFY_SOCKET": "/run/test/notify", "WATCHDOG_USEC": "60000000"}, pid=1)
+        self.patch(notifier, "notify", lambda *parts: sent.append("\n".join(parts)) or True)
+        status = {"text": "connecting, node -"}
+        svc = NotifyService(clock, notifier, lambda: status["text"])
+        svc.startService()
+        self.addCleanup(svc.stopService)
+        svc.ready()
+        self.assertEqual(len(clock.getDelayedCalls()), 1)  # the watchdog's loop, nothing else
+        status["text"] = "connected, node n-1"
+        svc.session_opened()  # said at once
+        self.assertEqual(sent[-1], "STATUS=connected, node n-1")
+        status["text"] = "connected, node n-1, 1 commands running"
+        clock.advance(30)  # the next ping looks at the line
+        self.assertEqual(sent[-2:], ["WATCHDOG=1", "STATUS=connected, node n-1, 1 commands running"])
+        before = len(sent)
+        advance(clock, HOUR, step=1)
+        self.assertEqual(len(sent) - before, 120)  # pings only: the line did not change
+
+    def test_without_watchdog_every_30_s(self) -> None:
+        clock = Clock()
+        notifier = Notifier({"NOTIFY_SOCKET": "/run/test/notify"}, pid=1)
+        looked: list[int] = []
+        svc = NotifyService(clock, notifier, lambda: str(looked.append(1)))
+        svc.startService()
+        self.addCleanup(svc.stopService)
+        svc.ready()
+        advance(clock, HOUR, step=1)
+        self.assertEqual(len(looked), 1 + 120)
