@@ -28,6 +28,7 @@ from llmport_agent.ops import OpsService
 from llmport_agent.reporting import HeartbeatReporter
 from llmport_agent.sdnotify import Notifier, NotifyService
 from llmport_agent.testing import FakeSession, SynchronousRunner
+from llmport_agent.workloads.engine import DockerEngine
 
 HOUR = 3600.0
 
@@ -380,3 +381,31 @@ class SystemdStatusTests(SynchronousTestCase):
         svc.ready()
         advance(clock, HOUR, step=1)
         self.assertEqual(len(looked), 1 + 120)
+
+
+class NoEngineSocketTests(SynchronousTestCase):
+    """No engine socket: the probe says so without a thread (the timer is its only wake-up)."""
+
+    def test_probe_without_a_socket_uses_no_thread(self) -> None:
+        from tests.test_workloads_engine import ADDR, FakeDocker, SyncPool
+
+        clock, fake = Clock(), FakeDocker()
+        exists = [False]
+        engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake,
+                              socket_exists=lambda path: exists[0] and path == ADDR[len("unix://"):])
+        pool = SyncPool()
+        engine._short = pool  # type: ignore[assignment]
+        engine._streams = SyncPool()  # type: ignore[assignment]
+        engine.startService()
+        self.addCleanup(engine.stopService)
+        advance(clock, HOUR, step=1)
+        self.assertFalse(engine.available)
+        self.assertEqual(
+            engine.last_error,
+            f"Docker engine at {ADDR} is unreachable: the socket does not exist (is dockerd running?)",
+        )
+        self.assertEqual((pool.calls, fake.created), (0, 0))
+        exists[0] = True  # dockerd started
+        advance(clock, 31, step=1)
+        self.assertTrue(engine.available)
+        self.assertEqual(pool.calls, 1)

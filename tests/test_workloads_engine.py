@@ -101,7 +101,7 @@ class FakeDocker:
 
 
 def make_engine(clock: Clock, fake: FakeDocker) -> DockerEngine:
-    engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake)
+    engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake, socket_exists=lambda path: True)
     engine._short = SyncPool()  # type: ignore[assignment]
     engine._streams = SyncPool()  # type: ignore[assignment]
     return engine

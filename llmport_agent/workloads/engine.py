@@ -31,7 +31,7 @@ import requests
 from docker.constants import MINIMUM_DOCKER_API_VERSION
 from docker.errors import APIError, DockerException
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.logger import Logger
 
 from ..commands.base import RUNTIME_ERROR, CommandFailed
@@ -236,6 +236,7 @@ class DockerEngine(Service):
         self.address: str = mask_url(
             str(self._client_kwargs.get("base_url") or default_address(socket_exists))
         )
+        self._socket_exists = socket_exists
         self.call_timeout = call_timeout
         self.stream_timeout = stream_timeout
         self._max_threads = max(1, min(max_threads, 10))
@@ -348,7 +349,13 @@ class DockerEngine(Service):
         self._probe_call = None
         if self._probing is not None or not self.running:
             return
-        d = self._short.run(self._probeFacts)
+        path = self._socket_path()
+        if path and not self._socket_exists(path):
+            # No socket, no engine: said without a thread (the probe of a node without
+            # dockerd wakes nothing but this timer).
+            d: Deferred[dict[str, Any]] = fail(FileNotFoundError(2, "No such file or directory", path))
+        else:
+            d = self._short.run(self._probeFacts)
         self._probing = d
 
         def _ok(facts: dict[str, Any]) -> None:
@@ -383,6 +390,11 @@ class DockerEngine(Service):
             self._scheduleProbe(delay)
 
         d.addCallbacks(_ok, _bad)
+
+    def _socket_path(self) -> str:
+        """The engine's socket file for a C{unix://} address, else ""."""
+        base = str(self._client_kwargs.get("base_url") or self.address)
+        return base[len("unix://"):] if base.startswith("unix://") else ""
 
     def checkNow(self) -> None:
         """Ping the engine soon (e.g. after a call failed to connect)."""
