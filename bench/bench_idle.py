@@ -303,6 +303,9 @@ def main() -> None:
     p.add_argument("--starts", type=int, default=3, help="start-to-connected runs of each (default 3)")
     p.add_argument("--original", default="0.1.13", help="the original agent's version")
     args = p.parse_args()
+    # A background run ignores SIGINT: SIGTERM (or ^C) ends it through the cleanup below.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: sys.exit("bench_idle: stopped"))
     if shutil.which("strace") is None:
         sys.exit("bench_idle needs strace (apt-get install strace) to count wake-ups and thread starts")
     exe = original_exe(args.original)
