@@ -1,62 +1,389 @@
 """
-Idle cost of the agent at default settings, against the stand-in backend on loopback.
+Idle cost of this agent next to the original agent (0.1.13), side by side, against the
+stand-in backend on loopback (issue 27).
 
-Prints, over N agents idling for M minutes after a warm-up: frames per minute each sends to
-the backend, RSS at the end and CPU use (percent of one core). Targets: RSS <= 80 MB,
-CPU <= 0.5 % of one core. Usage: python3 bench/bench_idle.py [--minutes 10] [--agents 3]
+Both agents run at their default settings (this agent's ops endpoint on, on a free loopback
+port), no container engine (DOCKER_HOST names a socket that is not there), no GPU. The
+original runs from its own virtualenv, installed once from the package index under
+$TMPDIR/llmport-original-agents/<version> (the same place tests/test_adoption.py uses; never
+installed for users).
+
+What it prints, for each agent and as the ratio this / original:
+
+This agent runs twice in the window: "this" as a fresh node (it polls for commands until
+the backend proves that it pushes them: every 2 s within COMMAND_POLL_ACTIVE_WINDOW_SEC, 600
+s, of the connect, then every 8 s), and "this, push" after one pushed command during the
+warm-up (a refresh_inventory: the backend then counts as pushing, no polls at all, as on any
+node that ever got a command from a current backend; the mode is kept in the state file).
+The original gets the same command (it never polls).
+
+ - start to connected: seconds from the process start to the backend counting the node's
+   first stream connect (GET /dev/nodes/<id>/costs), median of --starts runs of each,
+   alternating, untraced, before the idle window;
+ - over the idle window (after --warmup seconds): RSS and PSS at the end, CPU seconds with
+   children (user + system, of the process and of the children it waited for), threads and
+   open fds at the end, wake-ups per minute, threads started, frames per minute sent to the
+   backend (the backend's own frame counter).
+
+Wake-ups are counted by strace with seccomp-bpf (only the listed calls stop the tracee): every
+return of a blocking wait, in any thread: epoll_wait/epoll_pwait/poll/ppoll/select/pselect6,
+futex FUTEX_WAIT*, nanosleep/clock_nanosleep. "reactor" is the main thread's event-loop
+waits (epoll_wait & co. in the thread whose id is the process id), "all" adds the other
+threads. Threads started are the clone/clone3 calls with CLONE_THREAD. strace starts each
+idle agent (seccomp-bpf cannot attach with -p), so the start-to-connected runs are separate
+and untraced. As a second, ptrace-free counter the script prints the voluntary context
+switches of the threads alive at both ends of the window (/proc/<pid>/task/*/status).
+
+Targets (issue 27): wake-ups <= 20 a minute, 0 threads started, CPU <= 0.5x the original,
+RSS <= 60 MiB, start to connected <= the original's.
+
+Usage: python3 bench/bench_idle.py [--minutes 10] [--warmup 30] [--starts 3] [--original 0.1.13]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+from typing import Any
 
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import AgentProcess, DevBackendProcess, summary  # noqa: E402
+from _common import ROOT, DevBackendProcess, free_port  # noqa: E402
+
+MIB = 1024 * 1024
+NO_ENGINE = "unix:///nonexistent/bench-idle/docker.sock"
+WAITS = ("epoll_wait", "epoll_pwait", "epoll_pwait2", "poll", "ppoll", "select", "pselect6")
+SLEEPS = ("nanosleep", "clock_nanosleep")
+TRACED = ",".join(WAITS + SLEEPS + ("futex", "clone", "clone3"))
+# "<pid> <epoch.seconds> <call>(" with strace -f -ttt; resumed lines carry "<... call resumed>".
+LINE = re.compile(r"^(\d+)\s+(\d+\.\d+)\s+(?:<\.\.\. (\w+) resumed>|(\w+)\()")
+
+
+def original_exe(version: str) -> str:
+    """The original agent's console script in its own venv (installed once)."""
+    venv = os.path.join(os.environ.get("TMPDIR") or tempfile.gettempdir(), "llmport-original-agents", version)
+    exe = os.path.join(venv, "bin", "llmport-agent")
+    if os.access(exe, os.X_OK):
+        return exe
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    print(f"installing the original agent {version} into {venv} ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True, env=clean)
+    subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", f"llmport-agent=={version}"],
+                   check=True, env=clean)
+    return exe
+
+
+class Agent:
+    """One agent process (this one or the original), optionally under strace."""
+
+    def __init__(self, kind: str, argv: list[str], env: dict[str, str], state_dir: str,
+                 agent_id: str, trace: bool) -> None:
+        self.kind = kind
+        self.name = kind
+        self.agent_id = agent_id
+        self.trace_path = os.path.join(state_dir, "strace.txt") if trace else ""
+        if trace:
+            argv = ["strace", "-f", "--seccomp-bpf", "-qq", "-ttt", "-e", f"trace={TRACED}",
+                    "-o", self.trace_path, "--", *argv]
+        self.log = open(os.path.join(state_dir, "agent.log"), "wb")  # noqa: SIM115
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=state_dir)
+        self._pid = 0
+
+    @property
+    def pid(self) -> int:
+        """The agent's own pid (strace's child when traced)."""
+        if not self._pid:
+            if not self.trace_path:
+                self._pid = self.proc.pid
+            else:
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    kids = psutil.Process(self.proc.pid).children()
+                    if kids:
+                        self._pid = kids[0].pid
+                        break
+                    time.sleep(0.01)
+                else:
+                    raise RuntimeError("strace did not start the agent")
+        return self._pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def make_agent(kind: str, backend: DevBackendProcess, root: str, n: int, exe: str, trace: bool,
+               name: str = "") -> Agent:
+    d = os.path.join(root, f"{kind}-{n}")
+    os.makedirs(d)
+    agent_id = f"idle-{kind}-{n}"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("LLM_PORT_NODE_AGENT_") and k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update({
+        "HOME": d,
+        "DOCKER_HOST": NO_ENGINE,
+        "LLM_PORT_NODE_AGENT_BACKEND_URL": backend.url,
+        "LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN": backend.token(),
+        "LLM_PORT_NODE_AGENT_AGENT_ID": agent_id,
+        "LLM_PORT_NODE_AGENT_HOST": "127.0.0.1",
+        "LLM_PORT_NODE_AGENT_ADVERTISE_HOST": "127.0.0.1",
+        "LLM_PORT_NODE_AGENT_STATE_PATH": os.path.join(d, "state.json"),
+        "LLM_PORT_NODE_AGENT_MODEL_STORE": os.path.join(d, "models"),
+    })
+    if kind == "this":
+        env["PYTHONPATH"] = ROOT
+        env["LLM_PORT_NODE_AGENT_OPS_PORT"] = str(free_port())
+        env["LLM_PORT_NODE_AGENT_LOG_FORMAT"] = "text"
+        argv = [sys.executable, "-m", "llmport_agent.cli", "run"]
+    else:
+        argv = [exe, "run"]
+    agent = Agent(kind, argv, env, d, agent_id, trace)
+    agent.name = name or kind
+    return agent
+
+
+def node_of(backend: DevBackendProcess, agent_id: str) -> str | None:
+    for n in backend.get("/dev/nodes"):
+        if n["agent_id"] == agent_id:
+            return str(n["id"])
+    return None
+
+
+def costs(backend: DevBackendProcess, node_id: str) -> dict[str, Any]:
+    return dict(backend.get(f"/dev/nodes/{node_id}/costs"))
+
+
+def wait_connected(backend: DevBackendProcess, agent: Agent, timeout: float = 120) -> tuple[str, float]:
+    """The node id and seconds from the process start to its first stream connect."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if agent.proc.poll() is not None:
+            raise RuntimeError(f"the {agent.kind} agent exited ({agent.proc.returncode}); see {agent.log.name}")
+        try:
+            node = node_of(backend, agent.agent_id)
+            if node is not None and costs(backend, node)["connects"] >= 1:
+                return node, time.monotonic() - agent.started
+        except (OSError, urllib.error.HTTPError):
+            pass
+        time.sleep(0.01)
+    raise RuntimeError(f"the {agent.kind} agent did not connect within {timeout:g} s")
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of the process and of the children it waited for."""
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system + t.children_user + t.children_system)
+
+
+def voluntary_switches(pid: int) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        out[int(tid)] = int(line.split()[1])
+        except OSError:
+            pass
+    return out
+
+
+def count_trace(path: str, main_pid: int, t0: float, t1: float) -> dict[str, int]:
+    """Blocking-wait returns and thread starts in [t0, t1] (epoch seconds) from an strace -ttt log."""
+    reactor = waits = threads = processes = 0
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = LINE.match(line)
+            if not m:
+                continue
+            when = float(m.group(2))
+            if when < t0 or when > t1:
+                continue
+            pid = int(m.group(1))
+            resumed = m.group(3) is not None
+            call = m.group(3) or m.group(4)
+            unfinished = line.rstrip().endswith("<unfinished ...>")
+            if call in ("clone", "clone3"):
+                if unfinished:
+                    continue
+                if "CLONE_THREAD" in line:
+                    threads += 1
+                elif resumed or "= " in line:
+                    processes += 1
+                continue
+            if unfinished:
+                continue  # counted when it resumes (that is the wake-up)
+            if call == "futex":
+                if "FUTEX_WAIT" not in line and not resumed:
+                    continue
+                if resumed and "FUTEX_WAKE" in line:
+                    continue
+            elif call not in WAITS and call not in SLEEPS:
+                continue
+            waits += 1
+            if pid == main_pid and call in WAITS:
+                reactor += 1
+    return {"reactor": reactor, "all": waits, "threads": threads, "processes": processes}
+
+
+def measure(backend: DevBackendProcess, agents: list[Agent], nodes: dict[str, str],
+            minutes: float) -> dict[str, dict[str, float]]:
+    procs = {a.name: psutil.Process(a.pid) for a in agents}
+    cpu0 = {a.name: tree_cpu(a.pid) for a in agents}
+    vol0 = {a.name: voluntary_switches(a.pid) for a in agents}
+    frames0 = {a.name: costs(backend, nodes[a.name])["frames"] for a in agents}
+    wall0 = time.time()
+    t0 = time.monotonic()
+    time.sleep(minutes * 60)
+    elapsed = time.monotonic() - t0
+    wall1 = time.time()
+    per_min = 60.0 / elapsed
+    out: dict[str, dict[str, float]] = {}
+    for a in agents:
+        p = procs[a.name]
+        mem = p.memory_full_info()
+        vol1 = voluntary_switches(a.pid)
+        vol = sum(v - vol0[a.name][t] for t, v in vol1.items() if t in vol0[a.name])
+        out[a.name] = {
+            "rss": mem.rss / MIB,
+            "pss": mem.pss / MIB,
+            "cpu": tree_cpu(a.pid) - cpu0[a.name],
+            "threads": p.num_threads(),
+            "fds": p.num_fds(),
+            "frames": (costs(backend, nodes[a.name])["frames"] - frames0[a.name]) * per_min,
+            "voluntary": vol * per_min,
+        }
+        if a.trace_path:
+            c = count_trace(a.trace_path, a.pid, wall0, wall1)
+            out[a.name].update(reactor=c["reactor"] * per_min, wakeups=c["all"] * per_min,
+                               started=c["threads"], spawned=c["processes"])
+    return out
+
+
+def prove_push(backend: DevBackendProcess, agent: Agent, node_id: str, tries: int = 5) -> bool:
+    """Push refresh_inventory commands at the node until it says the backend pushes (its log)."""
+    for _ in range(tries):
+        time.sleep(3.3)  # a silence longer than the proof window, between two polls or not
+        command = backend.post(f"/dev/nodes/{node_id}/commands", {"command_type": "refresh_inventory"})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if backend.get(f"/dev/commands/{command['id']}")["status"] in ("succeeded", "failed"):
+                break
+            time.sleep(0.1)
+        with open(os.path.join(os.path.dirname(agent.log.name), "agent.log"), errors="replace") as f:
+            if "Command dispatch: push" in f.read():
+                return True
+    return False
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--agents", type=int, default=3)
-    p.add_argument("--warmup", type=float, default=30.0)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0, help="idle window (default 10)")
+    p.add_argument("--warmup", type=float, default=30.0, help="seconds after connect before the window")
+    p.add_argument("--starts", type=int, default=3, help="start-to-connected runs of each (default 3)")
+    p.add_argument("--original", default="0.1.13", help="the original agent's version")
     args = p.parse_args()
+    # A background run ignores SIGINT: SIGTERM (or ^C) ends it through the cleanup below.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: sys.exit("bench_idle: stopped"))
+    if shutil.which("strace") is None:
+        sys.exit("bench_idle needs strace (apt-get install strace) to count wake-ups and thread starts")
+    exe = original_exe(args.original)
     backend = DevBackendProcess()
-    agents = []
-    tmp = tempfile.mkdtemp(prefix="bench-idle-")
+    root = tempfile.mkdtemp(prefix="bench-idle-")
+    kinds = ("this", "original")
+    started: dict[str, list[float]] = {k: [] for k in kinds}
+    live: list[Agent] = []
     try:
-        for i in range(args.agents):
-            d = os.path.join(tmp, f"a{i}")
-            os.makedirs(d)
-            agents.append(AgentProcess(backend.url, backend.token(), d, f"idle-{i}"))
+        n = 0
+        for i in range(args.starts):
+            for kind in (kinds if i % 2 == 0 else kinds[::-1]):
+                n += 1
+                a = make_agent(kind, backend, root, n, exe, trace=False)
+                live.append(a)
+                started[kind].append(wait_connected(backend, a)[1])
+                a.stop()
+                live.remove(a)
+        agents = [make_agent("this", backend, root, 100, exe, trace=True),
+                  make_agent("this", backend, root, 101, exe, trace=True, name="this, push"),
+                  make_agent("original", backend, root, 102, exe, trace=True)]
+        live += agents
+        nodes = {a.name: wait_connected(backend, a)[0] for a in agents}
+        pushed = prove_push(backend, agents[1], nodes["this, push"])
+        backend.post(f"/dev/nodes/{nodes['original']}/commands", {"command_type": "refresh_inventory"})
         time.sleep(args.warmup)
-        nodes = {n["agent_id"]: n["id"] for n in backend.get("/dev/nodes")}
-        start_frames = {a: len(backend.get(f"/dev/nodes/{nodes[f'idle-{i}']}/frames")) for i, a in enumerate(agents)}
-        procs = [psutil.Process(a.proc.pid) for a in agents]
-        cpu0 = [pr.cpu_times() for pr in procs]
-        t0 = time.monotonic()
-        time.sleep(args.minutes * 60)
-        elapsed = time.monotonic() - t0
-        cpu1 = [pr.cpu_times() for pr in procs]
-        rss = [pr.memory_info().rss / 1e6 for pr in procs]
-        frames = []
-        for i, a in enumerate(agents):
-            n = len(backend.get(f"/dev/nodes/{nodes[f'idle-{i}']}/frames"))
-            frames.append((n - start_frames[a]) / (elapsed / 60))
-        cpu = [100 * ((c1.user + c1.system) - (c0.user + c0.system)) / elapsed for c0, c1 in zip(cpu0, cpu1, strict=True)]
-        print(f"idle agents: {args.agents}, window {args.minutes:g} min after {args.warmup:g} s warm-up, default settings")
-        print(f"frames/min sent to the backend: {summary(frames, '', 1)}")
-        print(f"RSS at end (MB):                 {summary(rss, ' MB', 1)}")
-        print(f"CPU (% of one core):             {summary(cpu, ' %', 3)}")
-    finally:
         for a in agents:
+            if a.proc.poll() is not None:
+                sys.exit(f"the {a.name} agent exited during the warm-up; see {a.log.name}")
+        r = measure(backend, agents, nodes, args.minutes)
+        names = [a.name for a in agents]
+        orig = r["original"]
+
+        def row(label: str, key: str, fmt: str) -> None:
+            cells = []
+            for name in names[:-1]:
+                a, b = r[name][key], orig[key]
+                ratio = f"{a / b:.2f}x" if b else ("=" if a == b else "n/a")
+                cells.append(f"{a:{fmt}} {ratio:>7}")
+            print(f"  {label:<32} " + " ".join(f"{c:>18}" for c in cells) + f" {orig[key]:{fmt}}")
+
+        s_this, s_orig = statistics.median(started["this"]), statistics.median(started["original"])
+        print(f"idle, side by side, {args.minutes:g} min window after {args.warmup:g} s warm-up; "
+              f"stand-in backend (current generation), default settings, no engine, no GPU")
+        if not pushed:
+            print("  (the push-proven node did not see a push: its column polls like a fresh node)")
+        print(f"  {'':<32} " + " ".join(f"{n + ' (ratio)':>18}" for n in names[:-1])
+              + f" {args.original:>10}")
+        print(f"  {'start to connected (s, median)':<32} {s_this:10.3f} {s_this / s_orig:6.2f}x "
+              f"{'':>18} {s_orig:10.3f}   (this {', '.join(f'{v:.3f}' for v in started['this'])}; "
+              f"original {', '.join(f'{v:.3f}' for v in started['original'])})")
+        row("RSS at end (MiB)", "rss", "10.1f")
+        row("PSS at end (MiB)", "pss", "10.1f")
+        row("CPU with children (s)", "cpu", "10.2f")
+        row("threads at end", "threads", "10.0f")
+        row("open fds at end", "fds", "10.0f")
+        row("wake-ups/min, all threads", "wakeups", "10.1f")
+        row("wake-ups/min, event loop", "reactor", "10.1f")
+        row("threads started", "started", "10.0f")
+        row("processes started", "spawned", "10.0f")
+        row("frames/min to the backend", "frames", "10.1f")
+        row("voluntary switches/min (live)", "voluntary", "10.1f")
+        for name in names[:-1]:
+            this = r[name]
+            checks = [
+                ("wake-ups <= 20/min", this["wakeups"] <= 20),
+                ("0 threads started", this["started"] == 0),
+                ("CPU <= 0.5x the original", this["cpu"] <= 0.5 * orig["cpu"]),
+                ("RSS <= 60 MiB", this["rss"] <= 60),
+                ("start to connected <= the original's", s_this <= s_orig),
+            ]
+            print(f"targets ({name}): "
+                  + "; ".join(f"{label}: {'met' if ok else 'MISSED'}" for label, ok in checks))
+    finally:
+        for a in live:
             a.stop()
         backend.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

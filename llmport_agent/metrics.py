@@ -30,7 +30,6 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from twisted.application.service import Service
-from twisted.internet.task import LoopingCall
 
 from llmport_agent import VERSION
 from llmport_agent.inventory.health import DEGRADED, HEALTHY, UNHEALTHY
@@ -141,40 +140,72 @@ def engine_calls() -> TimedCalls:
 
 class ReactorLatenessProbe(Service):
     """
-    A timer that notes how late the reactor runs it: a blocked reactor shows here (and stops
-    the systemd watchdog) before it shows anywhere else.
+    How late the reactor runs timers: a blocked reactor shows here before it shows anywhere
+    else.
+
+    It measures the wake-ups that happen anyway: the heartbeat loop hands the lateness of
+    each of its ticks to L{observe}. Its own timer (every C{interval} seconds, 60 by default)
+    runs only while no heartbeats do: before the first connect and while disconnected (it is
+    a session listener), so a connected idle agent never wakes up for it.
     """
 
-    def __init__(self, reactor: Any, interval: float = 1.0) -> None:
+    def __init__(self, reactor: Any, interval: float = 60.0) -> None:
         self.setName("reactor-lateness")
         self._reactor = reactor
         self.interval = interval
         self.histogram = Histogram(
             PREFIX + "reactor_lateness_seconds",
-            "How late a 1 s reactor timer fired",
+            "How late the agent's periodic timers fired (heartbeats; a 60 s timer of its own "
+            "while disconnected)",
             buckets=LATENESS_BUCKETS,
             registry=None,
         )
         self.max_recent = 0.0
         self.last = 0.0
-        self._expected: float | None = None
-        self._loop: LoopingCall | None = None
+        self.observed = 0
+        self._call: Any = None
+        self._due = 0.0
+        self._connected = False
 
     def startService(self) -> None:
         super().startService()
-        self._expected = None
-        self._loop = LoopingCall(self._tick)
-        self._loop.clock = self._reactor
-        self._loop.start(self.interval, now=True)
+        self._arm()
+
+    def observe(self, late: float) -> None:
+        """Record that a timer ran C{late} seconds after it was due (reactor thread)."""
+        late = max(0.0, late)
+        self.last = late
+        self.observed += 1
+        self.max_recent = max(self.max_recent, late)
+        self.histogram.observe(late)
+
+    # -- session listener: heartbeats run while connected
+
+    def session_opened(self) -> None:
+        self._connected = True
+        self._disarm()
+
+    def session_closed(self) -> None:
+        self._connected = False
+        self._arm()
+
+    def frame_received(self, frame: dict[str, Any]) -> None:
+        pass
+
+    def _arm(self) -> None:
+        if self.running and not self._connected and self._call is None:
+            self._due = self._reactor.seconds() + self.interval
+            self._call = self._reactor.callLater(self.interval, self._tick)
+
+    def _disarm(self) -> None:
+        call, self._call = self._call, None
+        if call is not None and call.active():
+            call.cancel()
 
     def _tick(self) -> None:
-        now = self._reactor.seconds()
-        if self._expected is not None:
-            late = max(0.0, now - self._expected)
-            self.last = late
-            self.max_recent = max(self.max_recent, late)
-            self.histogram.observe(late)
-        self._expected = now + self.interval
+        self._call = None
+        self.observe(self._reactor.seconds() - self._due)
+        self._arm()
 
     def take_max(self) -> float:
         """The worst lateness since the last call (each scrape starts a new window)."""
@@ -183,9 +214,7 @@ class ReactorLatenessProbe(Service):
 
     def stopService(self) -> None:  # type: ignore[override]
         super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        self._loop = None
+        self._disarm()
 
 
 # -- accessors: small and tolerant, so the subsystems can grow without breaking metrics ------

@@ -76,8 +76,11 @@ class HeartbeatReporter(_PerConnectionLoop):
         build: Callable[[], dict[str, Any]],
         *,
         min_change_gap: float = 1.0,
+        on_lateness: Callable[[float], None] | None = None,
     ) -> None:
         self.setName("heartbeat")
+        #: Told how late each tick ran (the reactor lateness probe measures these wake-ups).
+        self.on_lateness = on_lateness
         self._reactor = reactor
         self.session = session
         self.interval = interval
@@ -156,9 +159,12 @@ class HeartbeatReporter(_PerConnectionLoop):
     def _tick(self) -> None:
         now = self._reactor.seconds()
         if self._expected is not None:
-            self.lateness.append(max(0.0, now - self._expected))
+            late = max(0.0, now - self._expected)
+            self.lateness.append(late)
             if len(self.lateness) > 1000:
                 del self.lateness[:500]
+            if self.on_lateness is not None:
+                self.on_lateness(late)
         self._expected = now + self.interval
         self.send_now()
 

@@ -2,7 +2,9 @@
 systemd's notify protocol (sd_notify(3)), spoken directly: datagrams to C{$NOTIFY_SOCKET}.
 
 Under the unit (C{Type=notify}, C{NotifyAccess=main}, C{WatchdogSec=}) the agent sends
-C{READY=1} once every service is up, a one-line C{STATUS=} whenever it changes, C{WATCHDOG=1}
+C{READY=1} once every service is up, a one-line C{STATUS=} when it changed (looked at on each
+watchdog ping, at each connect and disconnect of the backend stream, and every 30 s when
+there is no watchdog: no timer of its own beside the watchdog's), C{WATCHDOG=1}
 from a reactor timer at half of C{$WATCHDOG_USEC} (so a stalled reactor stops the pings and
 systemd restarts the agent) and C{STOPPING=1} when it begins to stop. Without C{$NOTIFY_SOCKET}
 (the foreground, tests) every call is a no-op.
@@ -23,8 +25,9 @@ from twisted.application.service import Service
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-#: How often the status line is recomputed (sent only when it changed).
-STATUS_INTERVAL = 5.0
+#: How often the status line is recomputed without a watchdog (sent only when it changed);
+#: with one, at each ping, and at every connect and disconnect of the backend stream.
+STATUS_INTERVAL = 30.0
 #: Longest a send may wait for room in the notify socket's queue.
 SEND_TIMEOUT = 0.2
 #: Longest status line sent (systemd shows one line).
@@ -152,9 +155,11 @@ class NotifyService(Service):
             return
         interval = self.notifier.watchdog_sec
         if interval:
+            # The status line is looked at on the watchdog's wake-ups: no timer of its own.
             self._watchdog = LoopingCall(self._ping)
             self._watchdog.clock = self._reactor
             self._watchdog.start(interval, now=True)
+            return
         self._status_loop = LoopingCall(self.update_status)
         self._status_loop.clock = self._reactor
         self._status_loop.start(STATUS_INTERVAL, now=False)
@@ -162,6 +167,21 @@ class NotifyService(Service):
     def _ping(self) -> None:
         if self.notifier.notify("WATCHDOG=1"):
             self.pings += 1
+        if self.ready_sent:
+            self.update_status()
+
+    # -- session listener: the line changes most when the stream opens or closes
+
+    def session_opened(self) -> None:
+        if self.ready_sent:
+            self.update_status()
+
+    def session_closed(self) -> None:
+        if self.ready_sent:
+            self.update_status()
+
+    def frame_received(self, frame: Any) -> None:
+        pass
 
     def ready(self) -> None:
         """Every service is up: C{READY=1} with the first status line."""

@@ -188,8 +188,13 @@ class AgentService(MultiService):
             busy=lambda: self.pipeline.busy,
         )
         self.outbox = EventOutbox(reactor, self.io_pool, os.path.join(state_dir, "events.jsonl"), self.session)
+        from llmport_agent.metrics import ReactorLatenessProbe
+
+        # Reactor lateness, measured on the heartbeat's ticks (no timer of its own while they run).
+        self.lateness = ReactorLatenessProbe(reactor)
         self.heartbeat = HeartbeatReporter(
-            reactor, self.session, config.heartbeat_interval_sec, self._heartbeat_fields
+            reactor, self.session, config.heartbeat_interval_sec, self._heartbeat_fields,
+            on_lateness=self.lateness.observe,
         )
         # Heartbeat fields that change (engine, modes, capabilities; GPU health too) call
         # heartbeat.notify_changed(): the backend hears of it at once, not an interval later.
@@ -251,6 +256,7 @@ class AgentService(MultiService):
         self.session.subscribe(self.pipeline)
         self.session.subscribe(self.inventory)
         self.session.subscribe(self.outbox)
+        self.session.subscribe(self.lateness)
         self.session.subscribe(_ProfileFromHello(self.modes))
         if self.health is not None:
             self.session.subscribe(_Announcer(self.health))
@@ -279,13 +285,12 @@ class AgentService(MultiService):
 
             self.ops = OpsService(reactor, self, config.ops_port)
             self._ordered.insert(len(self._ordered) - 1, self.ops)
-        from llmport_agent.metrics import ReactorLatenessProbe
         from llmport_agent.sdnotify import Notifier, NotifyService
 
-        self.lateness = ReactorLatenessProbe(reactor)
         self._ordered.insert(3, self.lateness)
         # Not a child: it must outlive every other service (watchdog pings while draining).
         self.notify = NotifyService(reactor, Notifier(notify_environ), self.status_line)
+        self.session.subscribe(self.notify)
         self.recent_errors: list[dict[str, Any]] = []
         self._started: Deferred[None] | None = None
 

@@ -684,7 +684,8 @@ class MonitorTests(SynchronousTestCase):
         self.fake, self.source = sync_source()
         self.seen: list[Transition] = []
         self.monitor = GPUHealthMonitor(
-            self.clock, self.source, SynchronousRunner(), interval=10, on_transition=self.seen.append
+            self.clock, self.source, SynchronousRunner(), interval=10, on_transition=self.seen.append,
+            wait_rounds=1,  # one short wait per call (the rounds on the thread: tests.test_idle)
         )
         self.monitor.startService()
         self.addCleanup(self.monitor.stopService)

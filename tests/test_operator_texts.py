@@ -60,7 +60,8 @@ class NoDockerTests(SynchronousTestCase):
         captured = Captured(self)
         clock, fake = Clock(), FakeDocker()
         fake.down = True
-        engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake)
+        engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake,
+                              socket_exists=lambda path: True)
         engine._short = SyncPool()  # type: ignore[assignment]
         engine._streams = SyncPool()  # type: ignore[assignment]
         watcher = HealthWatcher(clock, engine, WorkloadSettings(agent_id="n"), lambda *a: None)

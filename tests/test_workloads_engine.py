@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import requests
+from docker.constants import MINIMUM_DOCKER_API_VERSION
 from docker.errors import APIError, DockerException, NotFound
 from twisted.internet import reactor as _global_reactor
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
@@ -63,7 +64,8 @@ class FakeAPI:
         self._maybe_fail()
         return True
 
-    def version(self) -> dict[str, Any]:
+    def version(self, api_version: bool = True) -> dict[str, Any]:
+        self.owner.version_calls += 1
         self._maybe_fail()
         return {"Version": "20.10.24", "ApiVersion": "1.41"}
 
@@ -78,10 +80,14 @@ class FakeDocker:
     def __init__(self) -> None:
         self.down = False
         self.created = 0
+        self.versions: list[Any] = []
+        self.version_calls = 0
 
     def __call__(self, **kwargs: Any) -> Any:
         self.created += 1
-        if self.down:
+        self.versions.append(kwargs.get("version"))
+        if self.down and kwargs.get("version") == "auto":
+            # docker-py asks the engine for its version while making such a client.
             raise DockerException("Error while fetching server API version: connection refused")
         owner = self
 
@@ -95,7 +101,7 @@ class FakeDocker:
 
 
 def make_engine(clock: Clock, fake: FakeDocker) -> DockerEngine:
-    engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake)
+    engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake, socket_exists=lambda path: True)
     engine._short = SyncPool()  # type: ignore[assignment]
     engine._streams = SyncPool()  # type: ignore[assignment]
     return engine
@@ -181,10 +187,13 @@ class AvailabilityTests(SynchronousTestCase):
         self.assertIn(ADDR, engine.last_error)
         # The first probe's outcome is a change too (from "not known yet"): listeners hear it.
         self.assertEqual(seen, [False])
-        attempts = fake.created
+        attempts = fake.version_calls
         clock.advance(1)
         clock.advance(2)
-        self.assertEqual(fake.created, attempts + 2)
+        self.assertEqual(fake.version_calls, attempts + 2)
+        # One client for every ping while the engine is down, made without asking the engine
+        # (issue 27: not a new client, with its config reads, every attempt).
+        self.assertEqual(fake.created, 1)
         [call] = clock.getDelayedCalls()
         call = cast(Any, call)
         self.assertAlmostEqual(call.getTime() - clock.seconds(), 4)
@@ -194,6 +203,8 @@ class AvailabilityTests(SynchronousTestCase):
         self.assertTrue(engine.available)
         self.assertEqual(engine.last_error, "")
         self.assertEqual(seen, [False, True])
+        # The client for calls is made once the engine answered, with the version it named.
+        self.assertEqual(fake.versions, [MINIMUM_DOCKER_API_VERSION, "1.41"])
         self.successResultOf(waiting)
         self.assertEqual(clock.getDelayedCalls(), [])
         self.successResultOf(engine.stopService())

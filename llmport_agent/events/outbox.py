@@ -2,7 +2,9 @@
 The event outbox: events for C{event_batch} frames, on disk until the backend has them.
 
 Events are appended to C{<state dir>/events.jsonl} (group commit, off the reactor) and sent in
-frames of at most 100 while connected, within about a second of being emitted. A batch is removed
+frames of at most 100 while connected, C{flush_interval} (0.5 s) after the first event of a
+batch is emitted (so a burst goes in one frame), at once when 100 are waiting, and at each
+connect. The flush is event-driven: while there is nothing to send, no timer is scheduled. A batch is removed
 only once its delivery is confirmed (see L{SessionService.confirm}); a batch cut off by a
 disconnect is sent again after the next connect. The outbox is bounded: beyond C{capacity} the
 oldest events are dropped and every drop is counted (visible in diagnostics).
@@ -18,7 +20,6 @@ from typing import Any, Protocol
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from llmport_agent.storage import GroupCommitLog, ensure_private_dir, read_json_lines
@@ -91,7 +92,8 @@ class EventOutbox(Service):
         self.dropped = 0
         self.sent = 0
         self._log: GroupCommitLog | None = None
-        self._loop: LoopingCall | None = None
+        #: The one-shot flush scheduled by L{emit} (and after a failed send); None when idle.
+        self._flush_call: Any = None
         self._acked_upto = 0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -125,16 +127,27 @@ class EventOutbox(Service):
 
     def startService(self) -> None:
         super().startService()
-        self._loop = LoopingCall(self.flush)
-        self._loop.clock = self._reactor
-        self._loop.start(self.flush_interval, now=False)
+        self._schedule()
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        self._loop = None
+        self._cancel_flush()
         return self.drained()
+
+    def _schedule(self) -> None:
+        """Flush in C{flush_interval} seconds, unless a flush is scheduled or nothing waits."""
+        if self._flush_call is not None or not self._queue or not self.running:
+            return
+        self._flush_call = self._reactor.callLater(self.flush_interval, self._flush_due)
+
+    def _flush_due(self) -> None:
+        self._flush_call = None
+        self.flush()
+
+    def _cancel_flush(self) -> None:
+        call, self._flush_call = self._flush_call, None
+        if call is not None and call.active():
+            call.cancel()
 
     def drained(self) -> Deferred[None]:
         if self._log is None or self._log.idle:
@@ -162,6 +175,8 @@ class EventOutbox(Service):
             )
         if len(self._queue) >= BATCH_MAX:
             self.flush()
+        else:
+            self._schedule()
 
     @property
     def depth(self) -> int:
@@ -178,17 +193,24 @@ class EventOutbox(Service):
         pass
 
     def flush(self) -> None:
-        """Send the next batch if connected and none is awaiting confirmation."""
+        """
+        Send the next batch if connected and none is awaiting confirmation. Not connected: the
+        next connect flushes (L{session_opened}); a send refused while connected is tried again
+        in C{flush_interval}.
+        """
+        self._cancel_flush()
         if self._inflight or not self._queue or not self.session.connected:
             return
         batch = [item for _, item in zip(range(BATCH_MAX), self._queue, strict=False)]
         numbers = [n for n, _ in batch]
         if not self.session.send({"type": "event_batch", "events": [e for _, e in batch]}):
+            self._retry_later()
             return
         self._inflight = numbers
         confirm = self.session.confirm()
         if confirm is None:
             self._inflight = []
+            self._retry_later()
             return
         confirm.addCallbacks(self._delivered, self._lost, callbackArgs=(numbers,), errbackArgs=(numbers,))
 
@@ -211,6 +233,13 @@ class EventOutbox(Service):
     def _lost(self, f: Any, numbers: list[int]) -> None:
         if self._inflight == numbers:
             self._inflight = []
+            self._retry_later()
+
+    def _retry_later(self) -> None:
+        # Disconnected: session_opened flushes. Still connected (a refused send or confirm):
+        # try again later rather than leave the events waiting for the next connect.
+        if self.session.connected:
+            self._schedule()
 
     def _trim(self) -> None:
         while len(self._queue) > self.capacity:

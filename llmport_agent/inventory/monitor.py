@@ -4,11 +4,19 @@ L{GPUHealthMonitor}: the service that keeps GPU verdicts current.
 
  - B{Events.} With a source that has them (NVML), a loop waits for driver events
    (C{wait_events}) on the source's own watchdog threads, a short timeout at a time, and
-   goes around again at once: an Xid reaches the tracker within milliseconds. Each wait
+   goes around again at once: an Xid reaches the tracker within milliseconds. One wait
+   goes around C{wait_rounds} times on its thread before it comes back empty (about 30 s),
+   so a quiet GPU host does not wake the reactor twice a second; a stop ends it within one
+   short timeout. Each wait
    takes at most C{max_batch} events, and the reactor gets control back between two waits,
    so a burst of thousands is worked off in bounded steps without stalling anything.
  - B{Checks.} Every C{interval} seconds (and at once when an event asks for it) the
-   source reads its health figures (C{check_health}) through the blocking runner.
+   source reads its health figures (C{check_health}) through the blocking runner. While the
+   source cannot be used (no NVML library or driver: C{failing}), the next check waits for
+   the source's own next initialisation attempt (C{retry_in}: backing off to 30 minutes)
+   instead of waking every C{interval} for nothing.
+ - B{No library, no waits.} A wait that finds NVML unusable (C{unavailable}) is not
+   repeated: the first check that initialises NVML starts the waits again.
  - B{Transitions.} Verdict changes are drained from the tracker on the reactor thread and
    handed to C{on_transition} (events, heartbeat, inventory), logged once each.
  - B{Stopping.} C{stopService} stops the loop and waits for the wait in flight to return
@@ -18,12 +26,12 @@ L{GPUHealthMonitor}: the service that keeps GPU verdicts current.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -41,6 +49,7 @@ class GPUHealthMonitor(Service):
     @param runner: runs C{check_health} off the reactor thread.
     @param interval: seconds between health checks.
     @param wait_timeout_ms: how long one event wait may block (also bounds the stop).
+    @param wait_rounds: short waits one call makes on its thread before it returns empty.
     @param max_batch: the most events taken per wait.
     @param on_transition: called on the reactor thread for every verdict change.
     """
@@ -55,6 +64,7 @@ class GPUHealthMonitor(Service):
         *,
         interval: float = 10.0,
         wait_timeout_ms: int = 500,
+        wait_rounds: int = 60,
         max_batch: int = 100,
         on_transition: Callable[[Transition], None] | None = None,
     ) -> None:
@@ -64,9 +74,12 @@ class GPUHealthMonitor(Service):
         self._runner = runner
         self.interval = interval
         self.wait_timeout_ms = wait_timeout_ms
+        self.wait_rounds = max(1, wait_rounds)
+        #: Set at stop: the wait in flight returns after its current short wait.
+        self._stopping = threading.Event()
         self.max_batch = max(1, max_batch)
         self.on_transition = on_transition
-        self._loop: LoopingCall | None = None
+        self._check_call: Any = None
         self._next: Any = None
         self._waiting: Deferred[Any] | None = None
         self._checking: Deferred[Any] | None = None
@@ -141,24 +154,22 @@ class GPUHealthMonitor(Service):
 
     def startService(self) -> None:
         super().startService()
+        self._stopping = threading.Event()
         tracker = getattr(self.source, "tracker", None)
         if tracker is not None and hasattr(self._reactor, "callFromThread"):
             # Verdicts also change in snapshots taken by the inventory collector.
             tracker.notify = lambda: self._reactor.callFromThread(self.drain)
-        self._loop = LoopingCall(self.check_now)
-        self._loop.clock = self._reactor
-        self._loop.start(self.interval, now=True)
+        self.check_now()
         if self.events_enabled:
             self._schedule_wait(0)
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
+        self._stopping.set()
         tracker = getattr(self.source, "tracker", None)
         if tracker is not None:
             tracker.notify = None
-        if self._loop is not None and self._loop.running:
-            self._loop.stop()
-        self._loop = None
+        self._cancel_check()
         if self._next is not None and self._next.active():
             self._next.cancel()
         self._next = None
@@ -194,6 +205,7 @@ class GPUHealthMonitor(Service):
         if self._checking is not None:
             self._check_again = True
             return
+        self._cancel_check()
         self._check_again = False
         d = self._runner.run(self.source.check_health)
         self._checking = d
@@ -206,8 +218,31 @@ class GPUHealthMonitor(Service):
             self.drain()
             if self._check_again:
                 self.check_now()
+                return
+            self._schedule_check()
+            if self._events_state == "unavailable" and not getattr(self.source, "failing", False):
+                self._schedule_wait(0)  # NVML works now: listen for events again
 
         d.addBoth(done)
+
+    def _schedule_check(self) -> None:
+        """The next periodic check: C{interval} from now, or when the source tries again."""
+        if not self.running:
+            return
+        delay = self.interval
+        retry_in = getattr(self.source, "retry_in", None)
+        if getattr(self.source, "failing", False) and isinstance(retry_in, (int, float)):
+            delay = max(delay, float(retry_in))
+        self._check_call = self._reactor.callLater(delay, self._check_due)
+
+    def _check_due(self) -> None:
+        self._check_call = None
+        self.check_now()
+
+    def _cancel_check(self) -> None:
+        call, self._check_call = self._check_call, None
+        if call is not None and call.active():
+            call.cancel()
 
     # -- events
 
@@ -222,14 +257,17 @@ class GPUHealthMonitor(Service):
             return
         pool = getattr(self.source, "pool", None)
         wait: Callable[..., Any] = getattr(self.source, "wait_events")  # noqa: B009 - optional in the protocol
+        rounds, stopping = self.wait_rounds, self._stopping
         if isinstance(pool, WatchdogPool):
-            deadline = self.wait_timeout_ms / 1000.0 + float(getattr(self.source, "call_timeout", 10.0))
+            deadline = (
+                rounds * self.wait_timeout_ms / 1000.0 + float(getattr(self.source, "call_timeout", 10.0))
+            )
             d = run_deferred(
-                self._reactor, pool, wait, self.wait_timeout_ms, self.max_batch,
+                self._reactor, pool, wait, self.wait_timeout_ms, self.max_batch, rounds, stopping,
                 deadline=deadline, label="nvmlEventSetWait",
             )
         else:
-            d = self._runner.run(wait, self.wait_timeout_ms, self.max_batch)
+            d = self._runner.run(wait, self.wait_timeout_ms, self.max_batch, rounds, stopping)
         self._waiting = d
         self._wait_started = self._reactor.seconds()
         d.addCallbacks(self._waited, self._wait_failed)
@@ -250,7 +288,9 @@ class GPUHealthMonitor(Service):
         self.drain()
         if getattr(batch, "check", False):
             self.check_now()
-        if state == "unsupported":
+        if state == "unavailable":
+            pass  # nothing to wait for: the check that initialises NVML starts the waits
+        elif state == "unsupported":
             self._schedule_wait(300.0)  # look again later (GPUs may come back)
         elif state == "not_ready":
             self._schedule_wait(2.0)  # until the first check initialises the library

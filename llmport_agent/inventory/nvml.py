@@ -116,7 +116,21 @@ _CAUSE_SBE = 0  # NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS
 _CAUSE_DBE = 1  # NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR
 
 
+class _NoLibrary(OSError):
+    """C{libnvidia-ml.so.1} does not load (what pynvml calls NVML_ERROR_LIBRARY_NOT_FOUND)."""
+
+    value = 12  # _LIBRARY_NOT_FOUND
+
+
 def _import_pynvml() -> Any:
+    """
+    The bindings, imported only once the driver's library loads: a host without an NVIDIA
+    driver never imports them (about 2 MiB), and says why at each (backed-off) retry.
+    """
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError as e:
+        raise _NoLibrary(f"libnvidia-ml.so.1 does not load: {e}") from None
     return importlib.import_module("pynvml")
 
 
@@ -148,8 +162,10 @@ class EventBatch:
     """
     What one L{NVMLGPUSource.wait_events} call saw.
 
-    @ivar state: C{ok}; C{not_ready} (NVML not initialised yet); C{unsupported} (no device
-        offers events: rely on the periodic checks).
+    @ivar state: C{ok}; C{not_ready} (NVML not initialised yet); C{unavailable} (NVML cannot
+        be used: no library, no driver, initialisation failing; nothing to wait for until a
+        health check initialises it); C{unsupported} (no device offers events: rely on the
+        periodic checks).
     @ivar count: events handled.
     @ivar check: some event asks for an immediate health check.
     @ivar lost: the wait itself said a GPU is lost (back off, then check).
@@ -378,8 +394,15 @@ class NVMLGPUSource:
         return self._next_attempt if self._state == "failing" else None
 
     @property
+    def retry_in(self) -> float | None:
+        """Seconds until the next initialisation attempt while failing, else C{None}."""
+        if self._state != "failing" or self._next_attempt is None:
+            return None
+        return max(0.0, self._next_attempt - self._clock())
+
+    @property
     def events_state(self) -> str:
-        """C{ok}, C{not_ready} or C{unsupported} (see L{EventBatch})."""
+        """C{ok}, C{not_ready}, C{unavailable} or C{unsupported} (see L{EventBatch})."""
         return self._events_state
 
     # -- watchdog
@@ -947,11 +970,21 @@ class NVMLGPUSource:
 
     # -- events
 
-    def wait_events(self, timeout_ms: int = 500, max_events: int = 100) -> EventBatch:
+    def wait_events(
+        self,
+        timeout_ms: int = 500,
+        max_events: int = 100,
+        rounds: int = 1,
+        stop: threading.Event | None = None,
+    ) -> EventBatch:
         """
         Wait up to C{timeout_ms} for driver events, then take what else is queued, up to
         C{max_events}, and feed them to the tracker. Blocks: run it on its own thread.
         Creates and registers the event set on first use (and after NVML re-initialises).
+
+        @param rounds: short waits to make while none brings an event (the thread goes
+            around instead of returning empty after each one).
+        @param stop: set by the caller to end the rounds after the current short wait.
         """
         es = self._ensure_event_set()
         if es is None:
@@ -961,12 +994,16 @@ class NVMLGPUSource:
         handled = 0
         check = False
         lost = False
+        left = max(1, rounds)
         while handled < max_events:
             try:
                 data = nvml.nvmlEventSetWait(es, timeout_ms if handled == 0 else 0)
             except nvml_error as e:
                 code = _code(e)
                 if code == _TIMEOUT:
+                    left -= 1
+                    if handled == 0 and left > 0 and not (stop is not None and stop.is_set()):
+                        continue  # quiet: wait again here, not via the reactor
                     break
                 if code == _GPU_IS_LOST:
                     lost = check = True
@@ -1009,7 +1046,7 @@ class NVMLGPUSource:
     def _ensure_event_set(self) -> Any:
         with self._events_lock:
             if not self._initialized:
-                self._events_state = "not_ready"
+                self._events_state = "unavailable" if self._state == "failing" else "not_ready"
                 return None
             if self._event_set is not None and self._event_session == self._session:
                 return self._event_set

@@ -7,6 +7,10 @@ A thread stuck inside a C call cannot be killed or interrupted. So:
 
  - every job runs on a B{daemon} thread, which never keeps the process from exiting (a
    Twisted C{ThreadPool} joins its threads at stop, and would hang the agent's shutdown);
+ - threads are kept and reused: a job goes to an idle worker when there is one, and a new
+   worker starts only when every worker is busy (so a loop of calls, such as the GPU event
+   wait, runs on the same thread each time instead of starting one per call); an idle
+   worker sleeps on its queue and wakes for nothing else;
  - a job that runs past its deadline is I{stuck}: the caller stops waiting for it (and says
    which call hung), the thread is left alone, and it counts against the pool's bound until
    it returns by itself;
@@ -18,6 +22,7 @@ C{synchronous=True} runs jobs inline on the caller's thread (deterministic unit 
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -92,7 +97,12 @@ class WatchdogPool:
         self._clock = clock
         self._lock = threading.Lock()
         self._alive: set[Job[Any]] = set()
+        #: The queues of idle workers (each worker thread owns one and blocks on it).
+        self._idle: list[queue.SimpleQueue[Any]] = []
         self._counter = 0
+        #: Worker threads started, ever (tests, diagnostics).
+        self.threads_started = 0
+        self._closed = False
         #: Calls that ran past their deadline, ever (for diagnostics and metrics).
         self.timed_out_total = 0
 
@@ -143,10 +153,15 @@ class WatchdogPool:
                     f"({stuck} past their deadline); not starting {job.label} until they return"
                 )
             self._alive.add(job)
+            if self._idle:
+                self._idle.pop().put((job, fn, args))
+                return job
             self._counter += 1
             number = self._counter
+        inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        inbox.put((job, fn, args))
         thread = threading.Thread(
-            target=self._run, args=(job, fn, args), name=f"{self.name}-{number}", daemon=True
+            target=self._work, args=(inbox,), name=f"{self.name}-{number}", daemon=True
         )
         try:
             thread.start()
@@ -154,14 +169,34 @@ class WatchdogPool:
             with self._lock:
                 self._alive.discard(job)
             raise
+        self.threads_started += 1
         return job
 
-    def _run(self, job: Job[T], fn: Callable[..., T], args: tuple[Any, ...]) -> None:
-        try:
-            self._execute(job, fn, args)
-        finally:
-            with self._lock:
-                self._alive.discard(job)
+    def _work(self, inbox: queue.SimpleQueue[Any]) -> None:
+        """A worker: run what arrives on C{inbox}, then wait there again (C{None} ends it)."""
+        while True:
+            item = inbox.get()
+            if item is None:
+                return
+            job, fn, args = item
+            try:
+                self._execute(job, fn, args)
+            finally:
+                with self._lock:
+                    self._alive.discard(job)
+                    keep = not self._closed
+                    if keep:
+                        self._idle.append(inbox)
+            if not keep:
+                return
+
+    def close(self) -> None:
+        """End the idle workers (busy ones, hung ones included, end when their job returns)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for inbox in idle:
+            inbox.put(None)
 
     @staticmethod
     def _execute(job: Job[T], fn: Callable[..., T], args: tuple[Any, ...]) -> None:

@@ -10,7 +10,9 @@ L{DockerEngine} owns two docker-py clients and two L{PoolService}s:
 
 It tracks whether the engine answers (C{available}, C{last_error}, C{address}): a ping at
 start, and while the engine is down a ping with exponential backoff until it answers again.
-While it is up nothing polls it; a call that fails to connect marks it down.
+While it is up nothing polls it; a call that fails to connect marks it down. The pings go
+through one client made once (with a fixed API version, so making it needs no engine); the
+clients for calls are made once the engine's API version is known, and kept.
 
 Every failure leaves as a L{EngineError} (a L{CommandFailed} with code C{runtime_error})
 whose message names what was attempted, the engine address and the cause.
@@ -26,9 +28,10 @@ from typing import Any, TypeVar
 
 import docker
 import requests
+from docker.constants import MINIMUM_DOCKER_API_VERSION
 from docker.errors import APIError, DockerException
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.logger import Logger
 
 from ..commands.base import RUNTIME_ERROR, CommandFailed
@@ -233,6 +236,7 @@ class DockerEngine(Service):
         self.address: str = mask_url(
             str(self._client_kwargs.get("base_url") or default_address(socket_exists))
         )
+        self._socket_exists = socket_exists
         self.call_timeout = call_timeout
         self.stream_timeout = stream_timeout
         self._max_threads = max(1, min(max_threads, 10))
@@ -345,7 +349,13 @@ class DockerEngine(Service):
         self._probe_call = None
         if self._probing is not None or not self.running:
             return
-        d = self._short.run(self._invoke, "short", _probe_engine, ())
+        path = self._socket_path()
+        if path and not self._socket_exists(path):
+            # No socket, no engine: said without a thread (the probe of a node without
+            # dockerd wakes nothing but this timer).
+            d: Deferred[dict[str, Any]] = fail(FileNotFoundError(2, "No such file or directory", path))
+        else:
+            d = self._short.run(self._probeFacts)
         self._probing = d
 
         def _ok(facts: dict[str, Any]) -> None:
@@ -381,6 +391,11 @@ class DockerEngine(Service):
 
         d.addCallbacks(_ok, _bad)
 
+    def _socket_path(self) -> str:
+        """The engine's socket file for a C{unix://} address, else ""."""
+        base = str(self._client_kwargs.get("base_url") or self.address)
+        return base[len("unix://"):] if base.startswith("unix://") else ""
+
     def checkNow(self) -> None:
         """Ping the engine soon (e.g. after a call failed to connect)."""
         self._scheduleProbe(0)
@@ -415,22 +430,40 @@ class DockerEngine(Service):
         self._calls += 1
         return response
 
-    def _client(self, kind: str) -> docker.DockerClient:
+    def _client(self, kind: str, api_version: str = "") -> docker.DockerClient:
         with self._client_lock:
             client = self._clients.get(kind)
             if client is not None:
                 return client
         kwargs = dict(self._client_kwargs)
         kwargs.setdefault("base_url", self.address)
-        kwargs["version"] = "auto"
-        kwargs["timeout"] = self.call_timeout if kind == "short" else self.stream_timeout
-        kwargs["max_pool_size"] = self._max_threads if kind == "short" else self._stream_threads
-        self._calls += 1  # version negotiation
+        if kind == "probe":
+            # Made once, even while the engine is down: a fixed version needs no answer (a
+            # version of "auto" asks the engine, and fails, at every attempt). It only makes
+            # the unversioned version call, which every engine answers.
+            kwargs["version"] = MINIMUM_DOCKER_API_VERSION
+            kwargs["timeout"] = self.call_timeout
+            kwargs["max_pool_size"] = 1
+        else:
+            # The version the probe read (the engine's), else negotiated by docker-py.
+            api_version = api_version or self.api_version
+            kwargs["version"] = api_version or "auto"
+            if not api_version:
+                self._calls += 1  # version negotiation
+            kwargs["timeout"] = self.call_timeout if kind == "short" else self.stream_timeout
+            kwargs["max_pool_size"] = self._max_threads if kind == "short" else self._stream_threads
         client = self._client_factory(**kwargs)
         try:
             client.api.hooks["response"].append(self._countRequest)
         except (AttributeError, KeyError, TypeError):
             pass
+        if str(kwargs["base_url"]).startswith(("unix://", "npipe://")):
+            # requests would read ~/.netrc (and the proxy variables) again at every request:
+            # neither applies to a local socket.
+            try:
+                client.api.trust_env = False
+            except AttributeError:
+                pass
         with self._client_lock:
             existing = self._clients.get(kind)
             if existing is not None:
@@ -438,6 +471,15 @@ class DockerEngine(Service):
                 return existing
             self._clients[kind] = client
         return client
+
+    def _probeFacts(self) -> dict[str, Any]:
+        """
+        Thread function: the engine's version (unversioned call, on the probe client: this is
+        the ping), then its info on the call client, made with that version.
+        """
+        version = self._client("probe").api.version(api_version=False)
+        api_version = str(version.get("ApiVersion", ""))
+        return _probe_engine(self._client("short", api_version), version)
 
     def _invoke(self, kind: str, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         return fn(self._client(kind), *args)
@@ -530,12 +572,9 @@ class DockerEngine(Service):
         return d
 
 
-def _probe_engine(client: docker.DockerClient) -> dict[str, Any]:
-    """Thread function: ping and read the engine's version and runtimes."""
-    api = client.api
-    api.ping()
-    version = api.version()
-    info = api.info()
+def _probe_engine(client: docker.DockerClient, version: Mapping[str, Any]) -> dict[str, Any]:
+    """Thread function: the engine's facts from its C{version} answer and its info."""
+    info = client.api.info()
     runtimes = sorted((info.get("Runtimes") or {}).keys())
     return {
         "engine": engine_kind(version),

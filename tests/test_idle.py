@@ -1,0 +1,411 @@
+"""
+Quiet at idle (issue 27): every timer earns its wake-up and no thread is started per attempt.
+
+Each test drives one behaviour with a task.Clock over hours of reactor time and counts what
+ran: a timer put back at its old period (the outbox's 0.5 s flush, the 1 s lateness probe,
+the 2 s GPU event retry, the 10 s health check without NVML, the web site's 1 s date) or a
+thread started per call turns it red.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmport_agent.events.outbox import EventOutbox
+from llmport_agent.inventory import nvml
+from llmport_agent.inventory.fakes import h100_node
+from llmport_agent.inventory.monitor import GPUHealthMonitor
+from llmport_agent.inventory.nvml import NVMLGPUSource
+from llmport_agent.inventory.watchdog import WatchdogPool
+from llmport_agent.metrics import ReactorLatenessProbe
+from llmport_agent.ops import OpsService
+from llmport_agent.reporting import HeartbeatReporter
+from llmport_agent.sdnotify import Notifier, NotifyService
+from llmport_agent.testing import FakeSession, SynchronousRunner
+from llmport_agent.workloads.engine import DockerEngine
+
+HOUR = 3600.0
+
+
+def advance(clock: Clock, seconds: float, step: float = 0.25) -> None:
+    """Move the clock on in small steps (every timer due on the way runs at its time)."""
+    for _ in range(int(seconds / step)):
+        clock.advance(step)
+
+
+class _NoLibrary(Exception):
+    """What pynvml raises without libnvidia-ml (NVML_ERROR_LIBRARY_NOT_FOUND)."""
+
+    value = 12
+
+
+class _CountingSource(NVMLGPUSource):
+    """An NVML source that counts the waits and checks the monitor asks for."""
+
+    waits = 0
+    checks = 0
+
+    def wait_events(self, *args: Any, **kwargs: Any) -> Any:
+        self.waits += 1
+        return super().wait_events(*args, **kwargs)
+
+    def check_health(self) -> None:
+        self.checks += 1
+        super().check_health()
+
+
+class NoNVMLTests(SynchronousTestCase):
+    """A host without libnvidia-ml: NVML is unusable until the library appears, looked at rarely."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.library = False
+        self.node = h100_node()
+        self.node.wait_mode = "immediate"
+
+        def importer() -> Any:
+            if not self.library:
+                raise _NoLibrary("NVML Shared Library Not Found")
+            return self.node
+
+        self.source = _CountingSource(
+            None, self.clock.seconds, importer=importer, pool=WatchdogPool("t", synchronous=True)
+        )
+        self.monitor = GPUHealthMonitor(self.clock, self.source, SynchronousRunner(), interval=10)
+        self.monitor.startService()
+        self.addCleanup(self.monitor.stopService)
+
+    def test_no_event_wait_retries_without_the_library(self) -> None:
+        """Before: a wait every 2 s for ever (1800 an hour). Now: the first one only."""
+        advance(self.clock, HOUR, step=1)
+        self.assertEqual(self.source.events_state, "unavailable")
+        self.assertLessEqual(self.source.waits, 2)
+        self.assertEqual(self.monitor.metrics()["events"], "unavailable")
+
+    def test_health_checks_back_off_with_the_library_retries(self) -> None:
+        """Before: a check every 10 s (360 an hour). Now: when NVML would try again (30 s doubling)."""
+        advance(self.clock, HOUR, step=1)
+        # 30, 60, 120, 240, 480, 960, 1800 s: 8 checks in the first hour with the first one.
+        self.assertLessEqual(self.source.checks, 10)
+        self.assertTrue(self.source.failing)
+        checks = self.source.checks
+        advance(self.clock, 2 * HOUR, step=5)
+        self.assertLessEqual(self.source.checks - checks, 5)  # capped at one per 30 minutes
+
+    def test_library_appears(self) -> None:
+        """A driver installed later: the next check initialises NVML and the event waits resume."""
+        advance(self.clock, 100, step=1)
+        self.assertEqual(self.source.events_state, "unavailable")
+        self.library = True
+        advance(self.clock, 1900, step=1)  # within the back-off (at most 30 minutes)
+        self.assertFalse(self.source.failing)
+        self.assertEqual(self.source.events_state, "ok")
+        waits = self.source.waits
+        advance(self.clock, 10, step=0.5)
+        self.assertGreater(self.source.waits, waits)  # listening again
+
+
+class QuietGPUEventWaitTests(SynchronousTestCase):
+    """
+    On a GPU host, one event wait goes around on its thread (C{wait_rounds} short waits, about
+    30 s) instead of coming back to the reactor empty twice a second.
+    """
+
+    def source(self) -> tuple[Any, NVMLGPUSource]:
+        node = h100_node()
+        node.wait_mode = "immediate"  # no event: each short wait times out at once
+        source = NVMLGPUSource(node, pool=WatchdogPool("t", synchronous=True))
+        source.snapshot()
+        return node, source
+
+    def test_rounds_on_the_thread(self) -> None:
+        node, source = self.source()
+        batch = source.wait_events(500, 100, 60)
+        self.assertEqual((batch.state, batch.count), ("ok", 0))
+        self.assertEqual(node.called("nvmlEventSetWait"), 60)
+
+    def test_an_event_ends_the_rounds(self) -> None:
+        node, source = self.source()
+        source.wait_events(500, 100, 1)  # registers the event set
+        before = node.called("nvmlEventSetWait")
+        node.inject_xid(1, 79)
+        batch = source.wait_events(500, 100, 60)
+        self.assertEqual(batch.count, 1)
+        self.assertLessEqual(node.called("nvmlEventSetWait") - before, 2)  # the event, then "no more"
+
+    def test_stop_ends_the_rounds(self) -> None:
+        node, source = self.source()
+        source.wait_events(500, 100, 1)
+        before = node.called("nvmlEventSetWait")
+        stop = threading.Event()
+        stop.set()
+        source.wait_events(500, 100, 60, stop)
+        self.assertEqual(node.called("nvmlEventSetWait") - before, 1)
+
+    def test_monitor_asks_for_the_rounds_and_stops_them(self) -> None:
+        seen: list[tuple[Any, ...]] = []
+
+        class Spy(NVMLGPUSource):
+            def wait_events(self, *args: Any, **kwargs: Any) -> Any:
+                seen.append(args)
+                return super().wait_events(*args, **kwargs)
+
+        node = h100_node()
+        node.wait_mode = "immediate"
+        clock = Clock()
+        monitor = GPUHealthMonitor(clock, Spy(node, pool=WatchdogPool("t", synchronous=True)),
+                                   SynchronousRunner())
+        monitor.startService()
+        clock.advance(0)
+        stop = seen[0][3]
+        self.assertEqual(seen[0][:3], (500, 100, 60))
+        self.assertFalse(stop.is_set())
+        monitor.stopService()
+        self.assertTrue(stop.is_set())
+
+
+class NoBindingsImportTests(SynchronousTestCase):
+    """Without libnvidia-ml the NVML bindings (pynvml, about 2 MiB) are not imported at all."""
+
+    def test_library_checked_before_the_import(self) -> None:
+        imported: list[str] = []
+
+        def no_library(name: str) -> Any:
+            raise OSError(f"{name}: cannot open shared object file")
+
+        self.patch(nvml.ctypes, "CDLL", no_library)
+        self.patch(nvml.importlib, "import_module", lambda name: imported.append(name))
+        source = NVMLGPUSource(pool=WatchdogPool("t", synchronous=True))
+        snapshot = source.snapshot()
+        self.assertEqual(imported, [])
+        self.assertIn("libnvidia-ml.so.1", snapshot.gpu_error)
+        self.assertIn("no NVIDIA driver is installed", snapshot.gpu_error)
+
+    def test_imported_once_the_library_loads(self) -> None:
+        imported: list[str] = []
+        self.patch(nvml.ctypes, "CDLL", lambda name: object())
+        self.patch(nvml.importlib, "import_module", lambda name: imported.append(name) or h100_node())
+        source = NVMLGPUSource(pool=WatchdogPool("t", synchronous=True))
+        source.snapshot()
+        self.assertEqual(imported, ["pynvml"])
+        self.assertFalse(source.failing)
+
+
+class WatchdogThreadTests(SynchronousTestCase):
+    """Calls on the watchdog pool reuse its threads: no thread per call."""
+
+    def test_sequential_calls_share_one_thread(self) -> None:
+        pool = WatchdogPool("reuse", max_threads=4)
+        self.addCleanup(pool.close)
+        names = []
+        for _ in range(50):
+            job = pool.submit(lambda: threading.current_thread().name, deadline=10)
+            names.append(job.future.result(timeout=10))
+        self.assertEqual(pool.threads_started, 1)
+        self.assertEqual(set(names), {"reuse-1"})
+
+    def test_concurrent_calls_are_bounded_and_reused(self) -> None:
+        pool = WatchdogPool("wide", max_threads=3)
+        self.addCleanup(pool.close)
+        for _ in range(5):
+            gate = threading.Event()
+            jobs = [pool.submit(gate.wait, 10, deadline=10) for _ in range(3)]
+            gate.set()
+            for job in jobs:
+                job.future.result(timeout=10)
+        self.assertEqual(pool.threads_started, 3)
+
+    def test_close_ends_idle_workers(self) -> None:
+        pool = WatchdogPool("closing", max_threads=2)
+        pool.submit(lambda: None, deadline=10).future.result(timeout=10)
+        worker = next(t for t in threading.enumerate() if t.name == "closing-1")
+        pool.close()
+        worker.join(10)
+        self.assertFalse(worker.is_alive())
+
+
+class OutboxTimerTests(SynchronousTestCase):
+    """The event outbox schedules nothing while there is nothing to send."""
+
+    def make(self) -> tuple[Clock, FakeSession, EventOutbox]:
+        d = self.mktemp()
+        os.makedirs(d)
+        clock, session = Clock(), FakeSession()
+        box = EventOutbox(clock, SynchronousRunner(), os.path.join(d, "events.jsonl"), session)
+        self.successResultOf(box.load())
+        box.startService()
+        self.addCleanup(box.stopService)
+        return clock, session, box
+
+    def test_empty_outbox_has_no_timer(self) -> None:
+        clock, session, box = self.make()
+        box.session_opened()
+        self.assertEqual(clock.getDelayedCalls(), [])
+        clock.advance(HOUR)
+        self.assertEqual(session.frames, [])
+
+    def test_emit_schedules_one_flush_then_nothing(self) -> None:
+        clock, session, box = self.make()
+        box.emit("a", {})
+        box.emit("b", {})
+        [call] = clock.getDelayedCalls()
+        self.assertAlmostEqual(call.getTime(), 0.5)
+        clock.advance(0.5)
+        [frame] = session.of_type("event_batch")
+        self.assertEqual([e["event_type"] for e in frame["events"]], ["a", "b"])
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_lost_batch_goes_again_at_the_next_connect(self) -> None:
+        clock, session, box = self.make()
+        session.auto_confirm = False
+        box.emit("a", {})
+        clock.advance(0.5)
+        session.disconnect()
+        self.assertEqual(clock.getDelayedCalls(), [])  # nothing to do until a connect
+        clock.advance(HOUR)
+        session.connected = True
+        session.auto_confirm = True
+        box.session_opened()
+        self.assertEqual(len(session.of_type("event_batch")), 2)
+        self.assertEqual(box.depth, 0)
+
+    def test_refused_send_while_connected_is_retried(self) -> None:
+        clock, session, box = self.make()
+        refused = [True]
+        send = session.send
+        session.send = lambda frame: False if refused[0] else send(frame)  # type: ignore[method-assign]
+        box.emit("a", {})
+        clock.advance(0.5)
+        self.assertEqual(len(clock.getDelayedCalls()), 1)
+        refused[0] = False
+        clock.advance(0.5)
+        self.assertEqual(len(session.of_type("event_batch")), 1)
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+
+class LatenessProbeTests(SynchronousTestCase):
+    """The reactor lateness probe measures the heartbeat's ticks, not a timer of its own."""
+
+    def test_no_own_wake_ups_while_heartbeats_run(self) -> None:
+        clock = Clock()
+        probe = ReactorLatenessProbe(clock)
+        probe.startService()
+        self.addCleanup(probe.stopService)
+        session = FakeSession()
+        heartbeat = HeartbeatReporter(clock, session, 15, lambda: {"status": "healthy"},
+                                      on_lateness=probe.observe)
+        heartbeat.startService()
+        self.addCleanup(heartbeat.stopService)
+        probe.session_opened()
+        heartbeat.session_opened()
+        self.assertEqual(len(clock.getDelayedCalls()), 1)  # the heartbeat's loop only
+        advance(clock, HOUR, step=0.5)
+        ticks = len(session.of_type("heartbeat"))
+        self.assertEqual(ticks, 241)
+        # Every observation is a heartbeat tick (the first has no expected time): none of its own.
+        self.assertEqual(probe.observed, ticks - 1)
+
+    def test_own_timer_only_while_disconnected(self) -> None:
+        clock = Clock()
+        probe = ReactorLatenessProbe(clock)
+        probe.startService()
+        self.addCleanup(probe.stopService)
+        advance(clock, HOUR, step=0.5)
+        self.assertEqual(probe.observed, 60)  # once a minute, not once a second
+        clock.advance(65)  # due at 3660, runs at 3665
+        self.assertAlmostEqual(probe.take_max(), 5.0)
+        probe.session_opened()
+        self.assertEqual(clock.getDelayedCalls(), [])
+        observed = probe.observed
+        clock.advance(HOUR)
+        self.assertEqual(probe.observed, observed)
+        probe.session_closed()
+        advance(clock, 600, step=1)
+        self.assertEqual(probe.observed, observed + 10)
+
+
+class OpsSiteTimerTests(SynchronousTestCase):
+    """The ops endpoint's web site keeps no access-log date timer (its log never reads it)."""
+
+    def test_no_date_timer(self) -> None:
+        clock = MemoryReactorClock()
+        ops = OpsService(clock, agent=object(), port=9464)
+        ops.startService()
+        self.addCleanup(ops.stopService)
+        site = ops.site
+        assert site is not None
+        site.doStart()  # what the listening port does when it starts
+        self.addCleanup(site.doStop)
+        self.assertEqual(clock.getDelayedCalls(), [])
+        clock.advance(60)
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+
+class SystemdStatusTests(SynchronousTestCase):
+    """Under systemd the status line rides on the watchdog's pings: no 5 s status timer."""
+
+    def test_status_on_pings_and_connects_only(self) -> None:
+        clock = Clock()
+        sent: list[str] = []
+        notifier = Notifier({"NOTIFY_SOCKET": "/run/test/notify", "WATCHDOG_USEC": "60000000"}, pid=1)
+        self.patch(notifier, "notify", lambda *parts: sent.append("\n".join(parts)) or True)
+        status = {"text": "connecting, node -"}
+        svc = NotifyService(clock, notifier, lambda: status["text"])
+        svc.startService()
+        self.addCleanup(svc.stopService)
+        svc.ready()
+        self.assertEqual(len(clock.getDelayedCalls()), 1)  # the watchdog's loop, nothing else
+        status["text"] = "connected, node n-1"
+        svc.session_opened()  # said at once
+        self.assertEqual(sent[-1], "STATUS=connected, node n-1")
+        status["text"] = "connected, node n-1, 1 commands running"
+        clock.advance(30)  # the next ping looks at the line
+        self.assertEqual(sent[-2:], ["WATCHDOG=1", "STATUS=connected, node n-1, 1 commands running"])
+        before = len(sent)
+        advance(clock, HOUR, step=1)
+        self.assertEqual(len(sent) - before, 120)  # pings only: the line did not change
+
+    def test_without_watchdog_every_30_s(self) -> None:
+        clock = Clock()
+        notifier = Notifier({"NOTIFY_SOCKET": "/run/test/notify"}, pid=1)
+        looked: list[int] = []
+        svc = NotifyService(clock, notifier, lambda: str(looked.append(1)))
+        svc.startService()
+        self.addCleanup(svc.stopService)
+        svc.ready()
+        advance(clock, HOUR, step=1)
+        self.assertEqual(len(looked), 1 + 120)
+
+
+class NoEngineSocketTests(SynchronousTestCase):
+    """No engine socket: the probe says so without a thread (the timer is its only wake-up)."""
+
+    def test_probe_without_a_socket_uses_no_thread(self) -> None:
+        from tests.test_workloads_engine import ADDR, FakeDocker, SyncPool
+
+        clock, fake = Clock(), FakeDocker()
+        exists = [False]
+        engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake,
+                              socket_exists=lambda path: exists[0] and path == ADDR[len("unix://"):])
+        pool = SyncPool()
+        engine._short = pool  # type: ignore[assignment]
+        engine._streams = SyncPool()  # type: ignore[assignment]
+        engine.startService()
+        self.addCleanup(engine.stopService)
+        advance(clock, HOUR, step=1)
+        self.assertFalse(engine.available)
+        self.assertEqual(
+            engine.last_error,
+            f"Docker engine at {ADDR} is unreachable: the socket does not exist (is dockerd running?)",
+        )
+        self.assertEqual((pool.calls, fake.created), (0, 0))
+        exists[0] = True  # dockerd started
+        advance(clock, 31, step=1)
+        self.assertTrue(engine.available)
+        self.assertEqual(pool.calls, 1)
