@@ -376,6 +376,56 @@ class BodyReceiverTests(SynchronousTestCase):
         self.assertEqual(clock.getDelayedCalls(), [])
 
 
+class WritebackTests(SynchronousTestCase):
+    """L{_fs.start_writeback}: a hint that never fails a write."""
+
+    def test_refused_once_not_asked_again(self) -> None:
+        """A file system that refuses C{sync_file_range} (EINVAL) is not asked again."""
+        import ctypes
+        import errno
+
+        calls: list[tuple[int, int, int, int]] = []
+
+        def refusing(fd: int, offset: int, length: int, flags: int) -> int:
+            calls.append((fd, offset, length, flags))
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+
+        self.patch(_fs, "_sync_file_range", refusing)
+        _fs.start_writeback(5, 0, 100)
+        _fs.start_writeback(5, 100, 100)
+        self.assertEqual(calls, [(5, 0, 100, 2)])
+        self.assertIs(_fs._sync_file_range, False)
+
+    def test_other_errors_keep_it(self) -> None:
+        """A transient error (EIO: the fsync at the end reports it) leaves the hint on."""
+        import ctypes
+        import errno
+
+        calls: list[int] = []
+
+        def failing(fd: int, offset: int, length: int, flags: int) -> int:
+            calls.append(offset)
+            ctypes.set_errno(errno.EIO)
+            return -1
+
+        self.patch(_fs, "_sync_file_range", failing)
+        _fs.start_writeback(5, 0, 100)
+        _fs.start_writeback(5, 100, 100)
+        self.assertEqual(calls, [0, 100])
+
+    def test_real_call_on_a_file(self) -> None:
+        """The real libc call on a regular file: the bytes stay as written."""
+        path = self.mktemp()
+        with open(path, "wb") as f:
+            f.write(b"x" * 8192)
+            f.flush()
+            _fs.start_writeback(f.fileno(), 0, 8192)
+            _fs.start_writeback(f.fileno(), 0, 0)
+        with open(path, "rb") as f:
+            self.assertEqual(f.read(), b"x" * 8192)
+
+
 class RangesTests(SynchronousTestCase):
     """The byte-range set behind resume and segment hand-out."""
 
@@ -865,6 +915,34 @@ class _LoopbackSync:
         await self.syncer().sync(manifest, lambda *a, **k: None)
         self.assertEqual(sorted(synced), sorted(b["hash"] + ".part" for b in manifest["blobs"]))
         self.assertValidCache(manifest, files)
+
+    async def test_writeback_started_behind_every_batch(self) -> None:
+        """
+        Every byte written to a part file has its writeback started once, right behind its
+        batch (C{sync_file_range(SYNC_FILE_RANGE_WRITE)} of exactly the written range), so the
+        fsync at the end finds little left to write.
+        """
+        files = _files(big_mb=4)
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        started: dict[str, list[tuple[int, int]]] = {}
+
+        def recording(fd: int, offset: int, length: int, flags: int) -> int:
+            self.assertEqual(flags, 2)  # SYNC_FILE_RANGE_WRITE: start, do not wait
+            target = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+            started.setdefault(target, []).append((offset, offset + length))
+            return 0
+
+        self.patch(_fs, "_sync_file_range", recording)
+        await self.syncer().sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, files)
+        self.assertEqual(sorted(started), sorted(b["hash"] + ".part" for b in manifest["blobs"]))
+        for blob in manifest["blobs"]:
+            ranges = sorted(started[blob["hash"] + ".part"])
+            pos = 0
+            for a, b in ranges:
+                self.assertEqual(a, pos, f"writeback of {blob['hash']} has a gap or overlap")
+                pos = b
+            self.assertEqual(pos, blob["size"])
 
     async def test_resume_after_drop(self) -> None:
         """A connection dropped mid-blob is resumed with Range from where it stopped."""

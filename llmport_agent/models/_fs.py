@@ -518,6 +518,43 @@ def _fallocate(fd: int, size: int) -> bool:
     return False
 
 
+#: C{sync_file_range(2)} flag: start writing the range's dirty pages back, without waiting.
+_SYNC_FILE_RANGE_WRITE = 2
+#: The libc function once looked up: C{None} until then, C{False} where there is none (or the
+#: file system refused it once: no later file is asked again).
+_sync_file_range: Any = None
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """
+    Ask the kernel to start writing bytes C{[offset, offset + length)} of C{fd} to the disk
+    now, without waiting for it (Linux C{sync_file_range(SYNC_FILE_RANGE_WRITE)}).
+
+    A blob's bytes otherwise sit dirty in the page cache until the one C{fsync} at its end,
+    which then writes the whole blob while the sync waits (about a quarter second per GiB on
+    a fast disk, more on a slow one). Started behind each batch, the writeback overlaps the
+    download, and that C{fsync} - still the only durability guarantee - finds little left to
+    do. A hint only: where the call is missing or refused nothing changes (the C{fsync}
+    catches any write error).
+    """
+    global _sync_file_range
+    fn = _sync_file_range
+    if fn is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = False
+        _sync_file_range = fn
+    if fn is False or length <= 0:
+        return
+    if fn(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0 and ctypes.get_errno() in (
+        errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP
+    ):
+        _sync_file_range = False
+
+
 def preallocate(fd: int, size: int) -> None:
     """Give the part file its final size, reserving the disk where the file system can."""
     if size <= 0:
@@ -608,7 +645,10 @@ def reset_part(part: PartFile) -> None:
 
 
 def write_batch(part: PartFile, offset: int, chunks: list[bytes]) -> int:
-    """Write C{chunks} at C{offset} with as few C{pwritev} calls as the kernel allows."""
+    """
+    Write C{chunks} at C{offset} with as few C{pwritev} calls as the kernel allows, and
+    start their writeback to the disk (L{start_writeback}).
+    """
     fd = part.fd
     assert fd is not None, "part file is closed"
     total = 0
@@ -625,6 +665,7 @@ def write_batch(part: PartFile, offset: int, chunks: list[bytes]) -> int:
             pending.pop(0)
         if n:
             pending[0] = memoryview(pending[0])[n:]
+    start_writeback(fd, offset, total)
     return total
 
 
