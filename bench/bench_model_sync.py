@@ -17,15 +17,19 @@ same run, through the same harness, against the same server. Per run and size:
  - heartbeat lateness meanwhile: a 1 s LoopingCall (the heartbeat's shape) and a 10 ms
    probe in the client process, p99 (ms);
  - CPU seconds per GiB of the client (reactor thread and worker threads), of the server,
-   and of curl: on a loaded machine these say more than wall-clock rates;
- - the load average around each measurement.
+   and of curl (with the server's share while curl ran): on a loaded machine these say
+   more than wall-clock rates;
+ - the load average around each measurement;
+ - a SUMMARY line per setting: the median of the runs' sync / min(curl, sha256) and the
+   CPU seconds per GiB of the agent and of curl.
 
 ``--rate-mbps N`` makes the server limit each response to N MB/s (a link or proxy that
 limits each connection): where ranged connections are meant to help.
 
 Usage::
 
-    python3 bench/bench_model_sync.py                                  # 1 GiB and 4 GiB, 3 runs
+    python3 bench/bench_model_sync.py                                  # 1 GiB and 4 GiB, 5 runs
+    python3 bench/bench_model_sync.py --sizes 1024 --shards 0 --connections 0   # the issue's figure
     git worktree add --detach /tmp/main-tree main
     python3 bench/bench_model_sync.py --baseline-tree /tmp/main-tree --sizes 1024
     python3 bench/bench_model_sync.py --sizes 1024 --rate-mbps 200 --connections 1,4
@@ -311,11 +315,12 @@ class Bench:
             self.server.kill()
             self.server.wait()
 
-    def curl(self, model_id: str) -> tuple[float, float]:
-        """curl of every blob of the model one after the other: (MB/s, CPU s)."""
+    def curl(self, model_id: str) -> tuple[float, float, float]:
+        """curl of every blob of the model one after the other: (MB/s, CPU s, server CPU s)."""
         curl = shutil.which("curl")
         if curl is None:
-            return float("nan"), float("nan")
+            return float("nan"), float("nan"), float("nan")
+        server0 = self.server_cpu()
         out = os.path.join(self.work, "curl.out")
         total = 0
         elapsed = 0.0
@@ -335,7 +340,7 @@ class Bench:
         cpu = (after.children_user - before.children_user) + (
             after.children_system - before.children_system
         )
-        return total / elapsed / 1e6, cpu
+        return total / elapsed / 1e6, cpu, self.server_cpu() - server0
 
     def sha256(self, model_id: str) -> float:
         """sha256 of every blob's bytes (from the page cache), MB/s."""
@@ -382,12 +387,14 @@ def report_model(b: Bench, model_id: str, label: str, trees: list[tuple[str, str
     gib = size / 2**30
     curl: list[float] = []
     curl_cpu: list[float] = []
+    curl_server_cpu: list[float] = []
     sha: list[float] = []
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in trees}
     for i in range(args.repeat):
-        c, cc = b.curl(model_id)
+        c, cc, cs = b.curl(model_id)
         curl.append(c)
         curl_cpu.append(cc / gib)
+        curl_server_cpu.append(cs / gib)
         sha.append(b.sha256(model_id))
         line = f"  run {i + 1}: curl {c:.0f} MB/s, sha256 {sha[-1]:.0f} MB/s"
         for name, tree, connections in trees:
@@ -400,6 +407,8 @@ def report_model(b: Bench, model_id: str, label: str, trees: list[tuple[str, str
           f"{args.repeat} runs; median (min .. max)")
     print(f"  {'curl to a file, MB/s':<46}{spread(curl)}")
     print(f"  {'  curl CPU s/GiB':<46}{spread(curl_cpu, '{:8.2f}')}")
+    print(f"  {'  curl + server CPU s/GiB':<46}"
+          f"{spread([c + s for c, s in zip(curl_cpu, curl_server_cpu, strict=True)], '{:8.2f}')}")
     print(f"  {'sha256 of the same bytes, MB/s':<46}{spread(sha)}")
     for name, _, _ in trees:
         rs = runs[name]
@@ -416,8 +425,20 @@ def report_model(b: Bench, model_id: str, label: str, trees: list[tuple[str, str
                   statistics.median(r["cpu_reactor"] / gib for r in rs),
                   statistics.median(r["cpu_workers"] / gib for r in rs),
                   statistics.median(r["server_cpu"] / gib for r in rs)))
+        agent_cpu = [(r["cpu_reactor"] + r["cpu_workers"]) / gib for r in rs]
+        print(f"  {'  agent CPU s/GiB (vs curl above)':<46}{spread(agent_cpu, '{:8.2f}')}")
+        print(f"  {'  agent + server CPU s/GiB':<46}"
+              f"{spread([a + r['server_cpu'] / gib for a, r in zip(agent_cpu, rs, strict=True)], '{:8.2f}')}")
         print(f"  {'  repeat sync (model present), ms':<46}{spread([r['repeat_ms'] for r in rs])}")
         print(f"  {'  load average':<46}{spread([r['load'] for r in rs], '{:8.2f}')}")
+    print()
+    for name, _, _ in trees:
+        rs = runs[name]
+        ratio = [r["bytes"] / r["seconds"] / 1e6 / lim for r, lim in zip(rs, limit, strict=True)]
+        agent_cpu = [(r["cpu_reactor"] + r["cpu_workers"]) / gib for r in rs]
+        print(f"  SUMMARY {label}, {name}: {statistics.median(ratio):.2f}x min(curl, sha256) "
+              f"(median of {len(rs)} runs, target >= 0.8); CPU s/GiB agent "
+              f"{statistics.median(agent_cpu):.2f}, curl {statistics.median(curl_cpu):.2f}")
     print(flush=True)
 
 
@@ -432,7 +453,7 @@ def main() -> None:
     parser.add_argument("--shards-mb", type=int, default=4096, help="MiB of the many-blob model in all")
     parser.add_argument("--small-files", type=int, default=0,
                         help="files of a many-small-files model (metadata cost), 0 = none")
-    parser.add_argument("--repeat", type=int, default=3, help="runs (median and spread printed)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs (median and spread printed)")
     parser.add_argument("--concurrency", type=int, default=4, help="blobs downloaded at once")
     parser.add_argument("--connections", default="0,1,4",
                         help="MODEL_SYNC_CONNECTIONS settings to measure, comma-separated "
