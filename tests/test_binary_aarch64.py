@@ -5,7 +5,7 @@ beside it, and its `demo` (the stand-in backend and an agent, end to end on loop
 under qemu-user.
 
 Building it takes minutes (an arm64 Debian tree and PyInstaller under emulation, about 7 the
-first time and 2.5 with the tree cached), so the test suite does not build it: it runs when
+first time and 4 with the tree cached), so the test suite does not build it: it runs when
 LLMPORT_AGENT_AARCH64_BINARY names one, and skips with a one-line reason otherwise (or when
 qemu-user and its binfmt_misc entry are absent on an x86_64 host). The executable needs an
 aarch64 C library under emulation: LLMPORT_AGENT_AARCH64_SYSROOT, default the build's tree
@@ -32,6 +32,7 @@ def _binary() -> str:
     if not path:
         raise SkipTest("no aarch64 executable: set LLMPORT_AGENT_AARCH64_BINARY "
                        "(packaging/build-binary linux-aarch64 builds one)")
+    path = os.path.join(ROOT, path)  # a relative path is the checkout's (trial runs elsewhere)
     if not os.path.isfile(path):
         raise AssertionError(f"LLMPORT_AGENT_AARCH64_BINARY={path} is not a file")
     return os.path.abspath(path)
