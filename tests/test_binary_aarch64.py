@@ -1,10 +1,13 @@
 """
-The standalone executable for Linux aarch64 (built on x86_64 by `packaging/build-binary
-linux-aarch64`): it is an aarch64 ELF named as llm-port's installer serves it, its sha256 is
-beside it, and its `demo` (the stand-in backend and an agent, end to end on loopback) passes
-under qemu-user.
+The standalone executables by platform name, as llm-port's installer serves them.
 
-Building it takes minutes (an arm64 Debian tree and PyInstaller under emulation, about 7 the
+Linux aarch64 (built on x86_64 by `packaging/build-binary linux-aarch64`): an aarch64 ELF named
+llmport-agent-linux-aarch64, its sha256 beside it, and its `demo` (the stand-in backend and an
+agent, end to end on loopback) passing under qemu-user. This machine's platform (`packaging/
+build-binary`, which .ci/run runs): dist/llmport-agent and the same file as
+llmport-agent-linux-<arch> with its sha256.
+
+Building the aarch64 one takes minutes (an arm64 Debian tree and PyInstaller under emulation, about 7 the
 first time and 4 with the tree cached), so the test suite does not build it: it runs when
 LLMPORT_AGENT_AARCH64_BINARY names one, and skips with a one-line reason otherwise (or when
 qemu-user and its binfmt_misc entry are absent on an x86_64 host). The executable needs an
@@ -104,3 +107,24 @@ class AArch64ExecutableTests(TestCase):
         # The onefile executable unpacks under TMPDIR and removes it again.
         self.assertEqual([n for n in os.listdir(tmp) if n.startswith("_MEI")], [])
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class NativeNamingTests(TestCase):
+    """`packaging/build-binary` on this machine: dist/llmport-agent, and the same file by its platform name."""
+
+    def test_platform_name_and_sha256_beside_it(self) -> None:
+        path = os.environ.get("LLMPORT_AGENT_BINARY", "")
+        if not path or not os.path.exists(path):
+            reason = "LLMPORT_AGENT_BINARY is not set (run .ci/run, or packaging/build-binary)"
+            if os.environ.get("LLMPORT_REQUIRE_INSTALL") == "1":
+                raise AssertionError(reason)
+            raise SkipTest(reason)
+        arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine(), platform.machine())
+        name = f"llmport-agent-linux-{arch}"
+        named = os.path.join(os.path.dirname(os.path.abspath(path)), name)
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        with open(named, "rb") as f:
+            self.assertEqual(hashlib.file_digest(f, "sha256").hexdigest(), digest)
+        with open(named + ".sha256") as f:
+            self.assertEqual(f.read(), f"{digest}  {name}\n")
