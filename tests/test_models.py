@@ -1436,9 +1436,30 @@ class ConnectionScalerTests(SynchronousTestCase):
         """No decision on a window with too few bytes or too short a time."""
         from llmport_agent.models.transfer import ConnectionScaler
 
-        scaler = ConnectionScaler(4, 10_000, min_seconds=0.5)
+        scaler = ConnectionScaler(4, 10_000, min_seconds=0.5, warmup=False)
         scaler.observe(0.0, 0)
         self.assertIsNone(scaler.observe(0.4, 50_000))  # too short
         self.assertIsNone(scaler.observe(1.0, 9_000))  # too few bytes since the start
         self.assertEqual(scaler.observe(2.0, 20_000), 2)
         self.assertTrue(ConnectionScaler(1, 1).settled)
+
+    def test_first_window_warms_up(self) -> None:
+        """
+        The first window (the first request, TCP's slow start, cold buffers) is not
+        measured: a slow start does not make a second connection look like it pays.
+        """
+        from llmport_agent.models.transfer import ConnectionScaler
+
+        scaler = ConnectionScaler(4, 1000)
+        steps = []
+        now, total = 0.0, 0
+        scaler.observe(now, total)
+        # Window 1 (warm-up) at half speed; then one connection gives 1 MB/s, two 1.1.
+        for rate in [0.5e6, 1e6]:
+            now, total = now + 1.0, total + int(rate)
+            steps.append(scaler.observe(now, total))
+        while not scaler.settled:
+            now, total = now + 1.0, total + int({1: 1e6, 2: 1.1e6, 4: 1.1e6}[scaler.allowed])
+            steps.append(scaler.observe(now, total))
+        self.assertEqual([s for s in steps if s is not None], [2, 1])
+        self.assertEqual(scaler.allowed, 1)
