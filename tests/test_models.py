@@ -426,6 +426,46 @@ class WritebackTests(SynchronousTestCase):
             self.assertEqual(f.read(), b"x" * 8192)
 
 
+class WriteBatchTests(SynchronousTestCase):
+    """L{_fs.write_batch}: small write calls (no large page-cache folios), every byte in place."""
+
+    def test_calls_of_at_most_write_size(self) -> None:
+        """
+        A batch of 1 MiB buffers is written in C{pwritev} calls of at most WRITE_SIZE bytes
+        (short writes continued where they stopped), and its writeback started once, whole.
+        """
+        path = self.mktemp()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.addCleanup(os.close, fd)
+        part = _fs.PartFile(cast(Any, None), cast(Any, None), fd, False, [])
+        chunks = [os.urandom(1024 * 1024), os.urandom(1000), os.urandom(700_000)]
+        calls: list[int] = []
+        real = os.pwritev
+        short = [True]
+
+        def recording(fd_: int, iov: Any, pos: int) -> int:
+            size = sum(len(b) for b in iov)
+            calls.append(size)
+            if short[0] and size > 10:  # one short write: the rest must follow
+                short[0] = False
+                return real(fd_, [memoryview(b"".join(bytes(b) for b in iov))[: size // 3]], pos)
+            return real(fd_, iov, pos)
+
+        started: list[tuple[int, int]] = []
+        self.patch(os, "pwritev", recording)
+        self.patch(_fs, "_sync_file_range",
+                   lambda fd_, off, n, flags: started.append((off, n)) or 0)
+        total = _fs.write_batch(part, 4096, chunks)
+        data = b"".join(chunks)
+        self.assertEqual(total, len(data))
+        # 1 MiB and 2 MiB writes cost 5-9x the CPU of 512 KiB ones here (BENCHMARKS.md).
+        self.assertLessEqual(max(calls), 512 * 1024)
+        self.assertEqual(started, [(4096, len(data))])
+        with open(path, "rb") as f:
+            f.seek(4096)
+            self.assertEqual(f.read(), data)
+
+
 class RangesTests(SynchronousTestCase):
     """The byte-range set behind resume and segment hand-out."""
 
