@@ -268,29 +268,6 @@ def client(cfg: dict[str, Any]) -> None:
 # --- measuring ----------------------------------------------------------------------------
 
 
-def warm_memory(size: int) -> None:
-    """
-    Touch C{size} bytes of fresh memory and free them, just before a measurement.
-
-    On a virtual machine that reports free memory to its host (virtio-balloon free page
-    reporting, here: memory freed for two seconds is handed back), a download into the page
-    cache that starts a while after a large file was deleted pays a host fault for every
-    page it takes; one that starts at once does not. Without this, whichever download ran
-    first after the sha256 pass or a pause was up to 2x slower, in CPU and in time. With it,
-    every measured download (curl's and each sync) finds the same warm free memory.
-    """
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-        size = min(size, avail // 2)
-    except (OSError, StopIteration, ValueError):
-        pass
-    block = bytearray(size)
-    for i in range(0, size, 4096):
-        block[i] = 1
-    del block
-
-
 def pct(values: list[float], p: float) -> float:
     if not values:
         return float("nan")
@@ -346,7 +323,6 @@ class Bench:
             return float("nan"), float("nan"), float("nan")
         server0 = self.server_cpu()
         out = os.path.join(self.work, "curl.out")
-        warm_memory(sum(blob["size"] for blob in self.blobs[model_id]) + (256 << 20))
         total = 0
         elapsed = 0.0
         before = os.times()
@@ -390,7 +366,6 @@ class Bench:
             "store": store, "concurrency": self.args.concurrency, "connections": connections,
             "segment_size": self.args.segment_mb * 1024 * 1024,
         }
-        warm_memory(sum(blob["size"] for blob in self.blobs[model_id]) + (256 << 20))
         cpu0 = self.server_cpu()
         load0 = os.getloadavg()[0]
         proc = subprocess.run(
@@ -417,8 +392,6 @@ def report_model(b: Bench, model_id: str, label: str, trees: list[tuple[str, str
     sha: list[float] = []
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in trees}
     for i in range(args.repeat):
-        # sha256 first: each download then starts right after the previous one freed its
-        # file (see warm_memory).
         sha.append(b.sha256(model_id))
         c, cc, cs = b.curl(model_id)
         curl.append(c)
