@@ -30,6 +30,7 @@ Usage::
 
     python3 bench/bench_model_sync.py                                  # 1 GiB and 4 GiB, 5 runs
     python3 bench/bench_model_sync.py --sizes 1024 --shards 0 --connections 0   # the issue's figure
+    python3 bench/bench_model_sync.py --write-sizes 2048,1024,512,256 --repeat 8  # page-cache writes
     git worktree add --detach /tmp/main-tree main
     python3 bench/bench_model_sync.py --baseline-tree /tmp/main-tree --sizes 1024
     python3 bench/bench_model_sync.py --sizes 1024 --rate-mbps 200 --connections 1,4
@@ -265,6 +266,46 @@ def client(cfg: dict[str, Any]) -> None:
         sys.stdout.write("RESULT " + json.dumps(out) + "\n")
 
 
+# --- page-cache writes by write size --------------------------------------------------------
+
+
+def write_sizes(work: str, repeat: int, sizes_kib: list[int]) -> None:
+    """
+    CPU seconds per GiB written into a preallocated file as the agent's writer does it
+    (pwritev at offsets, writeback started behind each 2 MiB, one fsync), by write size;
+    interleaved runs, median and spread.
+    """
+    sys.path.insert(0, HERE)
+    from llmport_agent.models import _fs
+
+    data = os.urandom(2 * 1024 * 1024)
+    view = memoryview(data)
+    path = os.path.join(work, "writes.bin")
+    cpu: dict[int, list[float]] = {k: [] for k in sizes_kib}
+    for _ in range(repeat):
+        for kib in sizes_kib:
+            step = kib * 1024
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, 1 << 30)
+                t0 = os.times()
+                for off in range(0, 1 << 30, len(data)):
+                    for s in range(0, len(data), step):
+                        os.pwritev(fd, [view[s:s + step]], off + s)
+                    _fs.start_writeback(fd, off, len(data))
+                os.fsync(fd)
+                t1 = os.times()
+            finally:
+                os.close(fd)
+                os.unlink(path)
+            cpu[kib].append(t1.user - t0.user + t1.system - t0.system)
+    print(f"page-cache writes of 1 GiB, {repeat} runs each: CPU s/GiB by write size, "
+          "median (min .. max)")
+    for kib in sizes_kib:
+        print(f"  {f'{kib} KiB writes':<46}{spread(cpu[kib], '{:8.2f}')}")
+    print(f"  (the agent writes {_fs.WRITE_SIZE // 1024} KiB at a time)", flush=True)
+
+
 # --- measuring ----------------------------------------------------------------------------
 
 
@@ -467,6 +508,9 @@ def main() -> None:
                         help="another checkout of the agent (e.g. a git worktree of main) to "
                              "measure in the same run")
     parser.add_argument("--workdir", default=None, help="where to put the models and the store")
+    parser.add_argument("--write-sizes", default=None, metavar="KIB,...",
+                        help="instead: CPU per GiB of page-cache writes by write size in KiB "
+                             "(e.g. 2048,1024,512,256), --repeat runs each")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -475,6 +519,13 @@ def main() -> None:
         return
     if args.client:
         client(json.loads(args.client))
+        return
+    if args.write_sizes:
+        work = tempfile.mkdtemp(prefix="bench-write-sizes-", dir=args.workdir)
+        try:
+            write_sizes(work, args.repeat, [int(x) for x in args.write_sizes.split(",")])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
         return
     if args.size_mb is not None:
         args.sizes, args.shards = str(args.size_mb), 0
