@@ -1286,6 +1286,14 @@ class RangedLoopbackSyncTests(_LoopbackSync, TestCase):
     connections = 3
     segment = 512 * 1024
 
+    async def test_connections_used_reported(self) -> None:
+        """A fixed count of connections is what the result reports as used."""
+        files = _files(big_mb=4)
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        result = await self.syncer().sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, files)
+        self.assertEqual(result["connections_used"], 3)
+
     async def test_server_ignores_the_end_of_a_bounded_range(self) -> None:
         """
         A server that answers C{bytes=s-e} from C{s} to the end of the blob: the agent reads

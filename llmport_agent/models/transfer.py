@@ -433,6 +433,9 @@ class BlobTransfer:
                 segments = -(-self._missing.total // self._syncer._segment_size)
                 workers = max(1, min(self._syncer._connections, segments))
             self._active = workers
+            if self.ranged:  # a fixed count opens them all at once; the adaptive one, as it learns
+                self.connections_used = max(self.connections_used,
+                                            min(workers, self._connections_now()))
             self._streamer = None
             if self.ranged and self._syncer._adaptive:
                 self._scaler.restart_window(self._syncer._reactor.seconds(), self.done.total)
