@@ -17,15 +17,20 @@ same run, through the same harness, against the same server. Per run and size:
  - heartbeat lateness meanwhile: a 1 s LoopingCall (the heartbeat's shape) and a 10 ms
    probe in the client process, p99 (ms);
  - CPU seconds per GiB of the client (reactor thread and worker threads), of the server,
-   and of curl: on a loaded machine these say more than wall-clock rates;
- - the load average around each measurement.
+   and of curl (with the server's share while curl ran): on a loaded machine these say
+   more than wall-clock rates;
+ - the load average around each measurement;
+ - a SUMMARY line per setting: the median of the runs' sync / min(curl, sha256) and the
+   CPU seconds per GiB of the agent and of curl.
 
 ``--rate-mbps N`` makes the server limit each response to N MB/s (a link or proxy that
 limits each connection): where ranged connections are meant to help.
 
 Usage::
 
-    python3 bench/bench_model_sync.py                                  # 1 GiB and 4 GiB, 3 runs
+    python3 bench/bench_model_sync.py                                  # 1 GiB and 4 GiB, 5 runs
+    python3 bench/bench_model_sync.py --sizes 1024 --shards 0 --connections 0   # the issue's figure
+    python3 bench/bench_model_sync.py --write-sizes 2048,1024,512,256 --repeat 8  # page-cache writes
     git worktree add --detach /tmp/main-tree main
     python3 bench/bench_model_sync.py --baseline-tree /tmp/main-tree --sizes 1024
     python3 bench/bench_model_sync.py --sizes 1024 --rate-mbps 200 --connections 1,4
@@ -238,6 +243,7 @@ def client(cfg: dict[str, Any]) -> None:
         out.update(
             seconds=took,
             bytes=result["fetched"]["bytes"],
+            connections_used=result.get("connections_used", 1),
             hb99=pct(late["hb"], 99),
             probe99=pct(late["probe"], 99),
             probemax=max(late["probe"]),
@@ -258,6 +264,46 @@ def client(cfg: dict[str, Any]) -> None:
         react(lambda r: Deferred.fromCoroutine(main(r)))
     finally:
         sys.stdout.write("RESULT " + json.dumps(out) + "\n")
+
+
+# --- page-cache writes by write size --------------------------------------------------------
+
+
+def write_sizes(work: str, repeat: int, sizes_kib: list[int]) -> None:
+    """
+    CPU seconds per GiB written into a preallocated file as the agent's writer does it
+    (pwritev at offsets, writeback started behind each 2 MiB, one fsync), by write size;
+    interleaved runs, median and spread.
+    """
+    sys.path.insert(0, HERE)
+    from llmport_agent.models import _fs
+
+    data = os.urandom(2 * 1024 * 1024)
+    view = memoryview(data)
+    path = os.path.join(work, "writes.bin")
+    cpu: dict[int, list[float]] = {k: [] for k in sizes_kib}
+    for _ in range(repeat):
+        for kib in sizes_kib:
+            step = kib * 1024
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, 1 << 30)
+                t0 = os.times()
+                for off in range(0, 1 << 30, len(data)):
+                    for s in range(0, len(data), step):
+                        os.pwritev(fd, [view[s:s + step]], off + s)
+                    _fs.start_writeback(fd, off, len(data))
+                os.fsync(fd)
+                t1 = os.times()
+            finally:
+                os.close(fd)
+                os.unlink(path)
+            cpu[kib].append(t1.user - t0.user + t1.system - t0.system)
+    print(f"page-cache writes of 1 GiB, {repeat} runs each: CPU s/GiB by write size, "
+          "median (min .. max)")
+    for kib in sizes_kib:
+        print(f"  {f'{kib} KiB writes':<46}{spread(cpu[kib], '{:8.2f}')}")
+    print(f"  (the agent writes {_fs.WRITE_SIZE // 1024} KiB at a time)", flush=True)
 
 
 # --- measuring ----------------------------------------------------------------------------
@@ -311,11 +357,12 @@ class Bench:
             self.server.kill()
             self.server.wait()
 
-    def curl(self, model_id: str) -> tuple[float, float]:
-        """curl of every blob of the model one after the other: (MB/s, CPU s)."""
+    def curl(self, model_id: str) -> tuple[float, float, float]:
+        """curl of every blob of the model one after the other: (MB/s, CPU s, server CPU s)."""
         curl = shutil.which("curl")
         if curl is None:
-            return float("nan"), float("nan")
+            return float("nan"), float("nan"), float("nan")
+        server0 = self.server_cpu()
         out = os.path.join(self.work, "curl.out")
         total = 0
         elapsed = 0.0
@@ -335,7 +382,7 @@ class Bench:
         cpu = (after.children_user - before.children_user) + (
             after.children_system - before.children_system
         )
-        return total / elapsed / 1e6, cpu
+        return total / elapsed / 1e6, cpu, self.server_cpu() - server0
 
     def sha256(self, model_id: str) -> float:
         """sha256 of every blob's bytes (from the page cache), MB/s."""
@@ -382,24 +429,29 @@ def report_model(b: Bench, model_id: str, label: str, trees: list[tuple[str, str
     gib = size / 2**30
     curl: list[float] = []
     curl_cpu: list[float] = []
+    curl_server_cpu: list[float] = []
     sha: list[float] = []
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in trees}
     for i in range(args.repeat):
-        c, cc = b.curl(model_id)
+        sha.append(b.sha256(model_id))
+        c, cc, cs = b.curl(model_id)
         curl.append(c)
         curl_cpu.append(cc / gib)
-        sha.append(b.sha256(model_id))
+        curl_server_cpu.append(cs / gib)
         line = f"  run {i + 1}: curl {c:.0f} MB/s, sha256 {sha[-1]:.0f} MB/s"
         for name, tree, connections in trees:
             r = b.sync(model_id, tree, connections)
             runs[name].append(r)
-            line += f", {name} {r['bytes'] / r['seconds'] / 1e6:.0f} MB/s"
+            line += (f", {name} {r['bytes'] / r['seconds'] / 1e6:.0f} MB/s"
+                     f" [{r.get('connections_used', 1)} conn]")
         print(line + f" (load {os.getloadavg()[0]:.1f})", flush=True)
     limit = [min(c, s) if c == c else s for c, s in zip(curl, sha, strict=True)]
     print(f"\n{label}: {size / 1e6:.0f} MB in {len(b.blobs[model_id])} blobs, "
           f"{args.repeat} runs; median (min .. max)")
     print(f"  {'curl to a file, MB/s':<46}{spread(curl)}")
     print(f"  {'  curl CPU s/GiB':<46}{spread(curl_cpu, '{:8.2f}')}")
+    print(f"  {'  curl + server CPU s/GiB':<46}"
+          f"{spread([c + s for c, s in zip(curl_cpu, curl_server_cpu, strict=True)], '{:8.2f}')}")
     print(f"  {'sha256 of the same bytes, MB/s':<46}{spread(sha)}")
     for name, _, _ in trees:
         rs = runs[name]
@@ -416,8 +468,20 @@ def report_model(b: Bench, model_id: str, label: str, trees: list[tuple[str, str
                   statistics.median(r["cpu_reactor"] / gib for r in rs),
                   statistics.median(r["cpu_workers"] / gib for r in rs),
                   statistics.median(r["server_cpu"] / gib for r in rs)))
+        agent_cpu = [(r["cpu_reactor"] + r["cpu_workers"]) / gib for r in rs]
+        print(f"  {'  agent CPU s/GiB (vs curl above)':<46}{spread(agent_cpu, '{:8.2f}')}")
+        print(f"  {'  agent + server CPU s/GiB':<46}"
+              f"{spread([a + r['server_cpu'] / gib for a, r in zip(agent_cpu, rs, strict=True)], '{:8.2f}')}")
         print(f"  {'  repeat sync (model present), ms':<46}{spread([r['repeat_ms'] for r in rs])}")
         print(f"  {'  load average':<46}{spread([r['load'] for r in rs], '{:8.2f}')}")
+    print()
+    for name, _, _ in trees:
+        rs = runs[name]
+        ratio = [r["bytes"] / r["seconds"] / 1e6 / lim for r, lim in zip(rs, limit, strict=True)]
+        agent_cpu = [(r["cpu_reactor"] + r["cpu_workers"]) / gib for r in rs]
+        print(f"  SUMMARY {label}, {name}: {statistics.median(ratio):.2f}x min(curl, sha256) "
+              f"(median of {len(rs)} runs, target >= 0.8); CPU s/GiB agent "
+              f"{statistics.median(agent_cpu):.2f}, curl {statistics.median(curl_cpu):.2f}")
     print(flush=True)
 
 
@@ -432,7 +496,7 @@ def main() -> None:
     parser.add_argument("--shards-mb", type=int, default=4096, help="MiB of the many-blob model in all")
     parser.add_argument("--small-files", type=int, default=0,
                         help="files of a many-small-files model (metadata cost), 0 = none")
-    parser.add_argument("--repeat", type=int, default=3, help="runs (median and spread printed)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs (median and spread printed)")
     parser.add_argument("--concurrency", type=int, default=4, help="blobs downloaded at once")
     parser.add_argument("--connections", default="0,1,4",
                         help="MODEL_SYNC_CONNECTIONS settings to measure, comma-separated "
@@ -444,6 +508,9 @@ def main() -> None:
                         help="another checkout of the agent (e.g. a git worktree of main) to "
                              "measure in the same run")
     parser.add_argument("--workdir", default=None, help="where to put the models and the store")
+    parser.add_argument("--write-sizes", default=None, metavar="KIB,...",
+                        help="instead: CPU per GiB of page-cache writes by write size in KiB "
+                             "(e.g. 2048,1024,512,256), --repeat runs each")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -452,6 +519,13 @@ def main() -> None:
         return
     if args.client:
         client(json.loads(args.client))
+        return
+    if args.write_sizes:
+        work = tempfile.mkdtemp(prefix="bench-write-sizes-", dir=args.workdir)
+        try:
+            write_sizes(work, args.repeat, [int(x) for x in args.write_sizes.split(",")])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
         return
     if args.size_mb is not None:
         args.sizes, args.shards = str(args.size_mb), 0

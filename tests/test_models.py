@@ -376,6 +376,96 @@ class BodyReceiverTests(SynchronousTestCase):
         self.assertEqual(clock.getDelayedCalls(), [])
 
 
+class WritebackTests(SynchronousTestCase):
+    """L{_fs.start_writeback}: a hint that never fails a write."""
+
+    def test_refused_once_not_asked_again(self) -> None:
+        """A file system that refuses C{sync_file_range} (EINVAL) is not asked again."""
+        import ctypes
+        import errno
+
+        calls: list[tuple[int, int, int, int]] = []
+
+        def refusing(fd: int, offset: int, length: int, flags: int) -> int:
+            calls.append((fd, offset, length, flags))
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+
+        self.patch(_fs, "_sync_file_range", refusing)
+        _fs.start_writeback(5, 0, 100)
+        _fs.start_writeback(5, 100, 100)
+        self.assertEqual(calls, [(5, 0, 100, 2)])
+        self.assertIs(_fs._sync_file_range, False)
+
+    def test_other_errors_keep_it(self) -> None:
+        """A transient error (EIO: the fsync at the end reports it) leaves the hint on."""
+        import ctypes
+        import errno
+
+        calls: list[int] = []
+
+        def failing(fd: int, offset: int, length: int, flags: int) -> int:
+            calls.append(offset)
+            ctypes.set_errno(errno.EIO)
+            return -1
+
+        self.patch(_fs, "_sync_file_range", failing)
+        _fs.start_writeback(5, 0, 100)
+        _fs.start_writeback(5, 100, 100)
+        self.assertEqual(calls, [0, 100])
+
+    def test_real_call_on_a_file(self) -> None:
+        """The real libc call on a regular file: the bytes stay as written."""
+        path = self.mktemp()
+        with open(path, "wb") as f:
+            f.write(b"x" * 8192)
+            f.flush()
+            _fs.start_writeback(f.fileno(), 0, 8192)
+            _fs.start_writeback(f.fileno(), 0, 0)
+        with open(path, "rb") as f:
+            self.assertEqual(f.read(), b"x" * 8192)
+
+
+class WriteBatchTests(SynchronousTestCase):
+    """L{_fs.write_batch}: small write calls (no large page-cache folios), every byte in place."""
+
+    def test_calls_of_at_most_write_size(self) -> None:
+        """
+        A batch of 1 MiB buffers is written in C{pwritev} calls of at most WRITE_SIZE bytes
+        (short writes continued where they stopped), and its writeback started once, whole.
+        """
+        path = self.mktemp()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.addCleanup(os.close, fd)
+        part = _fs.PartFile(cast(Any, None), cast(Any, None), fd, False, [])
+        chunks = [os.urandom(1024 * 1024), os.urandom(1000), os.urandom(700_000)]
+        calls: list[int] = []
+        real = os.pwritev
+        short = [True]
+
+        def recording(fd_: int, iov: Any, pos: int) -> int:
+            size = sum(len(b) for b in iov)
+            calls.append(size)
+            if short[0] and size > 10:  # one short write: the rest must follow
+                short[0] = False
+                return real(fd_, [memoryview(b"".join(bytes(b) for b in iov))[: size // 3]], pos)
+            return real(fd_, iov, pos)
+
+        started: list[tuple[int, int]] = []
+        self.patch(os, "pwritev", recording)
+        self.patch(_fs, "_sync_file_range",
+                   lambda fd_, off, n, flags: started.append((off, n)) or 0)
+        total = _fs.write_batch(part, 4096, chunks)
+        data = b"".join(chunks)
+        self.assertEqual(total, len(data))
+        # 1 MiB and 2 MiB writes cost 5-9x the CPU of 512 KiB ones here (BENCHMARKS.md).
+        self.assertLessEqual(max(calls), 512 * 1024)
+        self.assertEqual(started, [(4096, len(data))])
+        with open(path, "rb") as f:
+            f.seek(4096)
+            self.assertEqual(f.read(), data)
+
+
 class RangesTests(SynchronousTestCase):
     """The byte-range set behind resume and segment hand-out."""
 
@@ -866,6 +956,34 @@ class _LoopbackSync:
         self.assertEqual(sorted(synced), sorted(b["hash"] + ".part" for b in manifest["blobs"]))
         self.assertValidCache(manifest, files)
 
+    async def test_writeback_started_behind_every_batch(self) -> None:
+        """
+        Every byte written to a part file has its writeback started once, right behind its
+        batch (C{sync_file_range(SYNC_FILE_RANGE_WRITE)} of exactly the written range), so the
+        fsync at the end finds little left to write.
+        """
+        files = _files(big_mb=4)
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        started: dict[str, list[tuple[int, int]]] = {}
+
+        def recording(fd: int, offset: int, length: int, flags: int) -> int:
+            self.assertEqual(flags, 2)  # SYNC_FILE_RANGE_WRITE: start, do not wait
+            target = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+            started.setdefault(target, []).append((offset, offset + length))
+            return 0
+
+        self.patch(_fs, "_sync_file_range", recording)
+        await self.syncer().sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, files)
+        self.assertEqual(sorted(started), sorted(b["hash"] + ".part" for b in manifest["blobs"]))
+        for blob in manifest["blobs"]:
+            ranges = sorted(started[blob["hash"] + ".part"])
+            pos = 0
+            for a, b in ranges:
+                self.assertEqual(a, pos, f"writeback of {blob['hash']} has a gap or overlap")
+                pos = b
+            self.assertEqual(pos, blob["size"])
+
     async def test_resume_after_drop(self) -> None:
         """A connection dropped mid-blob is resumed with Range from where it stopped."""
         files = _files(big_mb=4)
@@ -1168,6 +1286,14 @@ class RangedLoopbackSyncTests(_LoopbackSync, TestCase):
     connections = 3
     segment = 512 * 1024
 
+    async def test_connections_used_reported(self) -> None:
+        """A fixed count of connections is what the result reports as used."""
+        files = _files(big_mb=4)
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        result = await self.syncer().sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, files)
+        self.assertEqual(result["connections_used"], 3)
+
     async def test_server_ignores_the_end_of_a_bounded_range(self) -> None:
         """
         A server that answers C{bytes=s-e} from C{s} to the end of the blob: the agent reads
@@ -1358,9 +1484,30 @@ class ConnectionScalerTests(SynchronousTestCase):
         """No decision on a window with too few bytes or too short a time."""
         from llmport_agent.models.transfer import ConnectionScaler
 
-        scaler = ConnectionScaler(4, 10_000, min_seconds=0.5)
+        scaler = ConnectionScaler(4, 10_000, min_seconds=0.5, warmup=False)
         scaler.observe(0.0, 0)
         self.assertIsNone(scaler.observe(0.4, 50_000))  # too short
         self.assertIsNone(scaler.observe(1.0, 9_000))  # too few bytes since the start
         self.assertEqual(scaler.observe(2.0, 20_000), 2)
         self.assertTrue(ConnectionScaler(1, 1).settled)
+
+    def test_first_window_warms_up(self) -> None:
+        """
+        The first window (the first request, TCP's slow start, cold buffers) is not
+        measured: a slow start does not make a second connection look like it pays.
+        """
+        from llmport_agent.models.transfer import ConnectionScaler
+
+        scaler = ConnectionScaler(4, 1000)
+        steps = []
+        now, total = 0.0, 0
+        scaler.observe(now, total)
+        # Window 1 (warm-up) at half speed; then one connection gives 1 MB/s, two 1.1.
+        for rate in [0.5e6, 1e6]:
+            now, total = now + 1.0, total + int(rate)
+            steps.append(scaler.observe(now, total))
+        while not scaler.settled:
+            now, total = now + 1.0, total + int({1: 1e6, 2: 1.1e6, 4: 1.1e6}[scaler.allowed])
+            steps.append(scaler.observe(now, total))
+        self.assertEqual([s for s in steps if s is not None], [2, 1])
+        self.assertEqual(scaler.allowed, 1)

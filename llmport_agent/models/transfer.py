@@ -113,16 +113,16 @@ class Ranges:
 class ConnectionScaler:
     """
     How many connections one blob should use, learnt while it arrives: start with one,
-    double while the last step made the blob arrive at least C{gain} times as fast (over a
-    window of C{window_bytes} and C{min_seconds}), and settle on the best count as soon as a
-    step does not pay (an extra connection only costs where the socket is not the limit,
+    let a first window pass unmeasured (C{warmup}), then double while the last step made the
+    blob arrive at least C{gain} times as fast (over a window of C{window_bytes} and
+    C{min_seconds}), and settle on the best count as soon as a step does not pay (an extra connection only costs where the socket is not the limit,
     e.g. a server or link already at its speed, or a machine short of CPU).
 
     Pure: L{observe} takes the clock and the bytes written so far.
     """
 
     def __init__(self, maximum: int, window_bytes: int, *, min_seconds: float = 0.5,
-                 gain: float = 1.2, start: int = 1) -> None:
+                 gain: float = 1.2, start: int = 1, warmup: bool = True) -> None:
         self.maximum = max(1, maximum)
         self.allowed = min(self.maximum, max(1, start))
         self.settled = self.allowed >= self.maximum
@@ -132,6 +132,10 @@ class ConnectionScaler:
         self._t0: float | None = None
         self._b0 = 0
         self._best: tuple[float, int] | None = None  # (rate, connections)
+        # The first window is not measured: it holds the first request, TCP's slow start and
+        # the process's first buffers, and made one connection look slower than it is (a
+        # second one then "paid" on loopback, where it only costs CPU).
+        self._warming = warmup
 
     def restart_window(self, now: float, total: int) -> None:
         self._t0, self._b0 = now, total
@@ -148,6 +152,9 @@ class ConnectionScaler:
             return None
         rate = got / elapsed
         self.restart_window(now, total)
+        if self._warming:
+            self._warming = False
+            return None
         if self._best is None or rate >= self._best[0] * self._gain:
             self._best = (rate, self.allowed)
             if self.allowed >= self.maximum:
@@ -426,6 +433,9 @@ class BlobTransfer:
                 segments = -(-self._missing.total // self._syncer._segment_size)
                 workers = max(1, min(self._syncer._connections, segments))
             self._active = workers
+            if self.ranged:  # a fixed count opens them all at once; the adaptive one, as it learns
+                self.connections_used = max(self.connections_used,
+                                            min(workers, self._connections_now()))
             self._streamer = None
             if self.ranged and self._syncer._adaptive:
                 self._scaler.restart_window(self._syncer._reactor.seconds(), self.done.total)
