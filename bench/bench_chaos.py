@@ -31,11 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import summary  # noqa: E402
 from twisted.internet.task import react  # noqa: E402
 
+from llmport_agent.agent.service import AgentService
 from llmport_agent.commands.parse import parse_iso8601  # noqa: E402
-from llmport_agent.config import load_config  # noqa: E402
+from llmport_agent.core.config import load_config
 from llmport_agent.devbackend import DevBackend  # noqa: E402
 from llmport_agent.inventory.gpu import NoGPUSource  # noqa: E402
-from llmport_agent.service import AgentService  # noqa: E402
 from tests.agentharness import agent_env  # noqa: E402
 from tests.chaos.invariants import settle  # noqa: E402
 from tests.chaos.scenarios import (  # noqa: E402

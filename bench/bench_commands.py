@@ -28,11 +28,11 @@ from _common import percentile, summary  # noqa: E402
 from twisted.internet.defer import Deferred, DeferredList  # noqa: E402
 from twisted.internet.task import deferLater, react  # noqa: E402
 
+from llmport_agent.agent.service import AgentService
 from llmport_agent.commands.base import HandlerSpec  # noqa: E402
-from llmport_agent.config import load_config  # noqa: E402
+from llmport_agent.core.config import load_config
 from llmport_agent.devbackend import DevBackend  # noqa: E402
 from llmport_agent.inventory.gpu import NoGPUSource  # noqa: E402
-from llmport_agent.service import AgentService  # noqa: E402
 
 
 def parse_ts(value: str) -> float:

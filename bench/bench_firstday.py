@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _common import ROOT, summary  # noqa: E402
 from twisted.internet import defer, task  # noqa: E402
 
-from llmport_agent.config import load_config  # noqa: E402
+from llmport_agent.agent.service import AgentService
+from llmport_agent.core.config import load_config
 from llmport_agent.devbackend import DevBackend  # noqa: E402
 from llmport_agent.inventory.gpu import NoGPUSource  # noqa: E402
-from llmport_agent.service import AgentService  # noqa: E402
 
 
 def env_for(backend: DevBackend, state_dir: str, agent_id: str, **extra: str) -> dict[str, str]:

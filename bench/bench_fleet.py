@@ -192,9 +192,9 @@ def run_worker(config_path: str) -> None:
     )
     from twisted.protocols.basic import LineReceiver
 
-    from llmport_agent.config import load_config
+    from llmport_agent.agent.service import AgentService
+    from llmport_agent.core.config import load_config
     from llmport_agent.inventory.gpu import NoGPUSource
-    from llmport_agent.service import AgentService
 
     r: Any = reactor
     with open(config_path) as f:
@@ -285,11 +285,11 @@ def virtual_pickup(gaps: list[float], samples: int, seed: int = 7) -> dict[float
     from twisted.internet.task import LoopingCall
     from twisted.internet.testing import MemoryReactorClock
 
-    from llmport_agent.config import load_config
-    from llmport_agent.reporting import HeartbeatReporter
+    from llmport_agent.core.config import load_config
+    from llmport_agent.core.state import StateStore
+    from llmport_agent.demo.testing import SynchronousRunner
+    from llmport_agent.session.reporting import HeartbeatReporter
     from llmport_agent.session.service import SessionService
-    from llmport_agent.state import StateStore
-    from llmport_agent.testing import SynchronousRunner
 
     class Proto:
         def __init__(self, clock: Any) -> None:

@@ -45,10 +45,10 @@ async def run(reactor: Any, args: argparse.Namespace) -> int:
     from twisted.internet.defer import Deferred, DeferredList
     from twisted.internet.task import deferLater
 
-    from llmport_agent.config import load_config
+    from llmport_agent.agent.service import AgentService
+    from llmport_agent.core.config import load_config
     from llmport_agent.devbackend import DevBackend
     from llmport_agent.inventory.gpu import NoGPUSource
-    from llmport_agent.service import AgentService
 
     workdir = tempfile.mkdtemp(prefix="bench-generations-")
     backends: dict[str, DevBackend] = {}
@@ -275,7 +275,7 @@ def main() -> None:
     from twisted.internet.defer import Deferred
     from twisted.internet.task import react
 
-    from llmport_agent.logsetup import begin_logging
+    from llmport_agent.core.logsetup import begin_logging
 
     begin_logging("ERROR")
     import txaio

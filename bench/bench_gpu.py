@@ -31,12 +31,12 @@ from _common import ROOT, summary  # noqa: E402
 from twisted.internet.defer import Deferred  # noqa: E402
 from twisted.internet.task import deferLater, react  # noqa: E402
 
-from llmport_agent.config import load_config  # noqa: E402
+from llmport_agent.agent.service import AgentService
+from llmport_agent.core.config import load_config
 from llmport_agent.devbackend import DevBackend  # noqa: E402
 from llmport_agent.inventory.fakes import h100_node  # noqa: E402
 from llmport_agent.inventory.nvml import NVMLGPUSource  # noqa: E402
 from llmport_agent.inventory.watchdog import WatchdogPool  # noqa: E402
-from llmport_agent.service import AgentService  # noqa: E402
 
 
 def collection(n: int) -> None:

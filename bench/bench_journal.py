@@ -35,10 +35,10 @@ from llmport_agent.commands.base import HandlerSpec  # noqa: E402
 from llmport_agent.commands.journal import CommandJournal  # noqa: E402
 from llmport_agent.commands.node import PersistentModes  # noqa: E402
 from llmport_agent.commands.pipeline import CommandPipeline  # noqa: E402
+from llmport_agent.core.state import StateStore
+from llmport_agent.core.threads import PoolService
 from llmport_agent.events.outbox import EventOutbox  # noqa: E402
 from llmport_agent.session.protocol import fire_in_slices  # noqa: E402
-from llmport_agent.state import StateStore  # noqa: E402
-from llmport_agent.threads import PoolService  # noqa: E402
 from tests.support.probe import LatenessProbe  # noqa: E402
 
 

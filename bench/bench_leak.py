@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner
 
-    from llmport_agent.config import load_config
-    from llmport_agent.logsetup import make_observer
-    from llmport_agent.service import AgentService
+    from llmport_agent.agent.service import AgentService
+    from llmport_agent.core.config import load_config
+    from llmport_agent.core.logsetup import make_observer
 
     tmp = tempfile.mkdtemp(prefix="bench-leak-")
     env = start_docker(args.docker)

@@ -129,7 +129,7 @@ def run_agent(args: argparse.Namespace) -> None:
     from twisted.internet.defer import ensureDeferred
     from twisted.internet.task import LoopingCall
 
-    from llmport_agent.config import load_config
+    from llmport_agent.core.config import load_config
     from llmport_agent.logs.wiring import build_log_shipping
     from llmport_agent.workloads.engine import DockerEngine
 

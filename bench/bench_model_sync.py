@@ -175,8 +175,8 @@ def client(cfg: dict[str, Any]) -> None:
     from twisted.internet.task import LoopingCall, react
     from twisted.web.client import Agent, HTTPConnectionPool
 
+    from llmport_agent.core.threads import PoolService
     from llmport_agent.models import ModelSyncer
-    from llmport_agent.threads import PoolService
 
     reactor: Any = _reactor
     out: dict[str, Any] = {}
@@ -189,8 +189,8 @@ def client(cfg: dict[str, Any]) -> None:
         http_pool = HTTPConnectionPool(reactor, persistent=True)
         http_pool.maxPersistentPerHost = concurrency * (connections or 4) + 2
         try:
-            from llmport_agent.http_endpoints import backend_agent
-            from llmport_agent.tls import https_policy
+            from llmport_agent.session.endpoints import backend_agent
+            from llmport_agent.session.tls import https_policy
 
             agent = backend_agent(reactor, https_policy(True, None), http_pool)
         except ImportError:  # an older tree: the plain Agent

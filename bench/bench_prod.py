@@ -164,11 +164,11 @@ def scrape(scrapes: int) -> None:
     import treq
     from twisted.internet import task
 
-    from llmport_agent.config import load_config
+    from llmport_agent.agent.service import AgentService
+    from llmport_agent.core.config import load_config
     from llmport_agent.devbackend import DevBackend
     from llmport_agent.inventory.gpu import NVMLGPUSource
-    from llmport_agent.ops import OpsService
-    from llmport_agent.service import AgentService
+    from llmport_agent.ops.endpoint import OpsService
     from tests.agentharness import agent_env as test_env
     from tests.test_ops import _Health, fake_gpus
 
@@ -217,7 +217,7 @@ def exposure() -> None:
     if analyze is None:
         print("systemd-analyze: not installed, exposure skipped")
         return
-    from llmport_agent.installer import render_unit, unit_template
+    from llmport_agent.host.installer import render_unit, unit_template
 
     d = tempfile.mkdtemp(prefix="bench-unit-")
     units = {}

@@ -37,12 +37,12 @@ from twisted.internet.task import react  # noqa: E402
 from twisted.internet.threads import deferToThread  # noqa: E402
 
 from bench._common import free_port  # noqa: E402
-from llmport_agent.config import load_config  # noqa: E402
+from llmport_agent.agent.service import AgentService
+from llmport_agent.core.config import load_config
 from llmport_agent.devbackend import DevBackend  # noqa: E402
 from llmport_agent.devbackend.rayenv import TERMINAL, RayEnvironment, RayNode  # noqa: E402
 from llmport_agent.inventory.gpu import NoGPUSource  # noqa: E402
 from llmport_agent.ray.imagepin import rootfs_digest  # noqa: E402
-from llmport_agent.service import AgentService  # noqa: E402
 from tests.support.docker_env import require_docker  # noqa: E402
 from tests.support.ray_env import IMAGE, import_ray_image, require_ray_image  # noqa: E402
 

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from llmport_agent import VERSION
-from llmport_agent.config import SETTINGS, AgentConfig, ConfigError, display_value, load_config
+from llmport_agent.core.config import SETTINGS, AgentConfig, ConfigError, display_value, load_config
 
 EX_USAGE = 2
 #: Set once the agent's reactor ran in this process (L{leave} then ends it at once).
@@ -57,9 +57,9 @@ def run_agent(config: AgentConfig, json_logs: bool = False) -> int:
     """
     from twisted.internet import reactor
 
-    from llmport_agent.fdlimit import raise_open_files_limit
-    from llmport_agent.logsetup import SecretsHolder, begin_logging, choose_format
-    from llmport_agent.service import AgentService, install_stop_signals
+    from llmport_agent.agent.service import AgentService, install_stop_signals
+    from llmport_agent.core.logsetup import SecretsHolder, begin_logging, choose_format
+    from llmport_agent.host.fdlimit import raise_open_files_limit
 
     secrets = SecretsHolder()
     begin_logging(config.log_level, secrets=secrets,
@@ -85,7 +85,7 @@ def run_agent(config: AgentConfig, json_logs: bool = False) -> int:
 def join_command(url: str | None, user_mode: bool, insecure_http: bool = False, system: Any = None) -> int:
     """
     C{join}: what C{start} will need checked first (root or user mode, systemd, the executable,
-    writable paths: L{Installer.preflight}), then the join dialog (L{llmport_agent.join}) on the
+    writable paths: L{Installer.preflight}), then the join dialog (L{llmport_agent.host.join}) on the
     reactor, then the same as C{start} (C{BACKEND_URL} from C{URL} written to the env file, an old
     enrollment token line dropped).
 
@@ -93,8 +93,8 @@ def join_command(url: str | None, user_mode: bool, insecure_http: bool = False, 
     """
     from attrs import evolve
 
-    from llmport_agent.installer import Installer, System
-    from llmport_agent.join import InsecureURL, normalise_url
+    from llmport_agent.host.installer import Installer, System
+    from llmport_agent.host.join import InsecureURL, normalise_url
 
     system = evolve(system or System.from_environment(), user_mode=user_mode)
     installer = Installer(system)
@@ -134,7 +134,7 @@ def join_command(url: str | None, user_mode: bool, insecure_http: bool = False, 
         return system.fail(f"configuration error: {e}", EX_USAGE)
     state_path = system.place(config.state_path) if system.root else config.state_path
     if user_mode:
-        from llmport_agent.state import TwoStates, adopt_old_state
+        from llmport_agent.core.state import TwoStates, adopt_old_state
 
         os.makedirs(os.path.dirname(state_path), mode=0o700, exist_ok=True)
         try:
@@ -156,18 +156,18 @@ def _run_join(config: AgentConfig, state_path: str, system: Any, configured_url:
     from twisted.internet import reactor
     from twisted.internet.defer import Deferred
 
+    from llmport_agent.agent.service import make_http_client
+    from llmport_agent.core.logsetup import begin_logging, want_json
+    from llmport_agent.core.threads import PoolService
+    from llmport_agent.host.join import Joiner
     from llmport_agent.inventory.collector import InventoryCollector
     from llmport_agent.inventory.select import make_gpu_source
-    from llmport_agent.join import Joiner
-    from llmport_agent.logsetup import begin_logging, want_json
-    from llmport_agent.service import make_http_client
-    from llmport_agent.threads import PoolService
 
     begin_logging(config.log_level, json=want_json(config.log_format, system.err))
     status = {"code": 1}
     pool = PoolService(reactor, "host", 1)
     http, http_pool = make_http_client(reactor, config)
-    from llmport_agent.backend_http import BackendHTTP
+    from llmport_agent.session.backend_http import BackendHTTP
 
     backend = BackendHTTP(reactor, http, config.backend_url, config.request_timeout_sec,
                           client_cert=config.tls_client_cert)
@@ -207,7 +207,7 @@ def _run_join(config: AgentConfig, state_path: str, system: Any, configured_url:
 def _user_system() -> Any:
     from attrs import evolve
 
-    from llmport_agent.installer import System
+    from llmport_agent.host.installer import System
 
     return evolve(System.from_environment(), user_mode=True)
 
@@ -225,7 +225,7 @@ def _show_config(config: AgentConfig, as_json: bool) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The main command line (run, config, start, join, stop, status); doctor, demo and devbackend
-    have their own parsers (L{llmport_agent.doctor.run.build_parser}, L{llmport_agent.demo.build_parser},
+    have their own parsers (L{llmport_agent.doctor.run.build_parser}, L{llmport_agent.demo.run.build_parser},
     L{llmport_agent.devbackend.cli.build_parser}). The CLI reference in docs/ is generated from them."""
     parser = argparse.ArgumentParser(prog="llmport-agent", description="llm-port node agent")
     parser.add_argument("--version", action="version", version=f"llmport-agent {VERSION}")
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor_main(argv[1:])
     if argv and argv[0] == "demo":
-        from llmport_agent.demo import main as demo_main
+        from llmport_agent.demo.run import main as demo_main
 
         return demo_main(argv[1:])
 
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command not in commands:
         parser.print_help()
         return EX_USAGE
-    from llmport_agent.installer import Installer
+    from llmport_agent.host.installer import Installer
 
     if args.command == "join":
         return join_command(args.url, args.user_mode, args.insecure_http)

@@ -11,10 +11,10 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.trial.unittest import TestCase
 
-from llmport_agent.config import load_config
+from llmport_agent.agent.service import AgentService
+from llmport_agent.core.config import load_config
 from llmport_agent.devbackend import DevBackend
 from llmport_agent.inventory.gpu import NoGPUSource
-from llmport_agent.service import AgentService
 
 
 def agent_env(backend: DevBackend, state_dir: str, **extra: str) -> dict[str, str]:

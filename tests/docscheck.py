@@ -111,7 +111,7 @@ def dotted_problems(where: str, text: str, source: str = "") -> list[str]:
 def cli_options() -> dict[str, set[str]]:
     """Command (as typed after llmport-agent; "" is `run` implied) -> the options it accepts."""
     from llmport_agent.cli import build_parser
-    from llmport_agent.demo import build_parser as demo_parser
+    from llmport_agent.demo.run import build_parser as demo_parser
     from llmport_agent.devbackend.cli import ADMIN_VERBS, admin_parser
     from llmport_agent.devbackend.cli import build_parser as devbackend_parser
     from llmport_agent.doctor.run import build_parser as doctor_parser
@@ -197,7 +197,7 @@ _SETTING = re.compile(r"\bLLM_PORT_NODE_AGENT_([A-Z0-9_]*)")
 
 
 def setting_problems(where: str, text: str) -> list[str]:
-    from llmport_agent.config import SETTINGS
+    from llmport_agent.core.config import SETTINGS
 
     names = {s.name for s in SETTINGS}
     return [f"{where}: LLM_PORT_NODE_AGENT_{m.group(1)} is no setting"

@@ -11,7 +11,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from llmport_agent.backend_http import BackendHTTP, Rejected, Transient
+from llmport_agent.session.backend_http import BackendHTTP, Rejected, Transient
 
 CRED = "11111111-2222-3333-4444-555555555555." + "s" * 43
 
@@ -72,7 +72,7 @@ class EnrollTests(SynchronousTestCase):
 
     def test_an_oversized_answer_is_transient_and_not_kept(self) -> None:
         """An answer above BODY_LIMIT is refused (one line), not buffered whole."""
-        from llmport_agent.backend_http import BODY_LIMIT
+        from llmport_agent.session.backend_http import BODY_LIMIT
 
         big = b'{"node_id": "' + b"n" * (BODY_LIMIT + 10) + b'"}'
         f = self.failureResultOf(self.enroll(FakeBackend(200, big)), Transient)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.backoff import Backoff, FailureCounter, retry_policy
+from llmport_agent.core.backoff import Backoff, FailureCounter, retry_policy
 
 
 class BackoffTests(SynchronousTestCase):
@@ -66,9 +66,9 @@ class DefaultJitterTests(SynchronousTestCase):
     def test_the_log_readers_defaults(self) -> None:
         from twisted.internet.task import Clock
 
+        from llmport_agent.demo.testing import SynchronousRunner
         from llmport_agent.logs.containers import ContainerLogSource
         from llmport_agent.logs.journald import JournaldSource
-        from llmport_agent.testing import SynchronousRunner
         from tests.support.logs import RecordingSink
 
         journald = JournaldSource(Clock(), RecordingSink(), lambda: {}, SynchronousRunner(),

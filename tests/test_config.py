@@ -8,7 +8,7 @@ import sys
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.config import ConfigError, load_config
+from llmport_agent.core.config import ConfigError, load_config
 
 P = "LLM_PORT_NODE_AGENT_"
 

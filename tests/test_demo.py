@@ -19,7 +19,7 @@ from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 
 from llmport_agent import VERSION
-from llmport_agent.demo import _demo
+from llmport_agent.demo.run import _demo
 from llmport_agent.inventory.gpu import NoGPUSource
 
 SNAPSHOTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshots")

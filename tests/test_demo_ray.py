@@ -7,7 +7,7 @@ import argparse
 from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 
-from llmport_agent.demoray import demo_ray
+from llmport_agent.demo.ray_env import demo_ray
 from llmport_agent.inventory.gpu import NoGPUSource
 from tests.support.docker_env import require_docker
 

@@ -20,11 +20,11 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.config import load_config
+from llmport_agent.core.config import load_config
+from llmport_agent.core.state import StateStore
+from llmport_agent.demo.testing import SynchronousRunner
 from llmport_agent.session.dispatch import POLLING, PUSH, DispatchDetector
 from llmport_agent.session.service import SessionService
-from llmport_agent.state import StateStore
-from llmport_agent.testing import SynchronousRunner
 from tests.test_polling import WireProto
 from tests.test_session import CRED, FakeBackend
 

@@ -19,7 +19,7 @@ import tempfile
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from llmport_agent.config import SETTINGS, Setting
+from llmport_agent.core.config import SETTINGS, Setting
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
@@ -136,7 +136,7 @@ class BuildTests(SynchronousTestCase):
         _need_sphinx()
         from sphinx.errors import ExtensionError
 
-        from llmport_agent import config
+        from llmport_agent.core import config
 
         ext = _extension()
         undocumented = Setting("NEW_KNOB", "new_knob", 1, SETTINGS[0].parse, "")
@@ -219,7 +219,7 @@ class DocsTruthTests(SynchronousTestCase):
         # What exists passes.
         fine = ("`llmport_agent/workloads/handlers.py`, `llmport_agent.workloads.handlers.WorkloadManager`, "
                 "`llmport-agent status --user`, `llmport-agent config --set NAME=VALUE`, "
-                "`LLM_PORT_NODE_AGENT_READINESS_TIMEOUT_SEC`, `llmport_agent.ops.access` (a log namespace)")
+                "`LLM_PORT_NODE_AGENT_READINESS_TIMEOUT_SEC`, `llmport_agent.ops.endpoint.access` (a log namespace)")
         self.assertEqual(problems_of("y.md", fine, cli_options(), _source_strings()), [])
 
     def test_the_claims_these_pages_made_before_are_caught(self) -> None:

@@ -25,7 +25,7 @@ from llmport_agent.devbackend import make_test_tls
 from llmport_agent.doctor import checks as C
 from llmport_agent.doctor.result import FAIL, OK, WARN, Finding, exit_status, fail, ok, warn
 from llmport_agent.doctor.run import diagnose, main, make_context, read_env_file
-from llmport_agent.ops import OpsService
+from llmport_agent.ops.endpoint import OpsService
 from tests.agentharness import AgentTestCase, agent_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

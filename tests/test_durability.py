@@ -17,9 +17,9 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent import safefs, storage
 from llmport_agent.commands.journal import CommandJournal, JournalRecord
-from llmport_agent.testing import SynchronousRunner
+from llmport_agent.core import safefs, storage
+from llmport_agent.demo.testing import SynchronousRunner
 
 
 def _fd_path(fd: int) -> str:

@@ -1,7 +1,7 @@
 """
 The entry points in-process: the C{llmport-agent} console script (L{llmport_agent.cli.main}),
-the demo's failure paths (L{llmport_agent.demo}) and the ops endpoint's liveness, readiness
-and port-in-use behaviour (L{llmport_agent.ops}). Behaviour, not "it runs": what each
+the demo's failure paths (L{llmport_agent.demo.run}) and the ops endpoint's liveness, readiness
+and port-in-use behaviour (L{llmport_agent.ops.endpoint}). Behaviour, not "it runs": what each
 subcommand dispatches to with which arguments, exit statuses, what is printed, what is cleaned
 up.
 """
@@ -22,9 +22,11 @@ from twisted.internet.task import deferLater
 from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent import VERSION, cli, demo, installer
+from llmport_agent import VERSION, cli
+from llmport_agent.demo import run as demo
+from llmport_agent.host import installer
 from llmport_agent.inventory.gpu import NoGPUSource
-from llmport_agent.ops import OpsService, gpu_readiness
+from llmport_agent.ops.endpoint import OpsService, gpu_readiness
 from tests.agentharness import AgentTestCase
 
 P = "LLM_PORT_NODE_AGENT_"

@@ -17,6 +17,7 @@ from twisted.internet.task import Clock, deferLater
 from twisted.logger import ILogObserver, Logger
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from llmport_agent.demo.testing import SynchronousRunner
 from llmport_agent.inventory.collector import assert_no_nulls
 from llmport_agent.inventory.fakes import FakeHandle, FakeNVML, h100_node
 from llmport_agent.inventory.health import (
@@ -32,7 +33,6 @@ from llmport_agent.inventory.health import (
 from llmport_agent.inventory.monitor import GPUHealthMonitor
 from llmport_agent.inventory.nvml import NVMLGPUSource
 from llmport_agent.inventory.watchdog import CallTimedOut, PoolSaturated, WatchdogPool, run_deferred
-from llmport_agent.testing import SynchronousRunner
 from tests.agentharness import AgentTestCase
 
 UNC = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
@@ -892,7 +892,7 @@ class AgentGPUHealthTests(AgentTestCase):
 class MetricsTests(SynchronousTestCase):
     """
     /metrics carries per-GPU health and Xid counters next to the other per-GPU families
-    (llmport_agent.metrics.AgentCollector), from the snapshot's current verdicts.
+    (llmport_agent.ops.metrics.AgentCollector), from the snapshot's current verdicts.
     """
 
     def test_families(self) -> None:
@@ -900,7 +900,7 @@ class MetricsTests(SynchronousTestCase):
 
         from prometheus_client import CollectorRegistry, generate_latest
 
-        from llmport_agent.metrics import AgentCollector
+        from llmport_agent.ops.metrics import AgentCollector
 
         Quiet(self, NVMLGPUSource)
         fake, source = sync_source()

@@ -17,17 +17,17 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmport_agent.demo.testing import FakeSession, SynchronousRunner
 from llmport_agent.events.outbox import EventOutbox
+from llmport_agent.host.sdnotify import Notifier, NotifyService
 from llmport_agent.inventory import nvml
 from llmport_agent.inventory.fakes import h100_node
 from llmport_agent.inventory.monitor import GPUHealthMonitor
 from llmport_agent.inventory.nvml import NVMLGPUSource
 from llmport_agent.inventory.watchdog import WatchdogPool
-from llmport_agent.metrics import ReactorLatenessProbe
-from llmport_agent.ops import OpsService
-from llmport_agent.reporting import HeartbeatReporter
-from llmport_agent.sdnotify import Notifier, NotifyService
-from llmport_agent.testing import FakeSession, SynchronousRunner
+from llmport_agent.ops.endpoint import OpsService
+from llmport_agent.ops.metrics import ReactorLatenessProbe
+from llmport_agent.session.reporting import HeartbeatReporter
 from llmport_agent.workloads.engine import DockerEngine
 
 HOUR = 3600.0

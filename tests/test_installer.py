@@ -17,8 +17,8 @@ from typing import Any
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from llmport_agent.config import ConfigError
-from llmport_agent.installer import EnvFile, Installer, System, render_unit, unit_template
+from llmport_agent.core.config import ConfigError
+from llmport_agent.host.installer import EnvFile, Installer, System, render_unit, unit_template
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -310,7 +310,7 @@ class UserModeTests(SynchronousTestCase):
         self.assertEqual(h.calls()[-3:], ["--user daemon-reload", "--user enable --quiet llmport-agent.service",
                                           "--user restart llmport-agent.service"])
         unit = open(unit_path).read()
-        from llmport_agent.installer import ROOT_ONLY_DIRECTIVES
+        from llmport_agent.host.installer import ROOT_ONLY_DIRECTIVES
 
         for line in unit.splitlines():
             self.assertFalse(line.startswith(ROOT_ONLY_DIRECTIVES) and not line.startswith("EnvironmentFile="), line)
@@ -517,7 +517,7 @@ class CommandLineTests(SynchronousTestCase):
         # The console script is next to the interpreter in this environment, or on PATH.
         if "no llmport-agent executable" in done.stderr:
             raise SkipTest("llmport-agent is not installed next to this interpreter")
-        from llmport_agent.installer import unstable_place
+        from llmport_agent.host.installer import unstable_place
 
         if unstable_place(sys.executable):
             # This interpreter lives under /tmp (a throw-away venv): start must refuse it.
@@ -582,8 +582,8 @@ class TokenFileWarningTests(SynchronousTestCase):
         from twisted.internet.task import Clock
         from twisted.logger import globalLogPublisher
 
-        from llmport_agent.config import load_config
-        from llmport_agent.service import AgentService, tighten_env_file
+        from llmport_agent.agent.service import AgentService, tighten_env_file
+        from llmport_agent.core.config import load_config
 
         root = os.path.abspath(self.mktemp())
         os.makedirs(os.path.join(root, "etc"))
@@ -638,7 +638,7 @@ class TokenFileWarningTests(SynchronousTestCase):
             with open(path, "w") as f:
                 f.write(content)
             os.chmod(path, 0o644)
-            from llmport_agent.service import tighten_env_file
+            from llmport_agent.agent.service import tighten_env_file
 
             read, write = os.pipe()
             pid = os.fork()
@@ -658,7 +658,7 @@ class TokenFileWarningTests(SynchronousTestCase):
         self.assertIsNone(results[1])
 
     def test_a_link_is_not_followed(self) -> None:
-        from llmport_agent.service import tighten_env_file
+        from llmport_agent.agent.service import tighten_env_file
 
         d = os.path.abspath(self.mktemp())
         os.makedirs(d)

@@ -13,7 +13,7 @@ import sys
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.instance import AlreadyRunning, InstanceLock, lock_path
+from llmport_agent.host.instance import AlreadyRunning, InstanceLock, lock_path
 from tests.test_process import _ProcessBase
 
 HOLD = """

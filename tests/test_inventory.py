@@ -19,6 +19,7 @@ from twisted.logger import ILogObserver, Logger
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmport_agent import VERSION
+from llmport_agent.core.threads import PoolService
 from llmport_agent.inventory import capabilities as caps_module
 from llmport_agent.inventory import host as host_module
 from llmport_agent.inventory.capabilities import (
@@ -36,7 +37,6 @@ from llmport_agent.inventory.collector import (
 from llmport_agent.inventory.fakes import h100_node
 from llmport_agent.inventory.gpu import GPUSnapshot, NoGPUSource, NVMLGPUSource
 from llmport_agent.inventory.host import collect_host_facts, measure_disks, nearest_existing
-from llmport_agent.threads import PoolService
 
 REQUIRED_CAPS = {
     "hostname": str,

@@ -22,12 +22,12 @@ from twisted.internet.defer import ensureDeferred, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SkipTest
 
-from llmport_agent.backend_http import BackendHTTP
-from llmport_agent.config import load_config
+from llmport_agent.agent.service import make_http_client
+from llmport_agent.core.config import load_config
 from llmport_agent.devbackend import DevBackend
-from llmport_agent.installer import unstable_place
-from llmport_agent.join import Joiner
-from llmport_agent.service import make_http_client
+from llmport_agent.host.installer import unstable_place
+from llmport_agent.host.join import Joiner
+from llmport_agent.session.backend_http import BackendHTTP
 from tests.agentharness import AgentTestCase, agent_env
 from tests.test_installer import Host
 
@@ -139,7 +139,7 @@ class JoinTests(JoinHelpers):
         A rejection message with a terminal escape sequence and a forged second line reaches
         the operator as one bounded line; a backend error detail is bounded and cleaned too.
         """
-        from llmport_agent.backend_http import _detail
+        from llmport_agent.session.backend_http import _detail
 
         b = await self.backend()
         j = self.joiner(b)
@@ -285,7 +285,7 @@ class JoinTests(JoinHelpers):
         self.assertEqual(await self.joiner(b, d, agent_id="gpu-08").run(), 0)
 
     async def test_refused_while_an_agent_holds_the_state(self) -> None:
-        from llmport_agent.instance import InstanceLock
+        from llmport_agent.host.instance import InstanceLock
 
         b = await self.backend()
         j = self.joiner(b)
@@ -511,14 +511,14 @@ class JoinURLTests(AgentTestCase):
     """What a typed URL becomes: https unless the operator says otherwise; never a silent http."""
 
     def test_bare_host_port_is_https(self) -> None:
-        from llmport_agent.join import normalise_url
+        from llmport_agent.host.join import normalise_url
 
         self.assertEqual(normalise_url("10.0.0.5:8000"), "https://10.0.0.5:8000")
         self.assertEqual(normalise_url(" llm.example "), "https://llm.example")
         self.assertEqual(normalise_url("10.0.0.5:8000", insecure_http=True), "http://10.0.0.5:8000")
 
     def test_http_needs_consent(self) -> None:
-        from llmport_agent.join import InsecureURL, normalise_url
+        from llmport_agent.host.join import InsecureURL, normalise_url
 
         with self.assertRaises(InsecureURL) as e:
             normalise_url("http://10.0.0.5:8000")
@@ -534,7 +534,7 @@ class JoinURLTests(AgentTestCase):
         self.assertEqual(normalise_url("https://10.0.0.5"), "https://10.0.0.5")
 
     def test_same_backend(self) -> None:
-        from llmport_agent.join import same_backend
+        from llmport_agent.host.join import same_backend
 
         self.assertTrue(same_backend("https://LLM.example/", "https://llm.example:443"))
         self.assertTrue(same_backend("http://a:80/x/", "http://a/x"))

@@ -10,7 +10,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.config import ConfigError, load_config
+from llmport_agent.core.config import ConfigError, load_config
 from tests.test_pipeline import Harness, command
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmport_agent import cli
-from llmport_agent.installer import EnvFile, Installer, open_to_others
+from llmport_agent.host.installer import EnvFile, Installer, open_to_others
 from tests.agentharness import AgentTestCase
 from tests.test_installer import Host, agent_vars
 
@@ -201,7 +201,7 @@ class OneStateLocationTests(SynchronousTestCase):
         return d
 
     def test_run_as_a_user_falls_back_to_the_same_place(self) -> None:
-        from llmport_agent import state as state_mod
+        from llmport_agent.core import state as state_mod
 
         home, env = self.home()
         self.patch(state_mod.os, "geteuid", lambda: 1000)
@@ -210,12 +210,12 @@ class OneStateLocationTests(SynchronousTestCase):
         self.assertEqual(path, os.path.join(home, ".local/share/llmport-agent/state.json"))
         self.assertIn("not writable", note or "")
         # ...which is where `start --user` puts it.
-        from llmport_agent.installer import System
+        from llmport_agent.host.installer import System
 
         self.assertEqual(System(environ=env, user_mode=True).user_defaults({})["LLM_PORT_NODE_AGENT_STATE_PATH"], path)
 
     def test_the_old_place_is_moved(self) -> None:
-        from llmport_agent.state import adopt_old_state
+        from llmport_agent.core.state import adopt_old_state
 
         home, env = self.home()
         old = self.old(home)
@@ -229,7 +229,7 @@ class OneStateLocationTests(SynchronousTestCase):
         self.assertIsNone(adopt_old_state(new, env, euid=1000))  # once
 
     def test_both_places_is_one_line_and_nothing_moves(self) -> None:
-        from llmport_agent.state import TwoStates, adopt_old_state
+        from llmport_agent.core.state import TwoStates, adopt_old_state
 
         home, env = self.home()
         old = self.old(home)
@@ -246,8 +246,8 @@ class OneStateLocationTests(SynchronousTestCase):
             self.assertEqual(json.load(f)["credential"], "n.new")
 
     def test_an_agent_running_on_the_old_place(self) -> None:
-        from llmport_agent.instance import InstanceLock
-        from llmport_agent.state import TwoStates, adopt_old_state
+        from llmport_agent.core.state import TwoStates, adopt_old_state
+        from llmport_agent.host.instance import InstanceLock
 
         home, env = self.home()
         old = self.old(home)
@@ -259,7 +259,7 @@ class OneStateLocationTests(SynchronousTestCase):
         self.assertTrue(os.path.exists(os.path.join(old, "state.json")))
 
     def test_root_and_other_paths_are_left_alone(self) -> None:
-        from llmport_agent.state import adopt_old_state
+        from llmport_agent.core.state import adopt_old_state
 
         home, env = self.home()
         old = self.old(home)
@@ -354,7 +354,7 @@ class RootsToolsTrustOnlyTheAgentTests(SynchronousTestCase):
 
     def status(self, port: int, state_dir: str) -> tuple[int, str]:
         """`status` on a host whose system root is /, as a real one (the state where the test put it)."""
-        from llmport_agent.config import load_config
+        from llmport_agent.core.config import load_config
 
         h = Host(self, systemd=False)
         config = load_config({"LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:9",
@@ -409,7 +409,7 @@ class RootsToolsTrustOnlyTheAgentTests(SynchronousTestCase):
 
     def test_the_agent_itself_is_believed(self) -> None:
         """The lock's holder (this process) owns the listening socket: its answer is shown."""
-        from llmport_agent.instance import InstanceLock
+        from llmport_agent.host.instance import InstanceLock
 
         d = self.state_dir()
         lock = InstanceLock(os.path.join(d, "state.json"))
@@ -421,7 +421,7 @@ class RootsToolsTrustOnlyTheAgentTests(SynchronousTestCase):
         self.assertEqual(rc, 0, out)
 
     def doctor(self, port: int, state_dir: str) -> Any:
-        from llmport_agent.config import load_config
+        from llmport_agent.core.config import load_config
         from llmport_agent.doctor.checks import Context, check_credential, check_ops_port
         from llmport_agent.doctor.run import readiness
 
@@ -444,7 +444,7 @@ class RootsToolsTrustOnlyTheAgentTests(SynchronousTestCase):
         self.assertIn("not checked: the backend did not answer", credential[0].detail)
 
     def test_doctor_believes_the_agent(self) -> None:
-        from llmport_agent.instance import InstanceLock
+        from llmport_agent.host.instance import InstanceLock
 
         d = self.state_dir()
         lock = InstanceLock(os.path.join(d, "state.json"))
@@ -464,7 +464,7 @@ class NodeIdTests(SynchronousTestCase):
     """Issue 29 #4: a node id handed out by the backend is validated where it is received."""
 
     def test_the_shape(self) -> None:
-        from llmport_agent.cleantext import node_id_problem
+        from llmport_agent.core.cleantext import node_id_problem
 
         for good in ("11111111-2222-4333-8444-555555555555", "n1", "node_7.a:b", "x" * 128):
             self.assertIsNone(node_id_problem(good), good)
@@ -473,9 +473,9 @@ class NodeIdTests(SynchronousTestCase):
 
     def test_one_cleaner(self) -> None:
         """shown(): bounded, and no control, separator or bidi character survives."""
-        from llmport_agent.backend_http import shown as backend_shown
-        from llmport_agent.cleantext import shown
+        from llmport_agent.core.cleantext import shown
         from llmport_agent.doctor.result import Finding
+        from llmport_agent.session.backend_http import shown as backend_shown
 
         self.assertIs(backend_shown, shown)
         text = "a\x1b[31mb\rc\nd\x9be\u2028f\u202eg\u2066h\x7f"
@@ -484,7 +484,7 @@ class NodeIdTests(SynchronousTestCase):
         self.assertNotIn("\u202e", Finding("c", "ok", "\u202eevil", "\x1b[2J").line())
 
     def test_enrollment_reply(self) -> None:
-        from llmport_agent.cleantext import BadNodeId
+        from llmport_agent.core.cleantext import BadNodeId
         from tests.test_backend_http import FakeBackend, call
         from tests.test_session import CRED
 
@@ -503,10 +503,10 @@ class NodeIdTests(SynchronousTestCase):
         from twisted.internet.testing import MemoryReactorClock
         from twisted.logger import formatEvent, globalLogPublisher
 
-        from llmport_agent.config import load_config
+        from llmport_agent.core.config import load_config
+        from llmport_agent.core.state import StateStore
+        from llmport_agent.demo.testing import SynchronousRunner
         from llmport_agent.session.service import SessionService
-        from llmport_agent.state import StateStore
-        from llmport_agent.testing import SynchronousRunner
         from tests.test_polling import WireProto
         from tests.test_session import CRED, FakeBackend
 
@@ -559,10 +559,10 @@ class AgentKeepsTheIssuerTests(SynchronousTestCase):
         from twisted.internet.endpoints import TCP4ClientEndpoint
         from twisted.internet.testing import MemoryReactorClock
 
-        from llmport_agent.config import load_config
+        from llmport_agent.core.config import load_config
+        from llmport_agent.core.state import StateStore
+        from llmport_agent.demo.testing import SynchronousRunner
         from llmport_agent.session.service import SessionService
-        from llmport_agent.state import StateStore
-        from llmport_agent.testing import SynchronousRunner
         from tests.test_session import FakeBackend
 
         self.reactor = MemoryReactorClock()
@@ -605,7 +605,7 @@ class AgentKeepsTheIssuerTests(SynchronousTestCase):
         self.assertEqual(len(self.reactor.tcpClients), 1)
 
     def test_enrollment_records_the_issuer(self) -> None:
-        from llmport_agent.backend_http import Enrollment
+        from llmport_agent.session.backend_http import Enrollment
         from tests.test_session import CRED
 
         self.session("http://127.0.0.1:8000", token="tok-1")
@@ -613,7 +613,7 @@ class AgentKeepsTheIssuerTests(SynchronousTestCase):
         self.assertEqual(self.state.get("backend_url"), "http://127.0.0.1:8000")
 
     def test_enrollment_naming_a_bad_node_id_stops_with_one_line(self) -> None:
-        from llmport_agent.cleantext import checked_node_id
+        from llmport_agent.core.cleantext import checked_node_id
         from llmport_agent.session.enrollment import EXIT_NEEDS_OPERATOR
 
         self.session("http://127.0.0.1:8000", token="tok-1")
@@ -631,7 +631,7 @@ class WhatTheScriptRunsTests(SynchronousTestCase):
     """A root-owned script that imports this package from a directory others can write is refused too."""
 
     def test_the_package_directory_is_judged(self) -> None:
-        from llmport_agent import installer
+        from llmport_agent.host import installer
 
         top = os.path.abspath(self.mktemp())
         package = os.path.join(top, "home", "bob", "src", "llmport_agent")
@@ -644,7 +644,7 @@ class WhatTheScriptRunsTests(SynchronousTestCase):
         self.assertIn(f"the directory {top}/home/bob is owned by uid 1000", h.err.getvalue())
 
     def test_this_checkout_is_fine(self) -> None:
-        from llmport_agent.installer import _code_paths
+        from llmport_agent.host.installer import _code_paths
 
         for path in _code_paths():
             self.assertIsNone(open_to_others(path, (0, os.geteuid())), path)
@@ -655,7 +655,7 @@ class ListenerTests(SynchronousTestCase):
         """A listener on 127.0.0.2 (another user's, say) on the same port is not the one answering."""
         import socket
 
-        from llmport_agent.opsprobe import listening_inodes
+        from llmport_agent.ops.probe import listening_inodes
 
         a = socket.socket()
         self.addCleanup(a.close)
@@ -721,7 +721,7 @@ class AgentAdoptsTheOldStateTests(AgentTestCase):
     timeout = 60
 
     def places(self) -> tuple[str, str]:
-        from llmport_agent import state as state_mod
+        from llmport_agent.core import state as state_mod
 
         home = os.path.abspath(self.mktemp())
         new, old = os.path.join(home, "share", "llmport-agent"), os.path.join(home, "state", "llmport-agent")

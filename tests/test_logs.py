@@ -29,7 +29,8 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 from zope.interface.verify import verifyObject
 
-from llmport_agent.backoff import Backoff
+from llmport_agent.core.backoff import Backoff
+from llmport_agent.demo.testing import SynchronousRunner
 from llmport_agent.logs.agent_source import AgentLogObserver, level_label, node_labels
 from llmport_agent.logs.auth import LokiAuth
 from llmport_agent.logs.encoding import decode_body, encode_batch, label_key
@@ -44,7 +45,6 @@ from llmport_agent.logs.loki import (
 from llmport_agent.logs.metrics import log_metric_families
 from llmport_agent.logs.redact import Redactor, redact
 from llmport_agent.logs.testing import FakeLoki, protocol_label_problem
-from llmport_agent.testing import SynchronousRunner
 from tests.support.logs import CREDENTIAL, LABELS, TOKEN, RecordingSink, capture_events, labels
 
 reactor: Any = _global_reactor
@@ -615,7 +615,7 @@ class LokiConfigTests(SynchronousTestCase):
 
     def test_combinations_that_make_no_sense_are_refused(self) -> None:
         """Two kinds of auth, a password without a user, a spool too small: one line each."""
-        from llmport_agent.config import ConfigError, load_config
+        from llmport_agent.core.config import ConfigError, load_config
 
         path = self.mktemp()
         with open(path, "w") as f:
@@ -639,7 +639,7 @@ class LokiConfigTests(SynchronousTestCase):
         `<< 10` survived: the one test reading the built bound needed journald). No daemon
         needed: the shipping is built, not started.
         """
-        from llmport_agent.config import load_config
+        from llmport_agent.core.config import load_config
         from llmport_agent.logs.wiring import build_log_shipping
 
         for mb, want in (("5", 5 * 1024 * 1024), ("256", 256 * 1024 * 1024), ("0", None)):
@@ -654,7 +654,7 @@ class LokiConfigTests(SynchronousTestCase):
 
     def test_secrets_are_masked(self) -> None:
         """config and diagnostics show that a Loki password or token is set, never its value."""
-        from llmport_agent.config import load_config
+        from llmport_agent.core.config import load_config
 
         config = load_config(self.env(LOKI_USERNAME="u", LOKI_PASSWORD="pw-secret-1",
                                       LOKI_URL="http://a:url-secret@l:3100"), {})
@@ -809,7 +809,7 @@ class AgentObserverTests(SynchronousTestCase):
         """Events of llmport_agent.logs (and children) are not shipped; similar names are."""
         Logger(namespace="llmport_agent.logs.loki.LokiShipper", observer=self.observer).warn("x")
         Logger(namespace="llmport_agent.logs", observer=self.observer).warn("x")
-        Logger(namespace="llmport_agent.logsetup", observer=self.observer).warn("kept")
+        Logger(namespace="llmport_agent.core.logsetup", observer=self.observer).warn("kept")
         self.assertEqual(len(self.sink.pushed), 1)
 
     def test_secrets_redacted(self) -> None:
@@ -957,7 +957,7 @@ class LoopbackTests(TestCase):
 
     async def test_large_batches_are_encoded_off_the_reactor(self) -> None:
         """With a worker pool, a batch of a few MiB is encoded there and arrives whole."""
-        from llmport_agent.threads import PoolService
+        from llmport_agent.core.threads import PoolService
 
         loki = self.serve()
         pool = PoolService(reactor, "logs", 2)
@@ -975,7 +975,7 @@ class LoopbackTests(TestCase):
         """An https LOKI_URL is verified: with CA_BUNDLE it works, without it nothing is sent."""
         from twisted.internet.ssl import PrivateCertificate
 
-        from llmport_agent.config import load_config
+        from llmport_agent.core.config import load_config
         from llmport_agent.devbackend import make_test_tls
         from llmport_agent.logs.wiring import build_log_shipping
 

@@ -30,7 +30,7 @@ from twisted.logger import Logger, globalLogPublisher
 from twisted.trial.unittest import TestCase
 from twisted.web.server import Site
 
-from llmport_agent.config import load_config
+from llmport_agent.core.config import load_config
 from llmport_agent.logs.containers import STATE_FILE
 from llmport_agent.logs.journald import CURSOR_FILE
 from llmport_agent.logs.spool import HEADER_BYTES, SPOOL_DIR

@@ -23,6 +23,7 @@ from twisted.internet.task import Clock, deferLater
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from llmport_agent.demo.testing import SynchronousRunner
 from llmport_agent.logs.containers import STATE_FILE, ContainerLogSource, parse_state
 from llmport_agent.logs.docker_logs import (
     ChunkedDecoder,
@@ -35,7 +36,6 @@ from llmport_agent.logs.docker_logs import (
     parse_timestamp,
 )
 from llmport_agent.logs.testing import protocol_label_problem
-from llmport_agent.testing import SynchronousRunner
 from llmport_agent.workloads.engine import StreamClosed
 from llmport_agent.workloads.spec import (
     LABEL_AGENT_ID,
@@ -548,8 +548,8 @@ class RealEngineTests(TestCase):
         self.parts: list[Any] = []
 
     async def start(self, streams: int = 16, **kw: Any) -> ContainerLogSource:
+        from llmport_agent.core.threads import PoolService
         from llmport_agent.logs.loki import LokiShipper, loki_http_client
-        from llmport_agent.threads import PoolService
         from llmport_agent.workloads.engine import DockerEngine
 
         pool = PoolService(self.reactor, "logs", 2)

@@ -23,7 +23,9 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.server import Site
 
-from llmport_agent.backoff import Backoff
+from llmport_agent.core.backoff import Backoff
+from llmport_agent.core.threads import PoolService
+from llmport_agent.demo.testing import SynchronousRunner
 from llmport_agent.logs.agent_source import node_labels
 from llmport_agent.logs.journald import (
     CHUNK_LINES,
@@ -36,8 +38,6 @@ from llmport_agent.logs.journald import (
 )
 from llmport_agent.logs.loki import LokiShipper, loki_http_client
 from llmport_agent.logs.testing import FakeLoki, protocol_label_problem
-from llmport_agent.testing import SynchronousRunner
-from llmport_agent.threads import PoolService
 from tests.support.logs import TOKEN, RecordingSink, capture_events
 
 JOURNAL_REMOTE = "/lib/systemd/systemd-journal-remote"

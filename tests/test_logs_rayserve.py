@@ -334,9 +334,9 @@ class RealShipperTests(TestCase):
         from twisted.internet import reactor
         from twisted.web.server import Site
 
+        from llmport_agent.core.threads import PoolService
         from llmport_agent.logs.loki import LokiShipper, loki_http_client
         from llmport_agent.logs.testing import FakeLoki
-        from llmport_agent.threads import PoolService
 
         loki = FakeLoki(check_labels=True)
         port = reactor.listenTCP(0, Site(loki), interface="127.0.0.1")
@@ -382,7 +382,7 @@ class SaveOrderTests(SynchronousTestCase):
 
     def test_one_write_at_a_time(self) -> None:
         """A save while another is in flight waits for it; the file ends with the newest positions."""
-        from llmport_agent.storage import atomic_write
+        from llmport_agent.core.storage import atomic_write
 
         class HeldRunner:
             def __init__(self) -> None:

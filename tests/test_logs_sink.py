@@ -17,9 +17,9 @@ from twisted.internet.task import Clock
 from twisted.logger import formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.backend_http import Rejected, Transient
-from llmport_agent.backoff import Backoff
+from llmport_agent.core.backoff import Backoff
 from llmport_agent.logs.sink import REASK_SEC, LogSinkDiscovery, ServiceSlot, validate_sink_url
+from llmport_agent.session.backend_http import Rejected, Transient
 from tests.agentharness import AgentTestCase
 from tests.support.logs import capture_events
 
@@ -233,7 +233,7 @@ class RouteTests(AgentTestCase):
         from treq.client import HTTPClient
         from twisted.web.client import Agent, HTTPConnectionPool
 
-        from llmport_agent.backend_http import BackendHTTP
+        from llmport_agent.session.backend_http import BackendHTTP
 
         backend = await self.start_backend(**kw)
         agent = self.start_agent(backend)
@@ -271,7 +271,7 @@ class RawAnswerTests(AgentTestCase):
         from twisted.web.resource import Resource
         from twisted.web.server import Site
 
-        from llmport_agent.backend_http import BackendHTTP
+        from llmport_agent.session.backend_http import BackendHTTP
 
         seen: list[bytes | None] = []
 
@@ -403,7 +403,7 @@ def defer_later(seconds: float) -> Deferred[None]:
 
 class SinkConfigTests(SynchronousTestCase):
     def test_a_bearer_token_is_left_out_too(self) -> None:
-        from llmport_agent.config import load_config
+        from llmport_agent.core.config import load_config
         from llmport_agent.logs.sink import sink_config
 
         c = load_config({"LLM_PORT_NODE_AGENT_LOKI_BEARER_TOKEN": "loki-bearer-s3cret",
@@ -426,7 +426,7 @@ class JournalConsentTests(SynchronousTestCase):
     """
 
     def config(self, **env: str) -> Any:
-        from llmport_agent.config import load_config
+        from llmport_agent.core.config import load_config
 
         return load_config({f"LLM_PORT_NODE_AGENT_{k}": v for k, v in env.items()})
 
@@ -445,7 +445,7 @@ class JournalConsentTests(SynchronousTestCase):
             self.assertEqual(journal_selection(c, backend_sink=True), backend, env)
 
     def test_bad_unit_names_are_refused(self) -> None:
-        from llmport_agent.config import ConfigError
+        from llmport_agent.core.config import ConfigError
 
         for bad in ("-x", "a b", "*,sshd.service", "x\ny", "none,sshd.service", ",".join(["u"] * 65)):
             with self.assertRaises(ConfigError, msg=bad):
@@ -488,7 +488,7 @@ class PlantedBugTests(SynchronousTestCase):
         Every one of the operator's Loki credentials, the file variants included, is left out
         of what ships to a sink the backend names: nothing of them in the shipper's headers.
         """
-        from llmport_agent.config import load_config
+        from llmport_agent.core.config import load_config
         from llmport_agent.logs.sink import sink_config
         from llmport_agent.logs.wiring import build_log_shipping
 

@@ -19,11 +19,11 @@ from treq.testing import StubTreq
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmport_agent.demo.testing import SynchronousRunner
 from llmport_agent.logs.encoding import label_key
 from llmport_agent.logs.loki import LokiShipper
 from llmport_agent.logs.spool import HEADER_BYTES, SPOOL_DIR, Spool, SpoolRecord
 from llmport_agent.logs.testing import FakeLoki
-from llmport_agent.testing import SynchronousRunner
 from tests.support.logs import LABELS
 
 KEY = label_key(LABELS)

@@ -10,7 +10,7 @@ from typing import Any
 from twisted.logger import Logger, LogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.logsetup import make_observer, want_json
+from llmport_agent.core.logsetup import make_observer, want_json
 
 CREDENTIAL = "0b7f3c52-1d2e-4f60-9a8b-7c6d5e4f3a21." + "A" * 43
 
@@ -206,7 +206,7 @@ class JournalTests(SynchronousTestCase):
         self.assertIn("<2>builtins.ValueError: boom", lines)
 
     def test_auto_is_the_journal_under_systemd(self) -> None:
-        from llmport_agent.logsetup import choose_format
+        from llmport_agent.core.logsetup import choose_format
 
         path = self.mktemp()
         with open(path, "w") as stream:

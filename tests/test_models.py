@@ -41,6 +41,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from llmport_agent.commands.base import CommandFailed, HandlerSpec
+from llmport_agent.core.threads import PoolService
 from llmport_agent.devbackend.modelfiles import ModelRepository, model_files_resource
 from llmport_agent.models import ModelSyncer, _fs, parse_manifest, sync_model_handler_spec
 from llmport_agent.models._http import (
@@ -52,7 +53,6 @@ from llmport_agent.models._http import (
 )
 from llmport_agent.models.manifest import link_target
 from llmport_agent.models.transfer import Ranges
-from llmport_agent.threads import PoolService
 
 reactor: Any = _global_reactor
 
@@ -1423,8 +1423,8 @@ class BackendEndpointTests(TestCase):
         from twisted.web.client import URI
         from twisted.web.error import SchemeNotSupported
 
-        from llmport_agent.http_endpoints import READ_SIZE, BackendEndpointFactory
-        from llmport_agent.tls import https_policy
+        from llmport_agent.session.endpoints import READ_SIZE, BackendEndpointFactory
+        from llmport_agent.session.tls import https_policy
 
         server = Factory.forProtocol(Protocol)
         port = reactor.listenTCP(0, server, interface="127.0.0.1")

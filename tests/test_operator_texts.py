@@ -25,9 +25,9 @@ from twisted.internet.task import Clock, deferLater
 from twisted.logger import LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.backend_http import describe_network_error
 from llmport_agent.devbackend import DevBackend, make_test_tls
-from llmport_agent.tls import describe_connection_error
+from llmport_agent.session.backend_http import describe_network_error
+from llmport_agent.session.tls import describe_connection_error
 from llmport_agent.workloads.engine import DockerEngine
 from llmport_agent.workloads.health import HealthWatcher
 from llmport_agent.workloads.settings import WorkloadSettings
@@ -191,7 +191,7 @@ class CliTextTests(SynchronousTestCase):
 
     def test_demo_help_is_plain_text(self) -> None:
         """`demo --help` shows no epytext markup."""
-        from llmport_agent.demo import main
+        from llmport_agent.demo.run import main
 
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
@@ -287,7 +287,7 @@ class SmallGlitchTests(SynchronousTestCase):
         import json
         import os
 
-        from llmport_agent.installer import Installer
+        from llmport_agent.host.installer import Installer
         from tests.test_installer import Host
 
         for modes, said in (({"maintenance": True, "draining": False}, "in maintenance mode, not draining"),
@@ -309,7 +309,7 @@ class SmallGlitchTests(SynchronousTestCase):
     def test_readiness_names_the_engine_once(self) -> None:
         from types import SimpleNamespace
 
-        from llmport_agent.ops import readiness
+        from llmport_agent.ops.endpoint import readiness
 
         error = "Docker engine at unix:///run/docker.sock is unreachable: connection refused (is dockerd running?)"
         agent = SimpleNamespace(
@@ -327,7 +327,7 @@ class SmallGlitchTests(SynchronousTestCase):
     def test_demo_keeps_nvml_back_off_out_of_its_story(self) -> None:
         from twisted.logger import PredicateResult
 
-        from llmport_agent.demo import demo_log_predicate
+        from llmport_agent.demo.run import demo_log_predicate
 
         nvml = {"log_namespace": "llmport_agent.inventory.nvml.NVMLGPUSource", "log_level": LogLevel.warn}
         other = {"log_namespace": "llmport_agent.session.service", "log_level": LogLevel.warn}

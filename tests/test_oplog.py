@@ -24,7 +24,7 @@ from twisted.internet.task import deferLater
 from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.logsetup import ThirdPartyRepeats, make_observer
+from llmport_agent.core.logsetup import ThirdPartyRepeats, make_observer
 from tests.agentharness import AgentTestCase
 from tests.test_pipeline import Harness, command
 from tests.test_process import _ProcessBase

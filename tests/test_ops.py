@@ -15,11 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet import reactor
 from twisted.internet.task import deferLater
 
-from llmport_agent.config import load_config
+from llmport_agent.agent.service import AgentService
+from llmport_agent.core.config import load_config
 from llmport_agent.inventory.fakes import FakeGPU, FakeNVML
 from llmport_agent.inventory.gpu import NVMLGPUSource
-from llmport_agent.ops import OpsService
-from llmport_agent.service import AgentService
+from llmport_agent.ops.endpoint import OpsService
 from tests.agentharness import AgentTestCase, agent_env
 from tests.support.docker_env import require_docker
 
@@ -219,7 +219,7 @@ class ReadinessRulesTests(AgentTestCase):
 
     async def test_nvml_and_loki_rules(self) -> None:
         from llmport_agent.inventory.gpu import GPUSnapshot
-        from llmport_agent.ops import readiness
+        from llmport_agent.ops.endpoint import readiness
 
         backend = await self.start_backend()
         agent = self.start_agent(backend)

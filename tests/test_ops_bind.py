@@ -14,7 +14,7 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from llmport_agent.ops import OpsService
+from llmport_agent.ops.endpoint import OpsService
 
 
 class BusyPortReactor(MemoryReactorClock):
@@ -102,7 +102,7 @@ class AccessLogTests(TestCase):
         from twisted.internet.task import deferLater
 
         await deferLater(reactor, 0.05, lambda: None)
-        access = [e for e in captured.events if e.get("log_namespace") == "llmport_agent.ops.access"]
+        access = [e for e in captured.events if e.get("log_namespace") == "llmport_agent.ops.endpoint.access"]
         self.assertEqual(len(access), 1)
         self.assertEqual(access[0]["log_level"], LogLevel.debug)
         self.assertEqual(formatEvent(access[0]), "GET /healthz 200 15")

@@ -7,8 +7,8 @@ import os
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmport_agent.demo.testing import FakeSession, SynchronousRunner
 from llmport_agent.events.outbox import EventOutbox, make_event
-from llmport_agent.testing import FakeSession, SynchronousRunner
 
 
 class OutboxTests(SynchronousTestCase):

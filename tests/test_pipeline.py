@@ -15,9 +15,9 @@ from llmport_agent.commands.journal import DELIVERED, FINISHED, CommandJournal
 from llmport_agent.commands.node import PersistentModes, node_handler_specs
 from llmport_agent.commands.parse import signature_for
 from llmport_agent.commands.pipeline import CommandPipeline
+from llmport_agent.core.state import StateStore
+from llmport_agent.demo.testing import FakeSession, SynchronousRunner
 from llmport_agent.events.outbox import EventOutbox
-from llmport_agent.state import StateStore
-from llmport_agent.testing import FakeSession, SynchronousRunner
 
 
 def command(

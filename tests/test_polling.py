@@ -21,13 +21,13 @@ from twisted.internet.task import LoopingCall, deferLater
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.config import ConfigError, load_config
+from llmport_agent.core.config import ConfigError, load_config
+from llmport_agent.core.state import StateStore
+from llmport_agent.demo.testing import SynchronousRunner
 from llmport_agent.devbackend._state import CPU_MS_WITH_SEQ, CPU_MS_WITHOUT_SEQ
-from llmport_agent.reporting import HeartbeatReporter
 from llmport_agent.session.protocol import AgentClientProtocol
+from llmport_agent.session.reporting import HeartbeatReporter
 from llmport_agent.session.service import SessionService
-from llmport_agent.state import StateStore
-from llmport_agent.testing import SynchronousRunner
 from tests.agentharness import AgentTestCase
 from tests.test_session import CRED, FakeBackend
 

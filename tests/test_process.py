@@ -180,7 +180,7 @@ class NotifyAndLogsTests(_ProcessBase):
 
 class TwistdJSONTests(SynchronousTestCase):
     def test_twistd_json_logger(self) -> None:
-        """`twistd --logger llmport_agent.logsetup.twistd_json_observer`: the same JSON lines; exit 78 kept."""
+        """`twistd --logger llmport_agent.core.logsetup.twistd_json_observer`: the same JSON lines; exit 78 kept."""
         d = os.path.abspath(self.mktemp())
         os.makedirs(d)
         env = dict(os.environ, PYTHONPATH=ROOT, LLM_PORT_NODE_AGENT_OPS_PORT="0",
@@ -188,7 +188,7 @@ class TwistdJSONTests(SynchronousTestCase):
         env.pop("LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN", None)
         done = subprocess.run(
             [sys.executable, "-c", "import sys; from twisted.scripts.twistd import run; "
-             "sys.argv=['twistd','-n','--pidfile=','--logger','llmport_agent.logsetup.twistd_json_observer',"
+             "sys.argv=['twistd','-n','--pidfile=','--logger','llmport_agent.core.logsetup.twistd_json_observer',"
              "'llmport-agent']; run()"],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
         self.assertEqual(done.returncode, 78, done.stdout + done.stderr)
@@ -196,7 +196,7 @@ class TwistdJSONTests(SynchronousTestCase):
         critical = [x for x in lines if x["level"] == "critical"]
         self.assertEqual(len(critical), 1)
         self.assertIn("no enrollment token", critical[0]["message"])
-        self.assertEqual(critical[0]["logger"], "llmport_agent.service.AgentService")
+        self.assertEqual(critical[0]["logger"], "llmport_agent.agent.service.AgentService")
 
 
 _ = uuid

@@ -19,7 +19,6 @@ from twisted.logger import formatEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 
-from llmport_agent.backend_http import BackendHTTP
 from llmport_agent.commands.base import CommandFailed
 from llmport_agent.ray import container as rc
 from llmport_agent.ray import describe, helpercli, imagepin
@@ -33,6 +32,7 @@ from llmport_agent.ray.handlers import (
     ray_handler_specs,
 )
 from llmport_agent.ray.token import ClusterTokens
+from llmport_agent.session.backend_http import BackendHTTP
 from llmport_agent.workloads.policy import parse_allowlist
 from tests.support.context import RecordingContext, make_command
 from tests.test_ray_describe import APP, CANDIDATE, DEFAULTS, RUNNING

@@ -13,10 +13,10 @@ from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 
-from llmport_agent.backend_http import SECRET_BODY_LIMIT, BackendHTTP, Rejected, Transient
+from llmport_agent.core.threads import PoolService
 from llmport_agent.devbackend import DevBackend
 from llmport_agent.ray.token import ClusterTokens
-from llmport_agent.threads import PoolService
+from llmport_agent.session.backend_http import SECRET_BODY_LIMIT, BackendHTTP, Rejected, Transient
 
 
 class ClusterSecretTests(TestCase):

@@ -9,8 +9,8 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.reporting import HeartbeatReporter, InventoryReporter
-from llmport_agent.testing import FakeSession
+from llmport_agent.demo.testing import FakeSession
+from llmport_agent.session.reporting import HeartbeatReporter, InventoryReporter
 
 
 @frozen

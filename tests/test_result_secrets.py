@@ -87,8 +87,8 @@ class TokenReadScrubTests(SynchronousTestCase):
         """
         from twisted.internet.task import Clock
 
+        from llmport_agent.demo.testing import SynchronousRunner
         from llmport_agent.ray.token import TOKEN_FILE, ClusterTokens
-        from llmport_agent.testing import SynchronousRunner
 
         token_dir = os.path.abspath(self.mktemp())
         os.makedirs(token_dir, mode=0o700)

@@ -17,7 +17,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock, deferLater
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from llmport_agent.sdnotify import Notifier, NotifyService, status_line, watchdog_interval
+from llmport_agent.host.sdnotify import Notifier, NotifyService, status_line, watchdog_interval
 
 
 class Receiver:

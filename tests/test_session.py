@@ -18,8 +18,10 @@ from twisted.logger import formatEvent, globalLogPublisher
 from twisted.test import iosim
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.backend_http import Enrollment, Rejected, Transient
-from llmport_agent.config import load_config
+from llmport_agent.core.config import load_config
+from llmport_agent.core.state import StateStore, token_fingerprint
+from llmport_agent.demo.testing import SynchronousRunner
+from llmport_agent.session.backend_http import Enrollment, Rejected, Transient
 from llmport_agent.session.protocol import AgentClientFactory, ConnectionGone
 from llmport_agent.session.service import (
     CRITICAL_STOP_GRACE,
@@ -28,8 +30,6 @@ from llmport_agent.session.service import (
     SessionService,
     stream_url,
 )
-from llmport_agent.state import StateStore, token_fingerprint
-from llmport_agent.testing import SynchronousRunner
 
 CRED = "11111111-2222-3333-4444-555555555555." + "s" * 43
 
@@ -178,7 +178,7 @@ class FakeBackend:
         """An April backend: the route does not exist (the current one is in test_deleted_node)."""
         from twisted.internet.defer import fail
 
-        from llmport_agent.backend_http import RouteMissing
+        from llmport_agent.session.backend_http import RouteMissing
 
         self.whoami_calls = getattr(self, "whoami_calls", 0) + 1
         return fail(RouteMissing("GET /api/node-files/whoami: HTTP 404 (no such route)"))

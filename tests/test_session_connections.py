@@ -19,11 +19,11 @@ from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.backoff import Backoff
-from llmport_agent.config import load_config
+from llmport_agent.core.backoff import Backoff
+from llmport_agent.core.config import load_config
+from llmport_agent.core.state import StateStore
+from llmport_agent.demo.testing import SynchronousRunner
 from llmport_agent.session.service import SessionService
-from llmport_agent.state import StateStore
-from llmport_agent.testing import SynchronousRunner
 
 from .test_session import CRED, FakeBackend, FakeProto
 
@@ -146,8 +146,8 @@ class AgentJitterTests(SynchronousTestCase):
     def agent(self) -> Any:
         from twisted.internet import reactor
 
+        from llmport_agent.agent.service import AgentService
         from llmport_agent.inventory.gpu import NoGPUSource
-        from llmport_agent.service import AgentService
 
         d = os.path.abspath(self.mktemp())
         os.makedirs(d)

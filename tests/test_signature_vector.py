@@ -21,7 +21,7 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmport_agent.commands.parse import signature_for, signature_ok, signing_key
-from llmport_agent.testing import FakeSession
+from llmport_agent.demo.testing import FakeSession
 
 from .test_pipeline import Harness
 

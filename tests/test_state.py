@@ -8,9 +8,9 @@ import stat
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.state import StateStore, resolve_state_path
-from llmport_agent.storage import atomic_write
-from llmport_agent.testing import SynchronousRunner
+from llmport_agent.core.state import StateStore, resolve_state_path
+from llmport_agent.core.storage import atomic_write
+from llmport_agent.demo.testing import SynchronousRunner
 
 
 class StateTests(SynchronousTestCase):

@@ -7,7 +7,7 @@ import os
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.storage import append_lines, read_json_lines
+from llmport_agent.core.storage import append_lines, read_json_lines
 
 
 class AppendLinesTests(SynchronousTestCase):

@@ -19,10 +19,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from twisted.internet import reactor
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.config import ConfigError, load_config
+from llmport_agent.core.config import ConfigError, load_config
 from llmport_agent.devbackend import DevBackend
 from llmport_agent.devbackend.tls import make_test_tls
-from llmport_agent.tls import ClientCertError, load_client_certificate
+from llmport_agent.session.tls import ClientCertError, load_client_certificate
 from tests.agentharness import AgentTestCase
 from tests.test_operator_texts import Captured
 
@@ -128,13 +128,13 @@ class SettingsTests(SynchronousTestCase):
         import llmport_agent.logs.wiring as wiring
 
         calls: list[tuple[Any, ...]] = []
-        real = __import__("llmport_agent.tls", fromlist=["https_policy"]).https_policy
+        real = __import__("llmport_agent.session.tls", fromlist=["https_policy"]).https_policy
 
         def spy(*args: Any) -> Any:
             calls.append(args)
             return real(*args)
 
-        import llmport_agent.tls as tls_module
+        import llmport_agent.session.tls as tls_module
 
         self.patch(tls_module, "https_policy", spy)
         c = load_config({P + "TLS_CA_BUNDLE": self.server.ca_pem, P + "TLS_CLIENT_CERT": self.pki["cert"],

@@ -15,8 +15,8 @@ from typing import Any
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from llmport_agent.installer import Installer, System, unstable_place
-from llmport_agent.previousbuild import NotKept, PreviousBuild
+from llmport_agent.host.installer import Installer, System, unstable_place
+from llmport_agent.host.previousbuild import NotKept, PreviousBuild
 from tests.test_installer import Host, agent_vars
 
 # restart fails (a Type=notify start that never got ready) when the build the unit runs says BROKEN.
@@ -161,7 +161,7 @@ class FailedUpgradeTests(SynchronousTestCase):
         number goes to a process running another root-owned program (a shell): that program is
         never kept as the previous build, so a failed upgrade never puts it in place.
         """
-        from llmport_agent import previousbuild
+        from llmport_agent.host import previousbuild
 
         n = Node(self)
         self.assertEqual(n.start(**agent_vars()), 0)

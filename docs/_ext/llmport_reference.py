@@ -1,7 +1,7 @@
 """
 Sphinx directives that generate the reference pages from the code, at build time:
 
-- ``llmport-settings``: the configuration reference, from ``llmport_agent.config.SETTINGS``,
+- ``llmport-settings``: the configuration reference, from ``llmport_agent.core.config.SETTINGS``,
   one block per setting (name, option, default, validation, secret, what a change needs). A
   setting whose help is empty fails the build.
 - ``llmport-cli``: the command-line reference, from the argument parsers (``cli.build_parser``,
@@ -48,7 +48,7 @@ _PROBES = ("?not a value?", "-1000000000")
 
 
 def validation(setting: Any) -> str:
-    from llmport_agent.config import ConfigError
+    from llmport_agent.core.config import ConfigError
 
     for probe in _PROBES:
         try:
@@ -61,7 +61,7 @@ def validation(setting: Any) -> str:
 
 
 def default_text(setting: Any) -> str:
-    from llmport_agent.config import display_value
+    from llmport_agent.core.config import display_value
 
     if callable(setting.default):
         doc = (setting.default.__doc__ or "").strip()
@@ -82,14 +82,14 @@ def settings_rst() -> list[str]:
     accepts, what a change needs, and its meaning): readable on a laptop screen, where a
     six-column table was not.
     """
-    from llmport_agent.config import SETTINGS
-    from llmport_agent.installer import UNIT_PATH_SETTINGS
+    from llmport_agent.core.config import SETTINGS
+    from llmport_agent.host.installer import UNIT_PATH_SETTINGS
 
     lines: list[str] = []
     for s in SETTINGS:
         if not s.help.strip():
             raise ExtensionError(
-                f"llmport-settings: {s.env} has no help text in llmport_agent/config.py "
+                f"llmport-settings: {s.env} has no help text in llmport_agent/core/config.py "
                 "(every setting is documented; write its Setting(..., help=...))"
             )
         change = ("`llmport-agent start` again (the unit's writable paths change)"
@@ -114,7 +114,7 @@ def settings_rst() -> list[str]:
 
 def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     from llmport_agent.cli import build_parser
-    from llmport_agent.demo import build_parser as demo_parser
+    from llmport_agent.demo.run import build_parser as demo_parser
     from llmport_agent.devbackend.cli import ADMIN_VERBS, admin_parser
     from llmport_agent.devbackend.cli import build_parser as devbackend_parser
     from llmport_agent.doctor.run import build_parser as doctor_parser
@@ -147,11 +147,11 @@ def metric_families() -> list[tuple[str, str, tuple[str, ...], str]]:
     """(name, type, label names, help) of every family a configured agent exports."""
     from twisted.internet.testing import MemoryReactorClock
 
-    from llmport_agent.config import load_config
+    from llmport_agent.core.config import load_config
     from llmport_agent.inventory.fakes import FakeGPU, FakeNVML
     from llmport_agent.inventory.gpu import NVMLGPUSource
-    from llmport_agent.metrics import make_registry
-    from llmport_agent.service import AgentService
+    from llmport_agent.ops.metrics import make_registry
+    from llmport_agent.agent.service import AgentService
 
     with tempfile.TemporaryDirectory() as d:
         config = load_config(environ={

@@ -33,8 +33,8 @@ from attrs import define, field
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from llmport_agent.storage import GroupCommitLog, ensure_private_dir, read_json_lines
-from llmport_agent.threads import BlockingRunner
+from llmport_agent.core.storage import GroupCommitLog, ensure_private_dir, read_json_lines
+from llmport_agent.core.threads import BlockingRunner
 
 log = Logger()
 

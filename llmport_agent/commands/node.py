@@ -20,7 +20,7 @@ from llmport_agent.commands.base import (
     CommandFailed,
     HandlerSpec,
 )
-from llmport_agent.state import StateStore
+from llmport_agent.core.state import StateStore
 
 log = Logger()
 

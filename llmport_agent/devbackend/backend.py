@@ -29,6 +29,7 @@ from twisted.python.failure import Failure
 from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
+from llmport_agent.core.threads import BlockingRunner, PoolService
 from llmport_agent.devbackend._http import (
     ClusterSecretResource,
     DevApiResource,
@@ -50,7 +51,6 @@ from llmport_agent.devbackend._state import (
 from llmport_agent.devbackend._stream import StreamFactory, StreamProtocol
 from llmport_agent.devbackend.runtimes import ACTIONS, Provider, Runtime, build_payload
 from llmport_agent.devbackend.tls import TLSFiles
-from llmport_agent.threads import BlockingRunner, PoolService
 
 #: Where the stream lives below the base path.
 STREAM_PATH = "/api/admin/system/nodes/stream"

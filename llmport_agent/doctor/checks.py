@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from attrs import define, field
 
-from llmport_agent.config import AgentConfig
+from llmport_agent.core.config import AgentConfig
 from llmport_agent.doctor.result import Finding, fail, ok, warn
 
 #: The ports a Ray runtime on this node needs (GCS, Serve HTTP, dashboard, the agent's proxy).
@@ -268,7 +268,7 @@ def _agent_connected(ctx: Context) -> bool:
 
 def _env_file_url(ctx: Context) -> str | None:
     """The env file's BACKEND_URL (the unit's), not this shell's."""
-    from llmport_agent.installer import EnvFile
+    from llmport_agent.host.installer import EnvFile
 
     try:
         with open(ctx.env_file, encoding="utf-8", errors="replace") as f:
@@ -297,7 +297,7 @@ def check_credential(ctx: Context) -> list[Finding]:
         if not token:
             return [fail("credential", "no credential in the state file and no enrollment token",
                          f"{TOKEN_HELP} and set LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN")]
-        from llmport_agent.state import token_fingerprint
+        from llmport_agent.core.state import token_fingerprint
 
         if token_fingerprint(token) in (state.get("used_tokens") or []):
             return [fail("credential", "no credential, and the configured enrollment token was already "
@@ -308,13 +308,13 @@ def check_credential(ctx: Context) -> list[Finding]:
                      "start the agent now (`sudo llmport-agent start`), or mint a fresh token if it is older")]
     if _agent_connected(ctx):
         return [ok("credential", "the running agent is connected with it")]
-    from llmport_agent.join import credential_issuer, same_backend
+    from llmport_agent.host.join import credential_issuer, same_backend
 
     # The credential goes only to the backend that issued it (recorded in the state; for an
     # older state, the env file's BACKEND_URL): never to a URL given in this shell.
     issuer = credential_issuer(state, _env_file_url(ctx))
     if issuer is not None and not same_backend(issuer, ctx.config.backend_url):
-        from llmport_agent.config import mask_url
+        from llmport_agent.core.config import mask_url
 
         return [fail("credential", f"issued by {mask_url(issuer)}, but BACKEND_URL is "
                      f"{mask_url(ctx.config.backend_url)}: not sent there (the agent refuses to start so)",
@@ -326,8 +326,8 @@ def check_credential(ctx: Context) -> list[Finding]:
         code, _h, body = _http(ctx, url + WHOAMI_PATH, headers=headers)
     except Exception as e:
         return [warn("credential", f"not checked: the backend did not answer ({_err(e)})", "check the backend first")]
-    from llmport_agent.backend_http import is_route_missing
-    from llmport_agent.cleantext import shown
+    from llmport_agent.core.cleantext import shown
+    from llmport_agent.session.backend_http import is_route_missing
 
     route_missing = is_route_missing(code, body)
     if code == 200:
@@ -798,7 +798,7 @@ def check_loki(ctx: Context) -> list[Finding]:
 
 def _push_check(ctx: Context, url: str, operator: bool) -> Finding:
     """An empty push to the sink, with the credentials the agent would send there."""
-    from llmport_agent.config import mask_url
+    from llmport_agent.core.config import mask_url
 
     assert ctx.config is not None
     c = ctx.config

@@ -7,7 +7,7 @@ from typing import Any
 
 from attrs import frozen
 
-from llmport_agent.cleantext import shown
+from llmport_agent.core.cleantext import shown
 
 OK = "ok"
 WARN = "warn"

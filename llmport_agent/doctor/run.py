@@ -16,7 +16,7 @@ from typing import IO, Any
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.python.failure import Failure
 
-from llmport_agent.config import ConfigError, load_config
+from llmport_agent.core.config import ConfigError, load_config
 from llmport_agent.doctor.checks import CHECKS, Context
 from llmport_agent.doctor.result import Finding, exit_status, fail, worst
 
@@ -66,13 +66,13 @@ def make_context(env_file: str, environ: Mapping[str, str], **kw: Any) -> Contex
 def readiness(ctx: Context) -> dict[str, Any] | None:
     """
     The running agent's /readyz on loopback (read-only), or C{None} when none answers, or when
-    what answers is not the agent (L{llmport_agent.opsprobe}: the holder of the state's lock
+    what answers is not the agent (L{llmport_agent.ops.probe}: the holder of the state's lock
     must own the listening socket; a redirect is never followed). Sets C{ctx.ops_trusted} and,
     when something else answers, C{ctx.ops_note}.
     """
     if ctx.config is None or not ctx.config.ops_port:
         return None
-    from llmport_agent.opsprobe import probe
+    from llmport_agent.ops.probe import probe
 
     answer = probe(ctx.config.ops_port, ctx.config.state_path, timeout=READINESS_LIMIT)
     ctx.ops_trusted = answer.trusted

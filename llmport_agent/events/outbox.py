@@ -22,8 +22,8 @@ from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
-from llmport_agent.storage import GroupCommitLog, ensure_private_dir, read_json_lines
-from llmport_agent.threads import BlockingRunner
+from llmport_agent.core.storage import GroupCommitLog, ensure_private_dir, read_json_lines
+from llmport_agent.core.threads import BlockingRunner
 
 BATCH_MAX = 100
 SEVERITIES = ("info", "warning", "error")

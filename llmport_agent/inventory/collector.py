@@ -22,6 +22,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmport_agent import VERSION
+from llmport_agent.core.threads import BlockingRunner
 from llmport_agent.inventory.capabilities import (
     build_capabilities,
     quick_host_facts,
@@ -29,7 +30,6 @@ from llmport_agent.inventory.capabilities import (
 )
 from llmport_agent.inventory.gpu import GPUSnapshot, GPUSource, describe_error
 from llmport_agent.inventory.host import HostFacts, collect_host_facts
-from llmport_agent.threads import BlockingRunner
 
 __all__ = [
     "InventoryCollector",

@@ -35,10 +35,10 @@ from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from llmport_agent.core.threads import BlockingRunner
 from llmport_agent.inventory.gpu import GPUSource
 from llmport_agent.inventory.health import HEALTHY, Transition
 from llmport_agent.inventory.watchdog import CallTimedOut, PoolSaturated, WatchdogPool, run_deferred
-from llmport_agent.threads import BlockingRunner
 
 __all__ = ["GPUHealthMonitor"]
 

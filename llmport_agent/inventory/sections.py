@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from llmport_agent.core.threads import BlockingRunner
 from llmport_agent.inventory.network import read_network
 from llmport_agent.inventory.rayruntime import inspect_ray_runtime
 from llmport_agent.inventory.vllm import discover_vllm
-from llmport_agent.threads import BlockingRunner
 
 __all__ = ["inventory_sections"]
 

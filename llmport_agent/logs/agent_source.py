@@ -24,10 +24,10 @@ from typing import Any
 from twisted.logger import ILogObserver, LogEvent, LogLevel, PredicateResult, formatEvent
 from zope.interface import implementer
 
+from llmport_agent.core.logsetup import ThirdPartyRepeats
 from llmport_agent.logs import LOG_NAMESPACE
 from llmport_agent.logs.loki import ILogSink
 from llmport_agent.logs.redact import Redactor
-from llmport_agent.logsetup import ThirdPartyRepeats
 
 __all__ = ["AgentLogObserver", "LEVEL_LABELS", "level_label", "node_labels"]
 

@@ -50,7 +50,9 @@ from twisted.internet.defer import CancelledError, Deferred, DeferredList
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmport_agent.backoff import Backoff
+from llmport_agent.core.backoff import Backoff
+from llmport_agent.core.storage import atomic_write
+from llmport_agent.core.threads import BlockingRunner, PoolService
 from llmport_agent.logs.docker_logs import (
     FollowResult,
     Inbox,
@@ -61,8 +63,6 @@ from llmport_agent.logs.docker_logs import (
 from llmport_agent.logs.encoding import label_key
 from llmport_agent.logs.loki import ILogSink, RoomWaiter
 from llmport_agent.logs.redact import Redactor
-from llmport_agent.storage import atomic_write
-from llmport_agent.threads import BlockingRunner, PoolService
 from llmport_agent.workloads.containers import is_owned, list_owned_rows
 from llmport_agent.workloads.engine import StreamClosed, StreamControl
 from llmport_agent.workloads.spec import LABEL_RUNTIME_ID

@@ -55,12 +55,12 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmport_agent.backoff import Backoff
+from llmport_agent.core.backoff import Backoff
+from llmport_agent.core.storage import atomic_write
+from llmport_agent.core.threads import BlockingRunner
 from llmport_agent.logs.encoding import ENTRY_OVERHEAD, Entry, LabelKey, label_key
 from llmport_agent.logs.loki import MAX_LINE_CHARS, ILogSink, RoomWaiter
 from llmport_agent.logs.redact import Redactor
-from llmport_agent.storage import atomic_write
-from llmport_agent.threads import BlockingRunner
 
 __all__ = [
     "CURSOR_FILE",

@@ -60,8 +60,9 @@ from twisted.python.threadable import isInIOThread
 from zope.interface import Interface, implementer
 
 from llmport_agent import VERSION
-from llmport_agent.backoff import Backoff
-from llmport_agent.httpbody import read_prefix
+from llmport_agent.core.backoff import Backoff
+from llmport_agent.core.httpbody import read_prefix
+from llmport_agent.core.threads import BlockingRunner
 from llmport_agent.logs.auth import LokiAuth
 from llmport_agent.logs.encoding import (
     ENTRY_OVERHEAD,
@@ -72,7 +73,6 @@ from llmport_agent.logs.encoding import (
     label_key,
 )
 from llmport_agent.logs.spool import Spool, SpoolCorrupt
-from llmport_agent.threads import BlockingRunner
 
 __all__ = [
     "DROP_REASONS",

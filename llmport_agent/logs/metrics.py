@@ -1,7 +1,7 @@
 # -*- test-case-name: tests.test_logs -*-
 """
 Prometheus metric families of log shipping, read from the running parts at scrape time
-(C{prometheus_client} custom-collector style; L{llmport_agent.metrics} yields them). No label
+(C{prometheus_client} custom-collector style; L{llmport_agent.ops.metrics} yields them). No label
 carries a secret: the only label values are drop reasons, push outcomes and fixed names.
 
  - C{llmport_agent_loki_lines_in_total}: lines queued for Loki;

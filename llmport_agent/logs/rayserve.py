@@ -12,7 +12,7 @@ B{Hostile files.} The container writes that directory: nothing in it is followed
 current session is the one C{session_latest} names (read with C{readlink}, never followed:
 Ray writes it as an absolute path inside the container) when that is a real directory, else
 the newest C{session_*} directory. Directories are entered and files opened through
-L{llmport_agent.safefs} (no symbolic link, no FIFO or device), at most L{MAX_FILES} files are
+L{llmport_agent.core.safefs} (no symbolic link, no FIFO or device), at most L{MAX_FILES} files are
 followed, lines are cut at L{MAX_LINE_CHARS}, a pass reads at most L{PASS_BYTES} (a file
 L{FILE_BYTES}; the rest next pass), and every line is redacted.
 
@@ -53,12 +53,12 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmport_agent import safefs
+from llmport_agent.core import safefs
+from llmport_agent.core.storage import atomic_write
+from llmport_agent.core.threads import BlockingRunner
 from llmport_agent.logs.encoding import ENTRY_OVERHEAD, Entry, label_key
 from llmport_agent.logs.loki import MAX_LINE_CHARS, ILogSink, RoomWaiter
 from llmport_agent.logs.redact import Redactor
-from llmport_agent.storage import atomic_write
-from llmport_agent.threads import BlockingRunner
 
 __all__ = [
     "RAY_SERVE_JOB",

@@ -32,8 +32,8 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmport_agent.backoff import Backoff
-from llmport_agent.config import mask_url
+from llmport_agent.core.backoff import Backoff
+from llmport_agent.core.config import mask_url
 
 __all__ = ["LogSinkDiscovery", "REASK_SEC", "ServiceSlot", "sink_config", "validate_sink_url"]
 
@@ -220,7 +220,7 @@ class LogSinkDiscovery(Service):
             self.log.failure("Starting log shipping to the backend's log sink failed")
 
     def _failed(self, f: Failure) -> None:
-        from llmport_agent.backend_http import Rejected
+        from llmport_agent.session.backend_http import Rejected
 
         if not self._connected or not self.running:
             return  # cancelled by a disconnect or a stop: the next connect asks again

@@ -41,8 +41,8 @@ from attrs import frozen
 from twisted.internet.defer import Deferred, DeferredLock
 from twisted.logger import Logger
 
-from llmport_agent.storage import append_all_or_nothing
-from llmport_agent.threads import BlockingRunner
+from llmport_agent.core.storage import append_all_or_nothing
+from llmport_agent.core.threads import BlockingRunner
 
 __all__ = ["Spool", "SpoolCorrupt", "SpoolError", "SpoolRecord", "SPOOL_DIR"]
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from attrs import define
 
-from llmport_agent.config import AgentConfig
-from llmport_agent.threads import PoolService
+from llmport_agent.core.config import AgentConfig
+from llmport_agent.core.threads import PoolService
 
 __all__ = ["LogShipping", "build_log_shipping", "journal_selection"]
 
@@ -95,6 +95,7 @@ def build_log_shipping(
     """
     from twisted.logger import LogLevel
 
+    from llmport_agent.core.logsetup import LEVELS
     from llmport_agent.logs.agent_source import AgentLogObserver, node_labels
     from llmport_agent.logs.auth import LokiAuth
     from llmport_agent.logs.containers import ContainerLogSource
@@ -102,8 +103,7 @@ def build_log_shipping(
     from llmport_agent.logs.loki import LokiShipper, loki_http_client
     from llmport_agent.logs.rayserve import RayServeLogSource
     from llmport_agent.logs.spool import SPOOL_DIR, Spool
-    from llmport_agent.logsetup import LEVELS
-    from llmport_agent.tls import https_policy
+    from llmport_agent.session.tls import https_policy
 
     c = config
     assert c.loki_url is not None

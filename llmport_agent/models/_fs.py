@@ -2,10 +2,10 @@
 Blocking file-system work of model delivery, symlink-proof.
 
 Everything here blocks (disk I/O, hashing, fsync) and is called only through a
-L{llmport_agent.threads.BlockingRunner}, never on the reactor thread.
+L{llmport_agent.core.threads.BlockingRunner}, never on the reactor thread.
 
 The model store is mounted into workload containers, so anything in it may have been
-planted by one: every operation goes through L{llmport_agent.safefs} and resolves no path at
+planted by one: every operation goes through L{llmport_agent.core.safefs} and resolves no path at
 all below the store's own directory. A sync opens L{ModelDir} (descriptors of the model
 directory and its four sub-directories, each entered with C{O_DIRECTORY|O_NOFOLLOW}) and
 works relative to those descriptors. Whatever stands where the agent expects its own
@@ -38,7 +38,7 @@ from typing import Any
 from attrs import define, field, frozen
 from twisted.logger import Logger
 
-from llmport_agent import safefs
+from llmport_agent.core import safefs
 from llmport_agent.models.manifest import BlobSpec, LinkSpec
 
 VERIFIED_FILE = ".llmport-verified.json"

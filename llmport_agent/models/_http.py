@@ -27,7 +27,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 
-from llmport_agent.threads import BlockingRunner
+from llmport_agent.core.threads import BlockingRunner
 
 T = TypeVar("T")
 

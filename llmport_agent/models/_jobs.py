@@ -13,8 +13,8 @@ from twisted.internet.defer import CancelledError, Deferred, DeferredList
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from llmport_agent.core.threads import BlockingRunner
 from llmport_agent.models._http import SerialRunner
-from llmport_agent.threads import BlockingRunner
 
 T = TypeVar("T")
 

@@ -46,6 +46,7 @@ from twisted.web.client import (
 )
 
 from llmport_agent.commands.base import INTERNAL_ERROR, INVALID_COMMAND, CommandFailed
+from llmport_agent.core.threads import BlockingRunner
 from llmport_agent.models import _fs
 from llmport_agent.models._http import (
     FlowBudget,
@@ -76,7 +77,6 @@ from llmport_agent.models.manifest import (
     parse_manifest,
 )
 from llmport_agent.models.transfer import BlobTransfer
-from llmport_agent.threads import BlockingRunner
 
 PHASE = "sync_model"
 #: The most connections per blob the adaptive setting (C{connections=0}) opens.

@@ -26,7 +26,8 @@ import docker
 from docker.errors import NotFound
 from docker.types import DeviceRequest, Ulimit
 
-from .. import safefs
+from llmport_agent.core import safefs
+
 from ..commands.base import POLICY_VIOLATION, RUNTIME_ERROR, CommandFailed
 from ..workloads.containers import start_created
 from ..workloads.spec import LABEL_AGENT_ID, LABEL_IMAGE

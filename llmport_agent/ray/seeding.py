@@ -51,9 +51,10 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
-from .. import safefs
+from llmport_agent.core import safefs
+from llmport_agent.ops.bounded import BoundedSite
+
 from ..commands.base import INVALID_COMMAND, CommandContext, CommandFailed, HandlerSpec
-from ..opshttp import BoundedSite
 from ..workloads.engine import DockerEngine, StreamControl
 from ..workloads.imageload import BodySource, load_thread
 from ..workloads.policy import parse_image_ref

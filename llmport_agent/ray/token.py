@@ -21,10 +21,11 @@ from typing import Any
 from twisted.internet.defer import DeferredLock
 from twisted.logger import Logger
 
-from .. import safefs
-from ..backend_http import BackendHTTP, Rejected, Transient
+from llmport_agent.core import safefs
+from llmport_agent.core.threads import BlockingRunner
+from llmport_agent.session.backend_http import BackendHTTP, Rejected, Transient
+
 from ..commands.base import INVALID_COMMAND, RUNTIME_ERROR, CommandFailed
-from ..threads import BlockingRunner
 
 TOKEN_FILE = "cluster.token"
 TOKEN_TTL_SEC = 300.0

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 from twisted.internet.defer import CancelledError, Deferred
 
-from llmport_agent.backend_http import Rejected, Transient
-from llmport_agent.cleantext import BadNodeId
-from llmport_agent.state import token_fingerprint
+from llmport_agent.core.cleantext import BadNodeId
+from llmport_agent.core.state import token_fingerprint
+from llmport_agent.session.backend_http import Rejected, Transient
 
 if TYPE_CHECKING:
     from llmport_agent.session.service import SessionService

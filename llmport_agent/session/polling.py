@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from llmport_agent.core.state import token_fingerprint
 from llmport_agent.session.dispatch import PUSH
-from llmport_agent.state import token_fingerprint
 
 if TYPE_CHECKING:
     from llmport_agent.session.service import SessionService

@@ -22,7 +22,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from llmport_agent.session.framesplit import salvage_frame
-from llmport_agent.tls import describe_connection_error
+from llmport_agent.session.tls import describe_connection_error
 
 if TYPE_CHECKING:
     from llmport_agent.session.service import SessionService

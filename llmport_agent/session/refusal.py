@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import LogLevel
 
-from llmport_agent.backend_http import Rejected, RouteMissing, Transient
+from llmport_agent.core.state import token_fingerprint
+from llmport_agent.session.backend_http import Rejected, RouteMissing, Transient
 from llmport_agent.session.enrollment import TOKEN_HELP
 from llmport_agent.session.rotation import ROTATION_TIMEOUT
-from llmport_agent.state import token_fingerprint
-from llmport_agent.tls import describe_connection_error
+from llmport_agent.session.tls import describe_connection_error
 
 if TYPE_CHECKING:
     from llmport_agent.session.service import SessionService

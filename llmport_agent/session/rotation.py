@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from twisted.internet.defer import CancelledError, Deferred
 
-from llmport_agent.backend_http import Rejected, Transient
+from llmport_agent.session.backend_http import Rejected, Transient
 
 if TYPE_CHECKING:
     from llmport_agent.session.service import SessionService

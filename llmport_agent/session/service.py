@@ -39,12 +39,13 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger, LogLevel
 from zope.interface import implementer
 
-from llmport_agent.backend_http import BackendHTTP
-from llmport_agent.backoff import Backoff, FailureCounter, retry_policy
-from llmport_agent.cleantext import node_id_problem
-from llmport_agent.cleantext import shown as shown_text
-from llmport_agent.config import AgentConfig, mask_url
+from llmport_agent.core.backoff import Backoff, FailureCounter, retry_policy
+from llmport_agent.core.cleantext import node_id_problem
+from llmport_agent.core.cleantext import shown as shown_text
+from llmport_agent.core.config import AgentConfig, mask_url
+from llmport_agent.core.state import StateStore, token_fingerprint
 from llmport_agent.session import enrollment, polling, refusal, rotation, stop
+from llmport_agent.session.backend_http import BackendHTTP
 from llmport_agent.session.dispatch import DispatchDetector
 from llmport_agent.session.enrollment import EXIT_NEEDS_OPERATOR, TOKEN_HELP
 from llmport_agent.session.protocol import (
@@ -59,8 +60,7 @@ from llmport_agent.session.refusal import (
 )
 from llmport_agent.session.rotation import ROTATION_CHECK, ROTATION_INTERVAL, ROTATION_TIMEOUT
 from llmport_agent.session.stop import CRITICAL_STOP_GRACE
-from llmport_agent.state import StateStore, token_fingerprint
-from llmport_agent.tls import client_tls_options, describe_connection_error
+from llmport_agent.session.tls import client_tls_options, describe_connection_error
 
 STREAM_PATH = "/api/admin/system/nodes/stream"
 #: Outbound frame types that mean a command is being worked on (activity for the poll rate).
@@ -318,7 +318,7 @@ class SessionService(Service):
         # can be removed is said once the backend accepted the credential (connection_opened).
         issuer = self.state.get("backend_url")
         if self.state.credential and isinstance(issuer, str) and issuer:
-            from llmport_agent.join import same_backend
+            from llmport_agent.host.join import same_backend
 
             if not same_backend(issuer, self.config.backend_url):
                 # The credential goes only to the backend that issued it (join, start, here).

@@ -34,9 +34,10 @@ from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.logger import Logger
 
+from llmport_agent.core.config import mask_url
+from llmport_agent.core.threads import PoolService
+
 from ..commands.base import RUNTIME_ERROR, CommandFailed
-from ..config import mask_url
-from ..threads import PoolService
 
 T = TypeVar("T")
 
@@ -265,7 +266,7 @@ class DockerEngine(Service):
         self.runtimes: tuple[str, ...] = ()
         self.default_runtime = ""
         self.info: dict[str, Any] = {}
-        from llmport_agent.metrics import engine_calls
+        from llmport_agent.ops.metrics import engine_calls
 
         #: Durations of calls by operation (the function's name) and outcome (metrics).
         self.call_stats = engine_calls()

@@ -32,8 +32,9 @@ from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 
+from llmport_agent.core.httpbody import read_prefix
+
 from ..commands.base import CommandFailed
-from ..httpbody import read_prefix
 from .engine import DockerEngine, EngineError, StreamClosed, StreamControl
 from .imageload import BodySource, SourceError, load_thread
 from .policy import parse_image_ref

@@ -18,8 +18,9 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
+from llmport_agent.core.httpbody import drop_body
+
 from ..commands.base import CommandFailed
-from ..httpbody import drop_body
 
 READINESS_TIMEOUT = "readiness_timeout"
 CONTAINER_EXITED = "container_exited"

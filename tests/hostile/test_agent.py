@@ -29,16 +29,16 @@ from twisted.web.server import NOT_DONE_YET, Site
 
 from llmport_agent.commands.base import CommandContext, HandlerSpec
 from llmport_agent.commands.journal import CommandJournal
-from llmport_agent.config import ConfigError, load_config
+from llmport_agent.core.config import ConfigError, load_config
+from llmport_agent.core.state import StateStore
+from llmport_agent.core.storage import append_records, encode_line
+from llmport_agent.demo.testing import FakeSession, SynchronousRunner
 from llmport_agent.devbackend import _http as dev_http
 from llmport_agent.devbackend import _stream as dev_stream
 from llmport_agent.events.outbox import EventOutbox
 from llmport_agent.session import service as session_service
 from llmport_agent.session.protocol import AgentClientFactory
 from llmport_agent.session.service import CRITICAL_STOP_GRACE, ROTATION_INTERVAL, SessionService
-from llmport_agent.state import StateStore
-from llmport_agent.storage import append_records, encode_line
-from llmport_agent.testing import FakeSession, SynchronousRunner
 from tests.agentharness import AgentTestCase
 from tests.test_pipeline import Harness, command
 
@@ -607,8 +607,8 @@ class SecretTests(AgentTestCase):
         return f"http://127.0.0.1:{port.getHost().port}"
 
     def _agent_on(self, url: str, token: str, fatal: list[Any], **extra: str) -> Any:
+        from llmport_agent.agent.service import AgentService
         from llmport_agent.inventory.gpu import NoGPUSource
-        from llmport_agent.service import AgentService
 
         d = os.path.abspath(self.mktemp())
         os.makedirs(d)
@@ -763,7 +763,7 @@ class SecretTests(AgentTestCase):
         from prometheus_client import CollectorRegistry, generate_latest
 
         from llmport_agent.logs.testing import FakeLoki
-        from llmport_agent.ops import _AgentCollector
+        from llmport_agent.ops.endpoint import _AgentCollector
 
         logs = LogCapture(self)
         loki = FakeLoki()
@@ -826,7 +826,7 @@ class OperatorAccidentTests(AgentTestCase):
         EIO): unlike a corrupt file, it holds a good credential. The agent must not rename it
         away (which forces a re-enrollment with a new token once the permission is fixed).
         """
-        import llmport_agent.state as state_module
+        import llmport_agent.core.state as state_module
 
         backend = await self.start_backend()
         agent = self.start_agent(backend)

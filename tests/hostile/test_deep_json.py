@@ -19,9 +19,9 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from llmport_agent.backend_http import BackendHTTP, Rejected, Transient
 from llmport_agent.logs import rayserve
 from llmport_agent.ray import helpercli
+from llmport_agent.session.backend_http import BackendHTTP, Rejected, Transient
 
 DEEP = "[" * 50_000
 NOW = 1_800_000_000 * 1_000_000_000

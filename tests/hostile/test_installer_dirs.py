@@ -10,7 +10,7 @@ import os
 
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-from llmport_agent import installer
+from llmport_agent.host import installer
 
 
 class MakedirsTests(SynchronousTestCase):
@@ -55,7 +55,7 @@ class StatusTests(SynchronousTestCase):
         user can listen while the agent is down: its words are shown without control characters,
         and a body of the wrong shape does not crash it.
         """
-        from llmport_agent.config import load_config
+        from llmport_agent.core.config import load_config
         from tests.test_installer import Host
 
         esc = "\x1b]0;owned\x07\x1b[2J"
@@ -63,7 +63,7 @@ class StatusTests(SynchronousTestCase):
                 "agent": {"version": esc, "node_id": esc, "heartbeat_status": esc, "workloads": esc},
                 "checks": {"session" + esc: {"ok": True, "detail": esc}, "bad": "not an object"}}
         h = Host(self, systemd=False)
-        from llmport_agent import opsprobe
+        from llmport_agent.ops import probe as opsprobe
 
         # Trusted (the agent itself): its words are still cleaned.
         self.patch(opsprobe, "probe", lambda port, state, **kw: opsprobe.OpsAnswer(True, body, True, 4242))

@@ -15,8 +15,8 @@ from twisted.internet.defer import succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 
-from llmport_agent.config import load_config
-from llmport_agent.join import EX_FAIL, MEMBER, Joiner
+from llmport_agent.core.config import load_config
+from llmport_agent.host.join import EX_FAIL, MEMBER, Joiner
 
 ESC = "\x1b]2;owned\x07\x1b[2J"
 

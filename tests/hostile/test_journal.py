@@ -27,10 +27,10 @@ from llmport_agent.commands.journal import (
 )
 from llmport_agent.commands.node import PersistentModes
 from llmport_agent.commands.pipeline import CommandPipeline
+from llmport_agent.core.state import StateStore
+from llmport_agent.core.threads import PoolService
+from llmport_agent.demo.testing import FakeSession, SynchronousRunner
 from llmport_agent.events.outbox import EventOutbox
-from llmport_agent.state import StateStore
-from llmport_agent.testing import FakeSession, SynchronousRunner
-from llmport_agent.threads import PoolService
 from tests.support.probe import LatenessProbe
 from tests.test_pipeline import Harness, command
 

@@ -28,11 +28,11 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.server import Site
 
-from llmport_agent import safefs
 from llmport_agent.commands.base import CommandFailed
+from llmport_agent.core import safefs
+from llmport_agent.core.threads import PoolService
 from llmport_agent.devbackend.modelfiles import ModelRepository
 from llmport_agent.models import ModelSyncer
-from llmport_agent.threads import PoolService
 from tests.support.docker_env import BUSYBOX, require_docker
 from tests.support.rig import SERVE, WorkloadTestBase, httpd_payload
 from tests.test_models import SECRET, _backend_root, _TrackingFactory

@@ -21,8 +21,9 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.resource import Resource
 
-from llmport_agent import fdlimit, opshttp
-from llmport_agent.ops import OpsService
+from llmport_agent.host import fdlimit
+from llmport_agent.ops import bounded as opshttp
+from llmport_agent.ops.endpoint import OpsService
 
 reactor: Any = _global_reactor
 

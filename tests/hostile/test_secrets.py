@@ -18,7 +18,7 @@ from twisted.internet.task import Clock, deferLater
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmport_agent.commands.base import CommandFailed
-from llmport_agent.config import load_config, mask_url
+from llmport_agent.core.config import load_config, mask_url
 from llmport_agent.workloads.engine import EngineError, StreamControl
 from llmport_agent.workloads.images import ImageManager
 from llmport_agent.workloads.policy import parse_image_ref
@@ -132,7 +132,7 @@ class MaskTests(SynchronousTestCase):
         self.assertNotIn("S3cr3t-pw", json.dumps(config.masked()))
         self.assertTrue(any("bot:***@" in n for n in config.notes))
         self.assertFalse(any("S3cr3t-pw" in n for n in config.notes))
-        from llmport_agent.config import ConfigError
+        from llmport_agent.core.config import ConfigError
 
         with self.assertRaises(ConfigError) as cm:
             load_config({"LLM_PORT_NODE_AGENT_BACKEND_URL": "https://bot:S3cr3t-pw@b.example:99999"}, {})

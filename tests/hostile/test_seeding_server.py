@@ -17,8 +17,8 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent import opshttp
 from llmport_agent.commands.base import CommandFailed
+from llmport_agent.ops import bounded as opshttp
 from llmport_agent.ray import seeding
 
 TOKEN = b"seed-token-0123456789"

@@ -17,8 +17,8 @@ from twisted.internet.task import deferLater
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmport_agent.commands.node import MAX_STORED_PROFILE, PersistentModes
-from llmport_agent.state import StateStore
-from llmport_agent.testing import SynchronousRunner
+from llmport_agent.core.state import StateStore
+from llmport_agent.demo.testing import SynchronousRunner
 from tests.agentharness import AgentTestCase
 from tests.hostile.test_agent import LogCapture
 from tests.support.probe import LatenessProbe

@@ -11,7 +11,7 @@ import os
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.storage import append_lines, append_records
+from llmport_agent.core.storage import append_lines, append_records
 
 
 class AppendTests(SynchronousTestCase):

@@ -2,7 +2,7 @@
 The agent's small persistent state (C{STATE_PATH}): credential, node id, backend-recorded host,
 rotation time, node modes (maintenance, draining), the node profile.
 
-Writes are atomic and durable (see L{llmport_agent.storage.atomic_write}), serialized, and run off
+Writes are atomic and durable (see L{llmport_agent.core.storage.atomic_write}), serialized, and run off
 the reactor thread, serialisation to JSON included. A corrupt file is moved aside, never silently
 dropped.
 """
@@ -19,8 +19,8 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmport_agent.storage import atomic_write, ensure_private_dir, move_aside
-from llmport_agent.threads import BlockingRunner
+from llmport_agent.core.storage import atomic_write, ensure_private_dir, move_aside
+from llmport_agent.core.threads import BlockingRunner
 
 log = Logger()
 
@@ -94,7 +94,7 @@ def adopt_old_state(state_path: str, environ: dict[str, str] | None = None, euid
     @raise TwoStates: both places hold a state file (never a second identity: nothing is moved
         and nothing enrolls), an agent still runs on the old one, or a name is in both.
     """
-    from llmport_agent.instance import AlreadyRunning, InstanceLock
+    from llmport_agent.host.instance import AlreadyRunning, InstanceLock
 
     if (os.geteuid() if euid is None else euid) == 0:
         return None

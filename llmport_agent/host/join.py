@@ -31,12 +31,12 @@ from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 
 from llmport_agent import VERSION
-from llmport_agent.backend_http import BackendHTTP, Rejected, RouteMissing, Transient
-from llmport_agent.cleantext import BadNodeId, checked_node_id, shown
-from llmport_agent.config import AgentConfig, mask_url
-from llmport_agent.instance import AlreadyRunning, InstanceLock
-from llmport_agent.state import load_state
-from llmport_agent.storage import atomic_write, ensure_private_dir
+from llmport_agent.core.cleantext import BadNodeId, checked_node_id, shown
+from llmport_agent.core.config import AgentConfig, mask_url
+from llmport_agent.core.state import load_state
+from llmport_agent.core.storage import atomic_write, ensure_private_dir
+from llmport_agent.host.instance import AlreadyRunning, InstanceLock
+from llmport_agent.session.backend_http import BackendHTTP, Rejected, RouteMissing, Transient
 
 #: How long one run waits for a decision (the backend keeps a request 15 minutes).
 JOIN_WAIT_SEC = 15 * 60.0

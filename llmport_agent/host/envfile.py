@@ -9,10 +9,10 @@ import os
 import stat
 from typing import TYPE_CHECKING
 
-from llmport_agent.config import SETTINGS
+from llmport_agent.core.config import SETTINGS
 
 if TYPE_CHECKING:
-    from llmport_agent.service import AgentService
+    from llmport_agent.agent.service import AgentService
 
 #: The env file `llmport-agent start` (and llm-port's own installer) writes for the unit.
 ENV_FILE = "/etc/llmport-agent.env"

@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from attrs import define, field
 
-from llmport_agent.config import (
+from llmport_agent.core.config import (
     PREFIX,
     SETTINGS,
     AgentConfig,
@@ -31,7 +31,7 @@ from llmport_agent.config import (
     mask,
     mask_url,
 )
-from llmport_agent.previousbuild import NotKept, PreviousBuild
+from llmport_agent.host.previousbuild import NotKept, PreviousBuild
 
 #: Settings written into the unit itself (ReadWritePaths=, ExecStartPre=): a change needs
 #: `llmport-agent start` again, not only a restart. The configuration reference says so.
@@ -159,7 +159,7 @@ class EnvFile:
 
 def write_private(path: str, text: str, mode: int = 0o600) -> None:
     """Write C{text} atomically and durably (temporary file, fsync, rename, directory fsync)."""
-    from llmport_agent.storage import atomic_write
+    from llmport_agent.core.storage import atomic_write
 
     atomic_write(path, text.encode("utf-8"), mode, private_dir=False)
 
@@ -227,7 +227,7 @@ class System:
     @property
     def data_home(self) -> str:
         """C{~/.local/share/llmport-agent}: the user mode's state and (fallback) model store (L{user_state_dir})."""
-        from llmport_agent.state import user_state_dir
+        from llmport_agent.core.state import user_state_dir
 
         return user_state_dir({k: v for k, v in self.environ.items() if k in ("HOME", "XDG_DATA_HOME")})
 
@@ -392,7 +392,7 @@ def _code_paths() -> tuple[str, ...]:
     """What a console script runs besides itself: the interpreter and this package (not in a frozen build)."""
     if getattr(sys, "frozen", False):
         return ()
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return (os.path.realpath(sys.executable), package)
 
 
@@ -400,7 +400,7 @@ def unit_template() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     for candidate in (
         os.path.join(here, "data", UNIT_NAME),
-        os.path.join(os.path.dirname(here), "deploy", "systemd", UNIT_NAME),
+        os.path.join(os.path.dirname(os.path.dirname(here)), "deploy", "systemd", UNIT_NAME),
     ):
         if os.path.exists(candidate):
             with open(candidate, encoding="utf-8") as f:
@@ -673,7 +673,7 @@ class Installer:
             return s.fail(f"configuration error: {e}", EX_CONFIG)
         state_path = s.place(config.state_path) if s.root else config.state_path
         if s.user_mode:
-            from llmport_agent.state import TwoStates, adopt_old_state
+            from llmport_agent.core.state import TwoStates, adopt_old_state
 
             try:
                 moved = adopt_old_state(state_path, dict(s.environ), s.geteuid())
@@ -882,7 +882,7 @@ class Installer:
                       f"{props.get('UnitFileState', '?')}, main pid {props.get('MainPID', '0')}, "
                       f"restarts {props.get('NRestarts', '0')}, last exit status {props.get('ExecMainStatus', '0')}")
                 if props.get("StatusText"):
-                    from llmport_agent.cleantext import shown as shown_text
+                    from llmport_agent.core.cleantext import shown as shown_text
 
                     s.say(f"its status: {shown_text(props['StatusText'], 400)}")
         else:
@@ -895,7 +895,7 @@ class Installer:
         except (ConfigError, OSError) as e:
             s.say(f"config:     cannot be read ({e})")
             return EX_FAIL
-        from llmport_agent.cleantext import shown
+        from llmport_agent.core.cleantext import shown
 
         def w(value: object) -> str:
             return shown(str(value), 200)
@@ -906,7 +906,7 @@ class Installer:
         body = None
         squatted = False
         if config.ops_port:
-            from llmport_agent.opsprobe import probe
+            from llmport_agent.ops.probe import probe
 
             state_path = s.path(config.state_path) if s.root else config.state_path
             answer = probe(config.ops_port, state_path)
@@ -968,7 +968,7 @@ class Installer:
         return out
 
     def _state_view(self, config: AgentConfig) -> None:
-        from llmport_agent.state import load_state
+        from llmport_agent.core.state import load_state
 
         path = self.sys.path(config.state_path) if self.sys.root else config.state_path
         try:
@@ -976,7 +976,7 @@ class Installer:
         except Exception as e:
             self.sys.say(f"state file: {path} cannot be read ({e})")
             return
-        from llmport_agent.cleantext import shown
+        from llmport_agent.core.cleantext import shown
 
         data = result.data if result else {}
         # The node id came from the backend: shown bounded and cleaned (an old state may hold anything).
@@ -1082,7 +1082,7 @@ def _not_the_issuer(state_path: str, url: str, configured_url: str | None) -> st
     C{BACKEND_URL}), and the agent would present it there. C{None}: no credential, or C{url} is
     its issuer.
     """
-    from llmport_agent.join import credential_issuer, same_backend
+    from llmport_agent.host.join import credential_issuer, same_backend
 
     try:
         with open(state_path, encoding="utf-8") as f:

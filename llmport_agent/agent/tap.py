@@ -14,7 +14,7 @@ from typing import Any
 
 from twisted.python import usage
 
-from llmport_agent.config import SETTINGS, AgentConfig, ConfigError, load_config
+from llmport_agent.core.config import SETTINGS, AgentConfig, ConfigError, load_config
 
 
 class Options(usage.Options):
@@ -38,8 +38,8 @@ class Options(usage.Options):
 def makeService(options: Options) -> Any:
     from twisted.internet import reactor
 
-    from llmport_agent.fdlimit import raise_open_files_limit
-    from llmport_agent.service import AgentService, install_stop_signals
+    from llmport_agent.agent.service import AgentService, install_stop_signals
+    from llmport_agent.host.fdlimit import raise_open_files_limit
 
     raise_open_files_limit()
 

@@ -29,7 +29,7 @@ import stat
 
 from attrs import define
 
-from llmport_agent import safefs
+from llmport_agent.core import safefs
 
 SUFFIX = ".previous"
 #: No executable this agent ships comes near it; a larger file is not copied (bounded work).

@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any
 
-from llmport_agent.demo import STEP_TIMEOUT, Say
+from llmport_agent.demo.run import STEP_TIMEOUT, Say
 
 DEFAULT_IMAGE = "llmport-test/ray-runtime:2.58.0"
 
@@ -48,7 +48,8 @@ async def demo_ray(
     import treq
     from twisted.web.client import HTTPConnectionPool
 
-    from llmport_agent.config import load_config
+    from llmport_agent.agent.service import AgentService
+    from llmport_agent.core.config import load_config
     from llmport_agent.devbackend import DevBackend
     from llmport_agent.devbackend.rayenv import (
         READY,
@@ -58,7 +59,6 @@ async def demo_ray(
         RayNode,
     )
     from llmport_agent.ray.imagepin import image_identity
-    from llmport_agent.service import AgentService
 
     started = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="llmport-demo-ray-")

@@ -6,7 +6,7 @@ L{PoolService}: a L{ThreadPool} with a fixed maximum size that is started in
 C{startService} and stopped, after its in-flight work, in C{stopService}. A
 "during shutdown" trigger is a backstop so a forgotten pool never keeps the process alive.
 
-Tests inject L{SynchronousPool} (see L{llmport_agent.testing}) where determinism matters.
+Tests inject L{SynchronousPool} (see L{llmport_agent.demo.testing}) where determinism matters.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def begin_demo_logging(verbose: bool) -> None:
     """The agent's log during the demo: warnings and errors (info with --verbose), NVML's quiet."""
     from twisted.logger import FilteringLogObserver, globalLogBeginner
 
-    from llmport_agent.logsetup import make_observer
+    from llmport_agent.core.logsetup import make_observer
 
     observer = FilteringLogObserver(make_observer("INFO" if verbose else "WARN"), [demo_log_predicate(verbose)])
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
@@ -156,9 +156,9 @@ async def _demo(
     docker_environ: dict[str, str] | None = None,
     gpu_source: Any = None,
 ) -> int:
-    from llmport_agent.config import load_config
+    from llmport_agent.agent.service import AgentService
+    from llmport_agent.core.config import load_config
     from llmport_agent.devbackend import DevBackend
-    from llmport_agent.service import AgentService
 
     if say is _say:
         begin_demo_logging(args.verbose)
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(reactor: Any) -> Deferred[None]:
         if args.ray:
-            from llmport_agent.demoray import demo_ray
+            from llmport_agent.demo.ray_env import demo_ray
 
             begin_demo_logging(args.verbose)
             d = Deferred.fromCoroutine(demo_ray(reactor, args, _say, None))

@@ -222,7 +222,7 @@ def _check_client_tls(values: dict[str, Any]) -> None:
         raise ConfigError(f"{PREFIX}TLS_CLIENT_KEY is set but {PREFIX}TLS_CLIENT_CERT is not; expected both "
                           "(or a certificate file that also holds its key)")
     if cert:
-        from llmport_agent.tls import ClientCertError, load_client_certificate
+        from llmport_agent.session.tls import ClientCertError, load_client_certificate
 
         try:
             load_client_certificate(cert, key)

@@ -180,7 +180,7 @@ class FlatJSONObserver:
         try:
             line = json.dumps(flat_event(event, secrets), ensure_ascii=False, default=str)
         except Exception as e:  # never let a log line kill the agent
-            line = json.dumps({"level": "error", "logger": "llmport_agent.logsetup",
+            line = json.dumps({"level": "error", "logger": "llmport_agent.core.logsetup",
                                "message": f"unloggable event: {type(e).__name__}"})
         try:
             self._stream.write(line + "\n")
@@ -291,7 +291,7 @@ class JournalObserver:
         try:
             flat = flat_event(event, secrets)
         except Exception as e:  # never let a log line kill the agent
-            flat = {"level": "error", "logger": "llmport_agent.logsetup",
+            flat = {"level": "error", "logger": "llmport_agent.core.logsetup",
                     "message": f"unloggable event: {type(e).__name__}"}
         sock = self._socket()
         if sock is not None and self._path:
@@ -378,5 +378,5 @@ def begin_logging(level: str, json: bool = False, secrets: Callable[[], Iterable
 
 
 def twistd_json_observer() -> ILogObserver:
-    """For C{twistd --logger llmport_agent.logsetup.twistd_json_observer}: the same JSON lines."""
+    """For C{twistd --logger llmport_agent.core.logsetup.twistd_json_observer}: the same JSON lines."""
     return FilteringLogObserver(FlatJSONObserver(sys.stdout), [ThirdPartyRepeats()])

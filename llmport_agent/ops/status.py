@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from llmport_agent import VERSION
 
 if TYPE_CHECKING:
-    from llmport_agent.service import AgentService
+    from llmport_agent.agent.service import AgentService
 
 
 def heartbeat_fields(agent: AgentService) -> dict[str, Any]:
@@ -35,7 +35,7 @@ def heartbeat_fields(agent: AgentService) -> dict[str, Any]:
 
 def status_line(agent: AgentService) -> str:
     """The one line systemd shows (C{STATUS=}): session state, node, workloads, last error."""
-    from llmport_agent.metrics import session_state, workload_states
+    from llmport_agent.ops.metrics import session_state, workload_states
 
     state = session_state(agent.session)
     words = {"connected": "connected", "enrolling": "enrolling", "backing_off": "backing off",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from twisted.internet.defer import Deferred, DeferredList, succeed
 
 if TYPE_CHECKING:
-    from llmport_agent.service import AgentService
+    from llmport_agent.agent.service import AgentService
 
 #: After the drain, how long a stop waits for queued events to reach the backend.
 EVENT_FLUSH_SEC = 3.0

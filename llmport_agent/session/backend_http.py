@@ -18,9 +18,9 @@ from treq.client import HTTPClient
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.logger import Logger
 
-from llmport_agent.cleantext import MAX_SHOWN_CHARS, checked_node_id, has_unsafe, shown
-from llmport_agent.httpbody import BodyTooLarge, read_body
-from llmport_agent.tls import describe_connection_error, innermost_error
+from llmport_agent.core.cleantext import MAX_SHOWN_CHARS, checked_node_id, has_unsafe, shown
+from llmport_agent.core.httpbody import BodyTooLarge, read_body
+from llmport_agent.session.tls import describe_connection_error, innermost_error
 
 ENROLL_PATH = "/api/admin/system/nodes/enroll"
 ROTATE_PATH = "/api/admin/system/nodes/credentials/rotate"

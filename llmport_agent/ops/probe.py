@@ -3,7 +3,7 @@ What answers on the agent's loopback ops port, and whether it is the agent (C{st
 
 Any local user can listen on that port while the agent is down. Root's tools believe an answer
 only when the process that holds the agent's instance lock (C{<state>.lock}, an exclusive
-C{flock} the agent takes first at start and holds for its life: L{llmport_agent.instance}) is
+C{flock} the agent takes first at start and holds for its life: L{llmport_agent.host.instance}) is
 the process that owns the listening socket on that port: the lock's holder from
 C{/proc/locks} (matched by the lock file's device and inode), the socket's inode from
 C{/proc/net/tcp} and C{tcp6} (state LISTEN, that port), and that inode among the holder's
@@ -24,7 +24,7 @@ from typing import Any
 
 from attrs import frozen
 
-from llmport_agent.instance import lock_path
+from llmport_agent.host.instance import lock_path
 
 #: The most bytes of an answer read.
 BODY_LIMIT = 1 << 20

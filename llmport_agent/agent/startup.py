@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 from twisted.internet.defer import Deferred, succeed
 
 from llmport_agent import VERSION
-from llmport_agent.config import mask_url
-from llmport_agent.instance import AlreadyRunning
+from llmport_agent.core.config import mask_url
+from llmport_agent.host.instance import AlreadyRunning
 
 if TYPE_CHECKING:
-    from llmport_agent.service import AgentService
+    from llmport_agent.agent.service import AgentService
 
 
 def start_service(agent: AgentService) -> None:
@@ -27,8 +27,8 @@ def start_service(agent: AgentService) -> None:
 
 
 def start_failed(agent: AgentService, f: Any) -> None:
+    from llmport_agent.core.state import StateUnreadable
     from llmport_agent.session.service import EXIT_NEEDS_OPERATOR
-    from llmport_agent.state import StateUnreadable
 
     if f.check(StateUnreadable):
         agent._fatal(EXIT_NEEDS_OPERATOR, f.getErrorMessage())
@@ -54,7 +54,7 @@ async def start(agent: AgentService) -> None:
         # engine that the other agent is using.
         agent._fatal(1, str(e))
         return
-    from llmport_agent.state import TwoStates, adopt_old_state
+    from llmport_agent.core.state import TwoStates, adopt_old_state
 
     try:
         # One state location per user (run, start --user and join --user share it).

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from llmport_agent import VERSION
 
 if TYPE_CHECKING:
-    from llmport_agent.service import AgentService
+    from llmport_agent.agent.service import AgentService
 
 START_TIME = time.time()
 

@@ -1,7 +1,7 @@
 """
 The ops endpoint on loopback: C{/healthz} (the process is alive), C{/readyz} (one check per
 subsystem: session, engine, NVML, Loki; 503 with a JSON body saying what is wrong),
-C{/metrics} (Prometheus text format through prometheus_client; see L{llmport_agent.metrics}).
+C{/metrics} (Prometheus text format through prometheus_client; see L{llmport_agent.ops.metrics}).
 Metrics are read from the running services at scrape time; no label ever carries a secret.
 """
 
@@ -18,11 +18,11 @@ from twisted.logger import Logger
 from twisted.web.resource import Resource
 
 from llmport_agent import VERSION
-from llmport_agent.backoff import Backoff
-from llmport_agent.metrics import AgentCollector, make_registry, render
-from llmport_agent.opshttp import BoundedSite
+from llmport_agent.core.backoff import Backoff
+from llmport_agent.ops.bounded import BoundedSite
+from llmport_agent.ops.metrics import AgentCollector, make_registry, render
 
-#: The collector (it lives in llmport_agent.metrics; this name is kept for existing callers).
+#: The collector (it lives in llmport_agent.ops.metrics; this name is kept for existing callers).
 _AgentCollector = AgentCollector
 
 
@@ -48,7 +48,7 @@ def readiness(agent: Any) -> dict[str, Any]:
     What C{/readyz} answers: one check per subsystem (session, engine, NVML, Loki), each with
     C{ok} and a C{detail} saying what is wrong; C{ready} when all are ok and no stop is under way.
     """
-    from llmport_agent.metrics import gpu_snapshot, session_state, workload_states
+    from llmport_agent.ops.metrics import gpu_snapshot, session_state, workload_states
 
     session = agent.session
     state = session_state(session)
@@ -100,8 +100,8 @@ def loki_readiness(agent: Any) -> dict[str, Any]:
     C{off}; C{url} is the sink without its password. Not ok after 3 failed pushes in a row,
     to either sink.
     """
-    from llmport_agent.config import mask_url
-    from llmport_agent.metrics import loki_stats
+    from llmport_agent.core.config import mask_url
+    from llmport_agent.ops.metrics import loki_stats
 
     loki = loki_stats(agent)
     config = getattr(agent, "config", None)
@@ -182,12 +182,12 @@ class _Health(Resource):
 
 
 #: Module level: a Logger class attribute would take the class's name as its namespace.
-_access_log = Logger(namespace="llmport_agent.ops.access")
+_access_log = Logger(namespace="llmport_agent.ops.endpoint.access")
 
 
 class QuietSite(BoundedSite):
     """
-    A Site whose access log lines are DEBUG events (C{llmport_agent.ops.access}), not INFO
+    A Site whose access log lines are DEBUG events (C{llmport_agent.ops.endpoint.access}), not INFO
     lines in the journal for every scrape of C{/metrics} or C{/readyz}.
     """
 

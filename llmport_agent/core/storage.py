@@ -19,8 +19,8 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmport_agent.safefs import atomic_write_at, open_dir
-from llmport_agent.threads import BlockingRunner
+from llmport_agent.core.safefs import atomic_write_at, open_dir
+from llmport_agent.core.threads import BlockingRunner
 
 log = Logger()
 
@@ -45,7 +45,7 @@ def atomic_write(path: str, data: bytes, mode: int = 0o600, *, private_dir: bool
     """
     Replace C{path} with C{data} atomically and durably: a new temporary file beside it
     (C{O_EXCL|O_NOFOLLOW}), fsync, rename over the target (a link there is replaced, never
-    followed), fsync of the directory. Blocking. See L{llmport_agent.safefs.atomic_write_at}.
+    followed), fsync of the directory. Blocking. See L{llmport_agent.core.safefs.atomic_write_at}.
 
     @param private_dir: create/tighten the target's directory to 0700 (state files).
     """

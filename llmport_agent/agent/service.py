@@ -2,15 +2,15 @@
 The composition root: one MultiService holding everything the agent runs, and only the wiring
 of it. Each behaviour lives in a module named after it (docs: architecture):
 
-- L{llmport_agent.startup}: the start order (dependencies first): thread pools, durable state
+- L{llmport_agent.agent.startup}: the start order (dependencies first): thread pools, durable state
   (state file, command journal, event outbox), the Docker executor and health watcher, the
   command pipeline, heartbeat and inventory, the ops endpoint, and last the backend session;
   then systemd hears C{READY=1}.
-- L{llmport_agent.drain}: stop signals, the drain and the stop in reverse order.
-- L{llmport_agent.envfile}: the env file of the unit, tightened at start.
-- L{llmport_agent.status}: the heartbeat's status fields and systemd's C{STATUS=} line.
-- L{llmport_agent.diagnostics}: the C{collect_diagnostics} result.
-- L{llmport_agent.listeners}: small session listeners (workload announcements, hello profile).
+- L{llmport_agent.agent.drain}: stop signals, the drain and the stop in reverse order.
+- L{llmport_agent.host.envfile}: the env file of the unit, tightened at start.
+- L{llmport_agent.ops.status}: the heartbeat's status fields and systemd's C{STATUS=} line.
+- L{llmport_agent.ops.diagnostics}: the C{collect_diagnostics} result.
+- L{llmport_agent.agent.listeners}: small session listeners (workload announcements, hello profile).
 """
 
 from __future__ import annotations
@@ -25,24 +25,27 @@ from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from llmport_agent import VERSION, diagnostics, drain, envfile, startup
-from llmport_agent import status as node_status
-from llmport_agent.backend_http import BackendHTTP
+from llmport_agent import VERSION
+from llmport_agent.agent import drain, startup
+from llmport_agent.agent.drain import EVENT_FLUSH_SEC, install_stop_signals
+from llmport_agent.agent.listeners import _Announcer, _ProfileFromHello
 from llmport_agent.commands.base import HandlerSpec
 from llmport_agent.commands.journal import CommandJournal
 from llmport_agent.commands.node import PersistentModes, node_handler_specs
 from llmport_agent.commands.pipeline import CommandPipeline
-from llmport_agent.config import AgentConfig
-from llmport_agent.diagnostics import START_TIME
-from llmport_agent.drain import EVENT_FLUSH_SEC, install_stop_signals
-from llmport_agent.envfile import ENV_FILE, env_file_path, tighten_env_file
+from llmport_agent.core.config import AgentConfig
+from llmport_agent.core.state import StateStore, resolve_state_path
+from llmport_agent.core.threads import PoolService
 from llmport_agent.events.outbox import EventOutbox
-from llmport_agent.instance import InstanceLock
-from llmport_agent.listeners import _Announcer, _ProfileFromHello
-from llmport_agent.reporting import HeartbeatReporter, InventoryReporter
+from llmport_agent.host import envfile
+from llmport_agent.host.envfile import ENV_FILE, env_file_path, tighten_env_file
+from llmport_agent.host.instance import InstanceLock
+from llmport_agent.ops import diagnostics
+from llmport_agent.ops import status as node_status
+from llmport_agent.ops.diagnostics import START_TIME
+from llmport_agent.session.backend_http import BackendHTTP
+from llmport_agent.session.reporting import HeartbeatReporter, InventoryReporter
 from llmport_agent.session.service import SessionService
-from llmport_agent.state import StateStore, resolve_state_path
-from llmport_agent.threads import PoolService
 
 #: Importable from here as before the split (cli, tap, tests).
 __all__ = [
@@ -56,8 +59,8 @@ def make_http_client(reactor: Any, config: AgentConfig) -> Any:
     from treq.client import HTTPClient
     from twisted.web.client import HTTPConnectionPool
 
-    from llmport_agent.http_endpoints import backend_agent
-    from llmport_agent.tls import https_policy
+    from llmport_agent.session.endpoints import backend_agent
+    from llmport_agent.session.tls import https_policy
 
     pool = HTTPConnectionPool(reactor, persistent=True)
     pool._factory.noisy = False
@@ -188,7 +191,7 @@ class AgentService(MultiService):
             busy=lambda: self.pipeline.busy,
         )
         self.outbox = EventOutbox(reactor, self.io_pool, os.path.join(state_dir, "events.jsonl"), self.session)
-        from llmport_agent.metrics import ReactorLatenessProbe
+        from llmport_agent.ops.metrics import ReactorLatenessProbe
 
         # Reactor lateness, measured on the heartbeat's ticks (no timer of its own while they run).
         self.lateness = ReactorLatenessProbe(reactor)
@@ -281,11 +284,11 @@ class AgentService(MultiService):
             self._build_log_sink_discovery()
         self.ops: Any = None
         if config.ops_port:
-            from llmport_agent.ops import OpsService
+            from llmport_agent.ops.endpoint import OpsService
 
             self.ops = OpsService(reactor, self, config.ops_port)
             self._ordered.insert(len(self._ordered) - 1, self.ops)
-        from llmport_agent.sdnotify import Notifier, NotifyService
+        from llmport_agent.host.sdnotify import Notifier, NotifyService
 
         self._ordered.insert(3, self.lateness)
         # Not a child: it must outlive every other service (watchdog pings while draining).

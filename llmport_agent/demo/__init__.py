@@ -1,0 +1,3 @@
+"""
+Trying the agent: the one-node demo, the Ray demo, and fakes shipped for tests and embedding.
+"""
