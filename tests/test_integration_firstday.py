@@ -293,7 +293,7 @@ class ReEnrollmentTests(_Base):
         node_id = await self.wait_connected(backend, agent)
         backend.delete_node(node_id)
         await backend.wait_for(lambda: agent.session.stats.refused >= 2, 20)
-        self.assertEqual(agent.state.get("refusals")["count"], agent.session._refusals)
+        self.assertEqual(agent.state.get("refusals")["count"], agent.session.refusals.count)
         await agent.stopService()
         with open(os.path.join(state_dir, "state.json")) as f:
             self.assertGreaterEqual(json.load(f)["refusals"]["count"], 2)

@@ -69,7 +69,7 @@ class _Base(AgentTestCase):
     async def quiet(self, agent: Any, seconds: float) -> None:
         """Wait until the agent has sent nothing for C{seconds}."""
         deadline = reactor.seconds() + 30
-        while reactor.seconds() - agent.session._last_sent_at < seconds:
+        while reactor.seconds() - agent.session.polling.last_sent_at < seconds:
             if reactor.seconds() > deadline:
                 self.fail("the agent never went quiet")
             await deferLater(reactor, 0.05, lambda: None)

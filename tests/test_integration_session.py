@@ -96,14 +96,14 @@ class FaultTests(AgentTestCase):
         backend = await self.start_backend()
         agent = self.start_agent(backend)
         node_id = await self.wait_connected(backend, agent)
-        agent.session.revoked_after_refusals = 3
-        agent.session.revoked_after_seconds = 0.5
-        agent.session.revoked_retry_seconds = 0.5
+        agent.session.refusals.revoked_after_refusals = 3
+        agent.session.refusals.revoked_after_seconds = 0.5
+        agent.session.refusals.revoked_retry_seconds = 0.5
         cred = agent.state.credential
         backend.revoke_credentials(node_id)
         backend.drop_connections(node_id)
         # (The stand-in's whoami says at the first refusal that the credential is gone.)
-        await backend.wait_for(lambda: agent.session._revoked and agent.session.stats.refused >= 3, 20)
+        await backend.wait_for(lambda: agent.session.refusals.revoked and agent.session.stats.refused >= 3, 20)
         self.assertEqual(agent.state.credential, cred)
         self.assertIsNone(agent.exit_status)
         self.assertGreaterEqual(agent.session.stats.refused, 3)
@@ -119,8 +119,8 @@ class FaultTests(AgentTestCase):
         fresh = backend.mint_token("re-enroll")["token"]
         agent2 = self.start_agent(backend, state_dir=state_dir, ENROLLMENT_TOKEN=fresh,
                                   AGENT_ID=agent.config.agent_id)
-        agent2.session.revoked_after_refusals = 2
-        agent2.session.revoked_after_seconds = 0.3
+        agent2.session.refusals.revoked_after_refusals = 2
+        agent2.session.refusals.revoked_after_seconds = 0.3
         await backend.wait_for(lambda: agent2.session.stats.enrollments == 1, 20)
         node2 = await self.wait_connected(backend, agent2)
         self.assertEqual(node2, node_id)  # same agent id reuses the node row

@@ -177,7 +177,7 @@ class RefusedUpgradeLogTests(AgentTestCase):
         agent = self.start_agent(backend, state_dir=state_dir, token=False, RECONNECT_MIN_SEC="0.3",
                                  RECONNECT_MAX_SEC="0.6")
         # whoami says the credential is unknown (a deleted node): retries slow down to this.
-        agent.session.revoked_retry_seconds = 0.5
+        agent.session.refusals.revoked_retry_seconds = 0.5
 
         def retry_lines() -> list[dict[str, Any]]:
             rows = [json.loads(line) for line in out.getvalue().splitlines() if line.strip()]

@@ -377,7 +377,7 @@ class SessionServiceTests(SynchronousTestCase):
         svc = self.make(credential=CRED, state_dir=d)
         svc.startService()
         self.refuse(svc, 4, 60)
-        self.assertFalse(svc._revoked)
+        self.assertFalse(svc.refusals.revoked)
         self.assertEqual(self.state.get("refusals")["count"], 4)
         svc.stopService()
         wall = self.wall[0] + self.reactor.seconds()
@@ -386,7 +386,7 @@ class SessionServiceTests(SynchronousTestCase):
         self.assertEqual(self.state.credential, CRED)
         svc2.startService()
         self.refuse(svc2, 1, 0)
-        self.assertTrue(svc2._revoked)
+        self.assertTrue(svc2.refusals.revoked)
 
     def test_refusal_count_read_when_the_session_starts(self) -> None:
         """
@@ -403,9 +403,9 @@ class SessionServiceTests(SynchronousTestCase):
         self.wall[0] = wall + 5
         self.assertEqual(self.state.credential, CRED)
         svc2.startService()
-        self.assertEqual(svc2._refusals, 4)
+        self.assertEqual(svc2.refusals.count, 4)
         self.refuse(svc2, 1, 0)
-        self.assertTrue(svc2._revoked)
+        self.assertTrue(svc2.refusals.revoked)
 
     def test_open_clears_persisted_refusals(self) -> None:
         """A session that opens resets the refusal count, on disk too."""
@@ -510,15 +510,15 @@ class SessionServiceTests(SynchronousTestCase):
         self.refuse(svc, 5, 60)
         self.assertEqual(self.fatal, [])
         self.assertEqual(self.state.credential, CRED)
-        self.assertTrue(svc._revoked)
-        self.assertGreaterEqual(svc._policy(1), 120)  # type: ignore[union-attr]
+        self.assertTrue(svc.refusals.revoked)
+        self.assertGreaterEqual(svc.retry_policy(1), 120)  # type: ignore[union-attr]
 
     def test_quick_refusals_not_revoked(self) -> None:
         """Several 403s within seconds (a proxy blip) do not count as revocation."""
         svc = self.make(credential=CRED)
         svc.startService()
         self.refuse(svc, 10, 1)
-        self.assertFalse(svc._revoked)
+        self.assertFalse(svc.refusals.revoked)
 
     def test_poll_frames(self) -> None:
         """While connected and idle, a poll frame goes out one interval after the last frame."""

@@ -106,7 +106,7 @@ class ProductionJitterTests(_Base):
 
     def delays(self, svc: SessionService, attempt: int, n: int = 40) -> list[float]:
         svc.startService()
-        policy = svc._policy  # the retry policy handed to ClientService
+        policy = svc.retry_policy  # the retry policy handed to ClientService
         return [policy(attempt) for _ in range(n)]
 
     def test_default_source_is_random_and_bounded(self) -> None:

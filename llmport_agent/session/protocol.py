@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol
 from autobahn.websocket.types import ConnectingRequest
@@ -23,9 +23,6 @@ from twisted.logger import Logger
 
 from llmport_agent.session.framesplit import salvage_frame
 from llmport_agent.session.tls import describe_connection_error
-
-if TYPE_CHECKING:
-    from llmport_agent.session.service import SessionService
 
 #: Frames above this size are ignored with a log line (the connection stays up).
 SOFT_MAX_FRAME = 8 * 1024 * 1024
@@ -231,6 +228,17 @@ class AgentClientProtocol(WebSocketClientProtocol):
         self.factory.session.connection_closed(self, wasClean, code, reason, status)
 
 
+class StreamEvents(Protocol):
+    """What a connection tells its session (L{SessionService} provides it)."""
+
+    def connection_opened(self, proto: AgentClientProtocol) -> None: ...
+    def frame_received(self, proto: AgentClientProtocol, frame: dict[str, Any]) -> None: ...
+    def connection_closed(
+        self, proto: AgentClientProtocol, wasClean: bool, code: int | None, reason: str | None,
+        http_status: int | None,
+    ) -> None: ...
+
+
 class AgentClientFactory(WebSocketClientFactory):
     """Builds L{AgentClientProtocol}s for one L{SessionService}."""
 
@@ -240,7 +248,7 @@ class AgentClientFactory(WebSocketClientFactory):
         self,
         url: str,
         *,
-        session: SessionService,
+        session: StreamEvents,
         credential: Callable[[], str],
         clock: Any,
         useragent: str,

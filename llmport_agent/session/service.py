@@ -14,10 +14,12 @@ polls go at all.
 Listeners (the command pipeline, heartbeat, inventory, event outbox) subscribe with
 L{SessionService.subscribe} and receive plain dicts; they send with L{SessionService.send}.
 
-This module holds the connection (ClientService, the endpoint, the connection events, sending);
-each other behaviour lives in a module named after it, called from one-line methods here:
-L{enrollment}, L{refusal} (refused upgrades, whoami, revoked), L{polling} (polls and the
-dispatch mode), L{rotation}, L{stop}.
+This module holds the connection (ClientService, the endpoint, the connection events, sending)
+and composes the collaborators, each a class that owns its state and is told what happens
+through its methods: L{Enrollment}, L{Refusals} (refused upgrades, whoami, revoked), L{Polling}
+(polls and the dispatch mode), L{Rotation}, L{StopGate} (what a stop waits for or cancels).
+They get what they need from the session as callbacks at construction and never import this
+module; the values they share live in L{llmport_agent.session.shared}.
 """
 
 from __future__ import annotations
@@ -25,17 +27,15 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from attrs import define, field
 from autobahn.exception import Disconnected
 from twisted.application.internet import ClientService
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.interfaces import IStreamClientEndpoint
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger, LogLevel
 from zope.interface import implementer
 
@@ -44,10 +44,9 @@ from llmport_agent.core.cleantext import node_id_problem
 from llmport_agent.core.cleantext import shown as shown_text
 from llmport_agent.core.config import AgentConfig, mask_url
 from llmport_agent.core.state import StateStore, token_fingerprint
-from llmport_agent.session import enrollment, polling, refusal, rotation, stop
 from llmport_agent.session.backend_http import BackendHTTP
-from llmport_agent.session.dispatch import DispatchDetector
-from llmport_agent.session.enrollment import EXIT_NEEDS_OPERATOR, TOKEN_HELP
+from llmport_agent.session.enrollment import Enrollment
+from llmport_agent.session.polling import Polling
 from llmport_agent.session.protocol import (
     HARD_MAX_FRAME,
     AgentClientFactory,
@@ -57,14 +56,25 @@ from llmport_agent.session.refusal import (
     REVOKED_AFTER_REFUSALS,
     REVOKED_AFTER_SECONDS,
     REVOKED_RETRY_SECONDS,
+    Refusals,
 )
-from llmport_agent.session.rotation import ROTATION_CHECK, ROTATION_INTERVAL, ROTATION_TIMEOUT
-from llmport_agent.session.stop import CRITICAL_STOP_GRACE
+from llmport_agent.session.rotation import (
+    ROTATION_CHECK,
+    ROTATION_INTERVAL,
+    ROTATION_TIMEOUT,
+    Rotation,
+)
+from llmport_agent.session.shared import (
+    EXIT_NEEDS_OPERATOR,
+    INBOUND_TYPES,
+    TOKEN_HELP,
+    SessionListener,
+    SessionStats,
+)
+from llmport_agent.session.stop import CRITICAL_STOP_GRACE, StopGate
 from llmport_agent.session.tls import client_tls_options, describe_connection_error
 
 STREAM_PATH = "/api/admin/system/nodes/stream"
-#: Outbound frame types that mean a command is being worked on (activity for the poll rate).
-COMMAND_FRAMES = frozenset({"command_ack", "command_progress", "command_result"})
 
 #: Importable from here as before the split (the agent, tests).
 __all__ = [
@@ -73,12 +83,6 @@ __all__ = [
     "ROTATION_TIMEOUT", "STREAM_PATH", "TOKEN_HELP", "SessionListener", "SessionService",
     "SessionStats", "stream_url",
 ]
-
-
-class SessionListener(Protocol):
-    def session_opened(self) -> None: ...
-    def session_closed(self) -> None: ...
-    def frame_received(self, frame: dict[str, Any]) -> None: ...
 
 
 def stream_url(backend_url: str) -> str:
@@ -122,44 +126,6 @@ class _NamedEndpoint:
         return self._label
 
 
-#: Inbound frame types counted by name (anything else the backend sends counts as "other").
-INBOUND_TYPES = frozenset({"hello_ack", "commands", "command", "error", "ping", "pong"})
-
-
-@define
-class SessionStats:
-    connects: int = 0
-    opens: int = 0
-    refused: int = 0
-    closes: int = 0
-    frames_sent: int = 0
-    frames_received: int = 0
-    last_open_at: float | None = None
-    last_close: dict[str, Any] = field(factory=dict)
-    enrollments: int = 0
-    rotations: int = 0
-    rotation_errors: int = 0
-    #: Frames by type (metrics); inbound types outside INBOUND_TYPES count as "other".
-    frames_out: dict[str, int] = field(factory=dict)
-    frames_in: dict[str, int] = field(factory=dict)
-    last_error: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "connects": self.connects,
-            "opens": self.opens,
-            "refused_upgrades": self.refused,
-            "closes": self.closes,
-            "frames_sent": self.frames_sent,
-            "frames_received": self.frames_received,
-            "last_open_at": self.last_open_at or 0,
-            "last_close": dict(self.last_close),
-            "enrollments": self.enrollments,
-            "rotations": self.rotations,
-            "rotation_errors": self.rotation_errors,
-        }
-
-
 class SessionService(Service):
     """
     Keeps the backend session.
@@ -194,7 +160,6 @@ class SessionService(Service):
         self.config = config
         self.state = state
         self.backend = backend
-        self._capabilities = capabilities
         self._fatal = fatal
         self.version = version
         self._endpoint_factory = endpoint_factory or self._default_endpoint
@@ -207,41 +172,56 @@ class SessionService(Service):
         self.session_id: str | None = None
         self._listeners: list[SessionListener] = []
         self._client: ClientService | None = None
-        self._poll: Any = None  # IDelayedCall: the next poll frame, pushed back by every frame sent
-        self._rotation_loop: LoopingCall | None = None
-        self._last_sent_at = 0.0
-        self._busy = busy
-        #: Reactor time of the last connect or command activity (None: never).
-        self._last_activity: float | None = None
-        # Refusals of the stream upgrade (401/403) since the last open, persisted so that a
-        # restart does not start counting again (wall-clock time of the first one); read from
-        # the state file in startService (L{_restore_refusals}), when it is loaded.
-        self._refusals = 0
-        self._first_refusal_at: float | None = None
-        self._revoked = False
-        self._sleeping: Deferred[None] | None = None
-        self._critical: set[Deferred[Any]] = set()
-        self._requests: set[Deferred[Any]] = set()  # enroll/rotate HTTP requests in flight
-        self._token_line_said = False
+        self._starting: Deferred[None] | None = None
         self._factory: AgentClientFactory | None = None
         self._endpoint: Any = None
         self._tls_creator: Any = None
-        # When repeated refusals mean "revoked" (instance attributes so tests can shorten them).
-        self.revoked_after_refusals = REVOKED_AFTER_REFUSALS
-        self.revoked_after_seconds = REVOKED_AFTER_SECONDS
-        self.revoked_retry_seconds = REVOKED_RETRY_SECONDS
-        self._starting: Deferred[None] | None = None
-        #: whoami was asked in this streak of refusals (cleared when the stream opens).
-        self._whoami_asked = False
-        #: The backend (current generation) said the credential is not a member's.
-        self.deleted_detail: str | None = None
-        self._stopping = False
-        self._rotating = False
-        self._enrolling = False
-        self.dispatch = DispatchDetector(self._reactor.seconds, self._dispatch_changed)
-        self._dispatch_said = False
         #: What the failed attempt was, said with the retry delay (L{_say_retry}).
         self._retry_note: tuple[LogLevel | None, str, dict[str, Any]] | None = None
+        self._build_collaborators(capabilities, busy)
+
+    def _build_collaborators(
+        self, capabilities: Callable[[], Deferred[dict[str, Any]]], busy: Callable[[], int] | None
+    ) -> None:
+        """Each collaborator gets what it needs from the session as values and callbacks."""
+        reactor, config, state, log = self._reactor, self.config, self.state, self.log
+        self.gate = gate = StopGate(reactor)
+        self.enrollment = Enrollment(
+            config=config, state=state, backend=self.backend, capabilities=capabilities,
+            version=self.version, wallclock=self._wallclock, gate=gate, backoff=self.backoff,
+            stats=self.stats, log=log, fatal=self._fatal, enrolled=self._enrolled,
+            reconnect=self._reconnect_now,
+        )
+        self.refusals = Refusals(
+            config=config, state=state, backend=self.backend, wallclock=self._wallclock, gate=gate,
+            stats=self.stats, log=log, note_retry=self._note_retry,
+            enrolling=lambda: self.enrollment.enrolling, reenroll=self.enrollment.reenroll,
+            connected=lambda: self.proto is not None,
+        )
+        self.rotation = Rotation(
+            clock=reactor, state=state, backend=self.backend, wallclock=self._wallclock, gate=gate,
+            stats=self.stats, log=log, opened_at=self._opened_at,
+        )
+        self.polling = Polling(
+            clock=reactor, config=config, state=state, wallclock=self._wallclock, log=log, busy=busy,
+            send_poll=lambda: self._send({"type": "poll"}, seq=False),
+            connected=lambda: self.proto is not None, stopping=lambda: gate.stopping,
+        )
+        #: Push or polling (protocol 10.1), as decided by the L{Polling} collaborator.
+        self.dispatch = self.polling.dispatch
+
+    def _enrolled(self, node_id: str) -> None:
+        self.refusals.forget()
+        self.node_id = node_id
+
+    def _opened_at(self) -> float | None:
+        proto = self.proto
+        return None if proto is None else proto.opened_at
+
+    @property
+    def deleted_detail(self) -> str | None:
+        """What the backend (current generation) said when it disowned the credential, or None."""
+        return self.refusals.deleted_detail
 
     # -- wiring ----------------------------------------------------------------------------
 
@@ -259,9 +239,9 @@ class SessionService(Service):
             return "stopped"
         if self.proto is not None:
             return "connected"
-        if self._enrolling:
+        if self.enrollment.enrolling:
             return "enrolling"
-        if self._revoked:
+        if self.refusals.revoked:
             return "refused"
         if self.stats.closes or self.stats.last_error:
             return "backing_off"
@@ -296,9 +276,9 @@ class SessionService(Service):
 
     def startService(self) -> None:
         super().startService()
-        self._stopping = False
-        self._restore_refusals()
-        self._restore_dispatch_mode()
+        self.gate.start()
+        self.refusals.restore(self.stats.opens)
+        self.polling.restore_mode(self.stats.opens)
         self._starting = Deferred.fromCoroutine(self._start())
         self._starting.addErrback(
             lambda f: self.log.failure("The backend session could not start", failure=f)
@@ -339,7 +319,7 @@ class SessionService(Service):
                     f"by this node; {TOKEN_HELP} and set LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN",
                 )
                 return
-            ok = await self._enroll(token)
+            ok = await self.enrollment.enroll(token)
             if not ok:
                 return
         else:
@@ -349,40 +329,9 @@ class SessionService(Service):
                 "and set LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN",
             )
             return
-        if self._stopping:
+        if self.gate.stopping:
             return
         self._connect()
-
-    async def _request(self, request: Any) -> Any:
-        """Await an enroll/rotate request; L{stopService} can cancel it (see CRITICAL_STOP_GRACE)."""
-        d: Deferred[Any] = ensureDeferred(request)
-        self._requests.add(d)
-        try:
-            return await d
-        finally:
-            self._requests.discard(d)
-
-    async def _enroll(self, token: str, *, reenroll: bool = False) -> bool:
-        return await enrollment.enroll(self, token, reenroll=reenroll)
-
-    async def _remember_token(self, token: str) -> None:
-        await enrollment.remember_token(self, token)
-
-    def _sleep(self, seconds: float) -> Deferred[None]:
-        """A cancellable pause; C{stopService} cancels it (and a stopping service never sleeps)."""
-        from twisted.internet.defer import fail
-        from twisted.internet.task import deferLater
-
-        if self._stopping:
-            return fail(CancelledError())
-        d = deferLater(self._reactor, seconds, lambda: None)
-        self._sleeping = d
-
-        def done(result: Any) -> Any:
-            self._sleeping = None
-            return result
-
-        return d.addBoth(done)
 
     def _connect(self) -> None:
         url = stream_url(self.config.backend_url)
@@ -413,15 +362,14 @@ class SessionService(Service):
         base_policy = retry_policy(self.backoff, self.failures)
 
         def policy(attempt: int) -> float:
-            delay = self.revoked_retry_seconds if self._revoked else base_policy(attempt)
+            delay = self.refusals.retry_delay(lambda: base_policy(attempt))
             self._say_retry(max(attempt, self.failures.failures), delay)
             return delay
 
-        self._policy = policy
+        #: The retry policy handed to ClientService (seconds before attempt C{n}).
+        self.retry_policy = policy
         self._start_client()
-        self._rotation_loop = LoopingCall(self._rotation_tick)
-        self._rotation_loop.clock = self._reactor
-        self._rotation_loop.start(ROTATION_CHECK, now=False)
+        self.rotation.start()
 
     def _note_retry(self, level: LogLevel | None, fmt: str, **fields: Any) -> None:
         """
@@ -437,7 +385,7 @@ class SessionService(Service):
 
     def _connect_failed(self, f: Any) -> None:
         """TCP or TLS failed before any protocol existed (no close to report it)."""
-        if self._stopping:
+        if self.gate.stopping:
             return
         reason = describe_connection_error(f, self.config.tls_client_cert) or f.getErrorMessage() or "connection failed"
         reason = reason.rstrip(" .") or "connection failed"  # the line goes on "; retrying in ..."
@@ -448,7 +396,7 @@ class SessionService(Service):
     def _say_retry(self, attempt: int, delay: float) -> None:
         """The agent's one line per failed attempt: what happened, the delay (rounded), the attempt."""
         note, self._retry_note = self._retry_note, None
-        if self._stopping:
+        if self.gate.stopping:
             return
         level, fmt, fields = note or (LogLevel.warn, "Could not connect to the backend at {endpoint}",
                                       {"endpoint": repr(self._endpoint)})
@@ -461,7 +409,7 @@ class SessionService(Service):
     def _start_client(self) -> None:
         assert self._factory is not None
         self._client = ClientService(
-            self._endpoint, self._factory, retryPolicy=self._policy, clock=self._reactor
+            self._endpoint, self._factory, retryPolicy=self.retry_policy, clock=self._reactor
         )
         self._client.startService()
 
@@ -471,12 +419,12 @@ class SessionService(Service):
         new credential is good, waiting for the backoff would only delay the node).
         """
         client = self._client
-        if client is None or self.proto is not None or self._stopping:
+        if client is None or self.proto is not None or self.gate.stopping:
             return
         self._client = None
 
         def restart(_: object) -> None:
-            if not self._stopping and self._client is None and self._factory is not None:
+            if not self.gate.stopping and self._client is None and self._factory is not None:
                 self._start_client()
 
         client.stopService().addBoth(restart)
@@ -491,42 +439,21 @@ class SessionService(Service):
         self.stats.opens += 1
         self.stats.last_open_at = self._wallclock()
         self.stats.last_error = ""
-        self._refusals = 0
-        self._first_refusal_at = None
-        if self.state.get("refusals") is not None:
-            self.state.note(refusals=None)
-        if self.state.get("previous_credential"):
-            # The current credential works: stop alternating.
-            self.state.note(previous_credential=None)
-        if self._revoked:
-            self._revoked = False
-        self._whoami_asked = False
-        self.deleted_detail = None
-        self._last_sent_at = self._reactor.seconds()
-        # A connect counts as activity: the first command after a node (re)connects is
-        # picked up as fast as the next ones.
-        self._last_activity = self._last_sent_at
-        self.dispatch.connection_opened()
-        self._schedule_poll()
+        self.refusals.opened()
+        self.polling.opened()
         self.log.info("Connected to the backend stream at {url}", url=stream_url(self.config.backend_url))
-        if not self._dispatch_said:
-            self._dispatch_said = True
-            self._say_dispatch_mode()
+        self.polling.say_mode_once()
         if self._unverified_tls and self.stats.opens > 1:
             self.log.warn(
                 "TLS verification is OFF (LLM_PORT_NODE_AGENT_VERIFY_TLS=false): this connection "
                 "to the backend is open to interception"
             )
-        self._say_token_removable()
+        self.enrollment.say_token_removable()
         for listener in list(self._listeners):
             try:
                 listener.session_opened()
             except Exception:
                 self.log.failure("A session listener failed on open")
-
-    def _say_token_removable(self) -> None:
-        """Once per run, after the backend accepted a stored credential: the token can go."""
-        enrollment.say_token_removable(self)
 
     def frame_received(self, proto: AgentClientProtocol, frame: dict[str, Any]) -> None:
         if proto is not self.proto:
@@ -536,13 +463,7 @@ class SessionService(Service):
         key = kind if isinstance(kind, str) and kind in INBOUND_TYPES else "other"
         self.stats.frames_in[key] = self.stats.frames_in.get(key, 0) + 1
         items = frame.get("items") if kind == "commands" else frame.get("commands") if kind == "hello_ack" else None
-        if isinstance(items, list):
-            if kind == "hello_ack":
-                self.dispatch.hello_received(items)
-            else:
-                self.dispatch.commands_received(items)
-        if isinstance(items, list) and items:
-            self.note_activity()
+        self.polling.frame_received(kind, items)
         if frame.get("type") == "hello_ack":
             sid = frame.get("session_id")
             nid = frame.get("node_id")
@@ -586,21 +507,20 @@ class SessionService(Service):
         }
         if proto is self.proto:
             self.proto = None
-            self._cancel_poll()
-            self.dispatch.connection_closed()
+            self.polling.closed()
             for listener in list(self._listeners):
                 try:
                     listener.session_closed()
                 except Exception:
                     self.log.failure("A session listener failed on close")
-        if self._stopping:
+        if self.gate.stopping:
             return
         if opened_for is None:
             self.stats.refused += 1
             self.stats.last_error = (
                 f"stream refused (HTTP {http_status})" if http_status else f"could not connect: {reason or 'connection failed'}"
             )[:200]
-            self._refused(http_status, reason, getattr(proto, "lost_reason", None))
+            self.refusals.refused(http_status, reason, getattr(proto, "lost_reason", None))
         else:
             self.stats.last_error = f"stream closed (code {code}, {reason or 'no reason'})"[:200]
             self._note_retry(
@@ -610,18 +530,6 @@ class SessionService(Service):
                 reason=reason or "no reason",
                 seconds=round(opened_for, 1),
             )
-
-    def _refused(self, http_status: int | None, reason: str | None, lost: Any = None) -> None:
-        refusal.refused(self, http_status, reason, lost)
-
-    def _ask_whoami(self, http_status: int, credential: str) -> None:
-        refusal.ask_whoami(self, http_status, credential)
-
-    def _reenroll(self, token: str) -> None:
-        enrollment.reenroll(self, token)
-
-    def _credential_revoked(self) -> None:
-        refusal.credential_revoked(self)
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -643,13 +551,9 @@ class SessionService(Service):
         except Exception:
             self.log.failure("Could not send a {type} frame", type=frame.get("type"))
             return False
-        self._last_sent_at = self._reactor.seconds()
-        self.dispatch.frame_sent()
         kind = str(frame.get("type"))[:32]
         self.stats.frames_out[kind] = self.stats.frames_out.get(kind, 0) + 1
-        if kind in COMMAND_FRAMES:
-            self._last_activity = self._last_sent_at
-        self._schedule_poll()
+        self.polling.frame_sent(kind)
         return True
 
     def confirm(self) -> Deferred[None] | None:
@@ -662,81 +566,48 @@ class SessionService(Service):
         except Disconnected:
             return None
 
-    # -- polling -------------------------------------------------------------------------
+    # -- polling (L{Polling}) --------------------------------------------------------------
 
     def note_activity(self) -> None:
         """A command arrived or is being worked on: poll fast from now on (for the window)."""
-        polling.note_activity(self)
+        self.polling.note_activity()
 
     def poll_active(self, now: float | None = None) -> bool:
         """True while polls go every COMMAND_POLL_INTERVAL_SEC (see the module docstring)."""
-        return polling.poll_active(self, now)
+        return self.polling.poll_active(now)
 
     def poll_interval(self) -> float:
         """Seconds from the last frame sent to the next poll, as things stand now."""
-        return polling.poll_interval(self)
+        return self.polling.poll_interval()
 
-    def _schedule_poll(self, since: float | None = None) -> None:
-        polling.schedule_poll(self, since)
-
-    def _cancel_poll(self) -> None:
-        polling.cancel_poll(self)
-
-    def _poll_now(self) -> None:
-        polling.poll_now(self)
-
-    # -- dispatch mode (protocol 10.1) ---------------------------------------------------
-
-    def _restore_refusals(self) -> None:
-        """The refusals persisted by the last run (the state file is loaded by now)."""
-        if self.stats.opens or self._refusals:
-            return  # this run already counted (or opened): its own count stands
-        refusals = self.state.get("refusals")
-        if isinstance(refusals, dict):
-            count, first = refusals.get("count"), refusals.get("first_at")
-            if (
-                isinstance(count, int)
-                and not isinstance(count, bool)
-                and count > 0
-                and isinstance(first, (int, float))
-                and not isinstance(first, bool)
-            ):
-                self._refusals, self._first_refusal_at = count, float(first)
-
-    def _restore_dispatch_mode(self) -> None:
-        """The mode remembered in the state file for this backend URL (loaded by now)."""
-        polling.restore_dispatch_mode(self)
-
-    def _say_dispatch_mode(self) -> None:
-        polling.say_dispatch_mode(self)
-
-    def _dispatch_changed(self, mode: str, reason: str) -> None:
-        polling.dispatch_changed(self, mode, reason)
-
-    # -- rotation --------------------------------------------------------------------------
-
-    def _rotation_tick(self) -> Deferred[None] | None:
-        return rotation.rotation_tick(self)
+    # -- rotation (L{Rotation}) --------------------------------------------------------------
 
     def rotate(self) -> Deferred[bool]:
-        """Rotate the credential now (see L{_rotate}); a stop waits for it."""
-        return rotation.rotate(self)
-
-    async def _rotate(self) -> bool:
-        return await rotation.rotate_now(self)
+        """Rotate the credential now; a stop waits for it."""
+        return self.rotation.rotate()
 
     # -- stop ------------------------------------------------------------------------------
 
-    def _track_critical(self, d: Deferred[Any]) -> None:
-        """Enrollment and rotation: a stop waits for them, or a credential could be lost."""
-        stop.track_critical(self, d)
-
     def stopService(self) -> Deferred[None]:
         super().stopService()
-        return stop.stop_service(self)
-
-    def _cancel_requests(self) -> None:
-        stop.cancel_requests(self)
+        return self.gate.stop(self._starting, self._stop_connection)
 
     def _stop_connection(self) -> Deferred[None]:
-        return stop.stop_connection(self)
+        """Close the stream cleanly (WebSocket close 1000) and stop reconnecting."""
+        self.polling.cancel()
+        self.rotation.stop()
+        client, self._client = self._client, None
+        proto = self.proto
+        if client is None:
+            return succeed(None)
+        if proto is not None:
+            proto.sendClose(code=1000, reason="agent stopping")
+            closed: Deferred[Any] = Deferred()
+            proto.is_closed.addBoth(lambda r: closed.callback(None) if not closed.called else None)
+            closed.addTimeout(5, self._reactor, onTimeoutCancel=lambda *_: None)
+
+            def stop_client(_: object) -> Deferred[None]:
+                return client.stopService()
+
+            return closed.addCallback(stop_client)
+        return client.stopService()

@@ -1,16 +1,17 @@
 """
-How the session stops: an enrollment or rotation in flight gets C{CRITICAL_STOP_GRACE} to
-store its credential, then is cancelled; the stream closes cleanly (WebSocket close 1000).
+How the session stops: L{StopGate} owns what a stop must wait for or cut short. An enrollment
+or rotation in flight gets C{CRITICAL_STOP_GRACE} to store its credential, then its request is
+cancelled; retry pauses end at once. The session closes its stream after that (WebSocket close
+1000).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from twisted.internet.defer import Deferred, succeed
-
-if TYPE_CHECKING:
-    from llmport_agent.session.service import SessionService
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, ensureDeferred, fail
+from twisted.internet.task import deferLater
 
 #: On stop, an enrollment or rotation request in flight gets this long to bring back its
 #: reply (the backend may already have consumed the token / revoked the old credential);
@@ -18,70 +19,86 @@ if TYPE_CHECKING:
 CRITICAL_STOP_GRACE = 0.5
 
 
-def track_critical(session: SessionService, d: Deferred[Any]) -> None:
-    """Enrollment and rotation: a stop waits for them, or a credential could be lost."""
-    session._critical.add(d)
+class StopGate:
+    """
+    The session's requests, pauses and critical work, as a stop sees them.
 
-    def done(result: object) -> object:
-        session._critical.discard(d)
-        return result
+    Inputs: L{start}, L{stop}; L{request}, L{sleep} and L{track_critical} for the
+    collaborators whose work a stop must wait for or cancel. Output: L{stopping}.
+    """
 
-    d.addBoth(done)
+    def __init__(self, clock: Any) -> None:
+        self._clock = clock
+        self.stopping = False
+        self._critical: set[Deferred[Any]] = set()
+        self._requests: set[Deferred[Any]] = set()  # enroll/rotate/whoami HTTP requests in flight
+        self._sleeping: Deferred[None] | None = None
 
+    def start(self) -> None:
+        self.stopping = False
 
-def stop_service(session: SessionService) -> Deferred[None]:
-    session._stopping = True
-    if session._sleeping is not None:
-        session._sleeping.cancel()  # retry delays end at once
-    pending = [d for d in session._critical if not d.called]
-    if session._starting is not None and not session._starting.called:
-        pending.append(session._starting)
-    if pending:
-        # An enrollment or rotation whose request is in flight gets a moment to bring back
-        # its reply and store the credential (the backend may already have consumed the
-        # token / revoked the old one), then it is cancelled: a stop takes at most ~2 s,
-        # whatever REQUEST_TIMEOUT_SEC is.
-        from twisted.internet.defer import DeferredList
+    async def request(self, request: Any) -> Any:
+        """Await an enroll/rotate request; L{stop} can cancel it (see CRITICAL_STOP_GRACE)."""
+        d: Deferred[Any] = ensureDeferred(request)
+        self._requests.add(d)
+        try:
+            return await d
+        finally:
+            self._requests.discard(d)
 
-        cancel = session._reactor.callLater(CRITICAL_STOP_GRACE, session._cancel_requests)
-        waiting: Deferred[Any] = DeferredList(pending, consumeErrors=True)
-        waiting.addTimeout(CRITICAL_STOP_GRACE + 1.0, session._reactor)
-        waiting.addErrback(lambda _: None)
+    def sleep(self, seconds: float) -> Deferred[None]:
+        """A cancellable pause; L{stop} cancels it (and a stopping session never sleeps)."""
+        if self.stopping:
+            return fail(CancelledError())
+        d = deferLater(self._clock, seconds, lambda: None)
+        self._sleeping = d
 
-        def done(_: object) -> Deferred[None]:
-            if cancel.active():
-                cancel.cancel()
-            session._cancel_requests()
-            return session._stop_connection()
+        def done(result: Any) -> Any:
+            self._sleeping = None
+            return result
 
-        return waiting.addCallback(done)
-    return session._stop_connection()
+        return d.addBoth(done)
 
+    def track_critical(self, d: Deferred[Any]) -> None:
+        """Enrollment and rotation: a stop waits for them, or a credential could be lost."""
+        self._critical.add(d)
 
-def cancel_requests(session: SessionService) -> None:
-    for d in list(session._requests):
-        d.cancel()
+        def done(result: object) -> object:
+            self._critical.discard(d)
+            return result
 
+        d.addBoth(done)
 
-def stop_connection(session: SessionService) -> Deferred[None]:
-    session._cancel_poll()
-    for loop_name in ("_rotation_loop",):
-        loop = getattr(session, loop_name)
-        if loop is not None and loop.running:
-            loop.stop()
-        setattr(session, loop_name, None)
-    client, session._client = session._client, None
-    proto = session.proto
-    if client is None:
-        return succeed(None)
-    if proto is not None:
-        proto.sendClose(code=1000, reason="agent stopping")
-        closed: Deferred[Any] = Deferred()
-        proto.is_closed.addBoth(lambda r: closed.callback(None) if not closed.called else None)
-        closed.addTimeout(5, session._reactor, onTimeoutCancel=lambda *_: None)
+    def stop(self, starting: Deferred[Any] | None, then: Callable[[], Deferred[None]]) -> Deferred[None]:
+        """
+        Mark stopping, end pauses, give critical work (and C{starting}) the grace, cancel the
+        requests, then call C{then} (the session closes its connection).
+        """
+        self.stopping = True
+        if self._sleeping is not None:
+            self._sleeping.cancel()  # retry delays end at once
+        pending = [d for d in self._critical if not d.called]
+        if starting is not None and not starting.called:
+            pending.append(starting)
+        if pending:
+            # An enrollment or rotation whose request is in flight gets a moment to bring back
+            # its reply and store the credential (the backend may already have consumed the
+            # token / revoked the old one), then it is cancelled: a stop takes at most ~2 s,
+            # whatever REQUEST_TIMEOUT_SEC is.
+            cancel = self._clock.callLater(CRITICAL_STOP_GRACE, self._cancel_requests)
+            waiting: Deferred[Any] = DeferredList(pending, consumeErrors=True)
+            waiting.addTimeout(CRITICAL_STOP_GRACE + 1.0, self._clock)
+            waiting.addErrback(lambda _: None)
 
-        def stop_client(_: object) -> Deferred[None]:
-            return client.stopService()
+            def done(_: object) -> Deferred[None]:
+                if cancel.active():
+                    cancel.cancel()
+                self._cancel_requests()
+                return then()
 
-        return closed.addCallback(stop_client)
-    return client.stopService()
+            return waiting.addCallback(done)
+        return then()
+
+    def _cancel_requests(self) -> None:
+        for d in list(self._requests):
+            d.cancel()

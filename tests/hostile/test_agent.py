@@ -356,10 +356,10 @@ class ClockJumpTests(SynchronousTestCase):
         session.proto = Proto()  # type: ignore[assignment]
         clock.advance(3600)
         for _ in range(3):
-            session._rotation_tick()
+            session.rotation.tick()
             now[0] += ROTATION_INTERVAL + 600
             clock.advance(600)
-        session._rotation_tick()
+        session.rotation.tick()
         self.assertGreaterEqual(backend.rotations, 1)
 
 
