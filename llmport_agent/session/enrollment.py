@@ -32,6 +32,7 @@ class Enrollment:
     @param enrolled: called with the node id once a credential is stored.
     @param reconnect: called after a successful re-enrollment (connect now, not after the delay).
     @param fatal: called with (exit status, message) when an operator must act.
+    @param failed: called with what went wrong when an attempt failed for now (it is retried).
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class Enrollment:
         fatal: Callable[[int, str], None],
         enrolled: Callable[[str], None],
         reconnect: Callable[[], None],
+        failed: Callable[[str], None],
     ) -> None:
         self._config = config
         self._state = state
@@ -64,6 +66,7 @@ class Enrollment:
         self._fatal = fatal
         self._enrolled = enrolled
         self._reconnect = reconnect
+        self._failed = failed
         self.enrolling = False
         self._token_line_said = False
 
@@ -123,7 +126,7 @@ class Enrollment:
                     if gate.stopping:
                         return False  # cancelled by the stop: no retry delay after it
                     attempt += 1
-                    self._stats.last_error = f"enrollment failed: {e}"[:200]
+                    self._failed(f"enrollment failed: {e}")
                     delay = self._backoff.delay(attempt)
                     log.warn(
                         "Enrollment failed ({error}); retrying in {delay:.1f} s",

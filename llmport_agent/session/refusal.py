@@ -21,7 +21,7 @@ from llmport_agent.core.config import AgentConfig
 from llmport_agent.core.state import StateStore, token_fingerprint
 from llmport_agent.session.backend_http import BackendHTTP, Rejected, RouteMissing, Transient
 from llmport_agent.session.rotation import ROTATION_TIMEOUT
-from llmport_agent.session.shared import TOKEN_HELP, NoteRetry, SessionStats
+from llmport_agent.session.shared import TOKEN_HELP, NoteRetry
 from llmport_agent.session.stop import StopGate
 from llmport_agent.session.tls import describe_connection_error
 
@@ -33,6 +33,7 @@ REVOKED_RETRY_SECONDS = 300.0
 class Refusals:
     """
     @param note_retry: says what the failed attempt was, with the retry delay.
+    @param failed: called with what went wrong (diagnostics' last error).
     @param enrolling: whether an enrollment is running now.
     @param reenroll: enroll again with the given (never used) token.
     @param connected: whether the stream is open now.
@@ -49,9 +50,9 @@ class Refusals:
         backend: BackendHTTP,
         wallclock: Callable[[], float],
         gate: StopGate,
-        stats: SessionStats,
         log: Logger,
         note_retry: NoteRetry,
+        failed: Callable[[str], None],
         enrolling: Callable[[], bool],
         reenroll: Callable[[str], None],
         connected: Callable[[], bool],
@@ -61,7 +62,7 @@ class Refusals:
         self._backend = backend
         self._wallclock = wallclock
         self._gate = gate
-        self._stats = stats
+        self._failed = failed
         self._log = log
         self._note_retry = note_retry
         self._enrolling = enrolling
@@ -192,7 +193,7 @@ class Refusals:
                     return
                 self.deleted_detail = f"HTTP {e.status}: {e.detail}"[:200]
                 self.revoked = True
-                self._stats.last_error = "node deleted or credential revoked"
+                self._failed("node deleted or credential revoked")
                 self._log.error(
                     "The backend refused the stream (HTTP {status}) and does not know this node's "
                     "credential any more (whoami {detail}): the node was deleted in llm-port or its "

@@ -46,6 +46,7 @@ from llmport_agent.core.config import AgentConfig, mask_url
 from llmport_agent.core.state import StateStore, token_fingerprint
 from llmport_agent.session.backend_http import BackendHTTP
 from llmport_agent.session.enrollment import Enrollment
+from llmport_agent.session.lifecycle import Link
 from llmport_agent.session.polling import Polling
 from llmport_agent.session.protocol import (
     HARD_MAX_FRAME,
@@ -178,6 +179,8 @@ class SessionService(Service):
         self._tls_creator: Any = None
         #: What the failed attempt was, said with the retry delay (L{_say_retry}).
         self._retry_note: tuple[LogLevel | None, str, dict[str, Any]] | None = None
+        #: The connection lifecycle (stopped, connecting, connected, backing off).
+        self.link = Link()
         self._build_collaborators(capabilities, busy)
 
     def _build_collaborators(
@@ -190,11 +193,11 @@ class SessionService(Service):
             config=config, state=state, backend=self.backend, capabilities=capabilities,
             version=self.version, wallclock=self._wallclock, gate=gate, backoff=self.backoff,
             stats=self.stats, log=log, fatal=self._fatal, enrolled=self._enrolled,
-            reconnect=self._reconnect_now,
+            reconnect=self._reconnect_now, failed=self._attempt_failed,
         )
         self.refusals = Refusals(
             config=config, state=state, backend=self.backend, wallclock=self._wallclock, gate=gate,
-            stats=self.stats, log=log, note_retry=self._note_retry,
+            log=log, note_retry=self._note_retry, failed=self._attempt_failed,
             enrolling=lambda: self.enrollment.enrolling, reenroll=self.enrollment.reenroll,
             connected=lambda: self.proto is not None,
         )
@@ -209,6 +212,12 @@ class SessionService(Service):
         )
         #: Push or polling (protocol 10.1), as decided by the L{Polling} collaborator.
         self.dispatch = self.polling.dispatch
+
+    def _attempt_failed(self, error: str) -> None:
+        """An attempt (connect, upgrade, enrollment) failed: said in diagnostics, backing off."""
+        self.stats.last_error = error[:200]
+        if self.proto is None:
+            self.link.failed()
 
     def _enrolled(self, node_id: str) -> None:
         self.refusals.forget()
@@ -234,18 +243,19 @@ class SessionService(Service):
 
     @property
     def phase(self) -> str:
-        """connected, enrolling, refused (credential revoked), backing_off, connecting or stopped."""
-        if not self.running:
-            return "stopped"
-        if self.proto is not None:
-            return "connected"
+        """
+        connected, enrolling, refused (credential revoked), backing_off, connecting or stopped:
+        the lifecycle's state (L{Link}), with an enrollment running or a revoked credential
+        said instead of connecting or backing off.
+        """
+        word = self.link.phase()
+        if word in ("connected", "stopped"):
+            return word
         if self.enrollment.enrolling:
             return "enrolling"
         if self.refusals.revoked:
             return "refused"
-        if self.stats.closes or self.stats.last_error:
-            return "backing_off"
-        return "connecting"
+        return word
 
     def credential(self) -> str:
         return self.state.credential or ""
@@ -276,6 +286,7 @@ class SessionService(Service):
 
     def startService(self) -> None:
         super().startService()
+        self.link.start()
         self.gate.start()
         self.refusals.restore(self.stats.opens)
         self.polling.restore_mode(self.stats.opens)
@@ -389,7 +400,7 @@ class SessionService(Service):
             return
         reason = describe_connection_error(f, self.config.tls_client_cert) or f.getErrorMessage() or "connection failed"
         reason = reason.rstrip(" .") or "connection failed"  # the line goes on "; retrying in ..."
-        self.stats.last_error = f"could not connect: {reason}"[:200]
+        self._attempt_failed(f"could not connect: {reason}")
         self._note_retry(LogLevel.warn, "Could not connect to the backend at {endpoint}: {reason}",
                          endpoint=repr(self._endpoint), reason=reason)
 
@@ -436,6 +447,7 @@ class SessionService(Service):
             self.log.warn("A second connection opened; closing the older one")
             self.proto.sendClose(1000, "superseded")
         self.proto = proto
+        self.link.opened()
         self.stats.opens += 1
         self.stats.last_open_at = self._wallclock()
         self.stats.last_error = ""
@@ -517,12 +529,12 @@ class SessionService(Service):
             return
         if opened_for is None:
             self.stats.refused += 1
-            self.stats.last_error = (
+            self._attempt_failed(
                 f"stream refused (HTTP {http_status})" if http_status else f"could not connect: {reason or 'connection failed'}"
-            )[:200]
+            )
             self.refusals.refused(http_status, reason, getattr(proto, "lost_reason", None))
         else:
-            self.stats.last_error = f"stream closed (code {code}, {reason or 'no reason'})"[:200]
+            self._attempt_failed(f"stream closed (code {code}, {reason or 'no reason'})")
             self._note_retry(
                 LogLevel.info,
                 "Backend stream closed (code {code}, {reason}) after {seconds:.0f} s",
@@ -590,6 +602,7 @@ class SessionService(Service):
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
+        self.link.stop()
         return self.gate.stop(self._starting, self._stop_connection)
 
     def _stop_connection(self) -> Deferred[None]:
