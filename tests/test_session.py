@@ -513,6 +513,59 @@ class SessionServiceTests(SynchronousTestCase):
         self.assertTrue(svc.refusals.revoked)
         self.assertGreaterEqual(svc.retry_policy(1), 120)  # type: ignore[union-attr]
 
+    def test_phase_connect_fail_open_close_stop(self) -> None:
+        """connecting, backing_off after a failed connect, connected, backing_off, stopped."""
+        from twisted.internet.error import ConnectionRefusedError
+        from twisted.python.failure import Failure
+
+        svc = self.make(credential=CRED)
+        self.assertEqual(svc.phase, "stopped")
+        svc.startService()
+        self.assertEqual(svc.phase, "connecting")
+        self.reactor.tcpClients[-1][2].clientConnectionFailed(None, Failure(ConnectionRefusedError()))
+        self.assertEqual(svc.phase, "backing_off")
+        proto = FakeProto(self.reactor.seconds())
+        svc.connection_opened(proto)  # type: ignore[arg-type]
+        self.assertEqual(svc.phase, "connected")
+        svc.connection_closed(proto, False, 1006, "gone", None)  # type: ignore[arg-type]
+        self.assertEqual(svc.phase, "backing_off")
+        svc.stopService()
+        self.assertEqual(svc.phase, "stopped")
+
+    def test_phase_superseded_connection_closing_keeps_connected(self) -> None:
+        """An older connection closing while a newer one is open does not leave 'connected'."""
+        svc = self.make(credential=CRED)
+        svc.startService()
+        old, new = FakeProto(0.0), FakeProto(0.0)
+        svc.connection_opened(old)  # type: ignore[arg-type]
+        svc.connection_opened(new)  # type: ignore[arg-type]
+        svc.connection_closed(old, True, 1000, "superseded", None)  # type: ignore[arg-type]
+        self.assertEqual(svc.phase, "connected")
+
+    def test_phase_enrolling_then_backing_off_after_transient(self) -> None:
+        """'enrolling' through an enrollment's retries; after them the stream connect is a retry."""
+        svc = self.make(token="tok-123")
+        svc.startService()
+        self.assertEqual(svc.phase, "enrolling")
+        self.backend.enrolls[0].errback(Transient("HTTP 503"))
+        self.assertEqual(svc.phase, "enrolling")
+        self.assertEqual(svc.stats.last_error, "enrollment failed: HTTP 503")
+        self.reactor.advance(60)
+        self.backend.enrolls[1].callback(Enrollment("n1", CRED, "10.1.2.3"))
+        # A failed attempt happened since the start: the stream connect is a retry.
+        self.assertEqual(svc.phase, "backing_off")
+
+    def test_phase_revoked_says_refused(self) -> None:
+        """Repeated refusals over time: 'refused' (not backing off), until the stream opens."""
+        svc = self.make(credential=CRED)
+        svc.startService()
+        self.refuse(svc, 5, 60)
+        self.assertTrue(svc.refusals.revoked)
+        self.assertEqual(svc.phase, "refused")
+        svc.connection_opened(FakeProto(self.reactor.seconds()))  # type: ignore[arg-type]
+        self.assertFalse(svc.refusals.revoked)
+        self.assertEqual(svc.phase, "connected")
+
     def test_quick_refusals_not_revoked(self) -> None:
         """Several 403s within seconds (a proxy blip) do not count as revocation."""
         svc = self.make(credential=CRED)

@@ -1,6 +1,7 @@
 """
-The session's collaborators on their own: the connection lifecycle machine, the phase the
-session reports from it, the stop gate, and the one-way dependencies between session modules.
+The session's collaborators on their own: the connection lifecycle machine, the stop gate, and
+the one-way dependencies between session modules (the phase the session reports from its
+lifecycle is tested in test_session's SessionServiceTests).
 """
 
 from __future__ import annotations
@@ -10,18 +11,12 @@ import os
 from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.task import Clock
-from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmport_agent.session import lifecycle
-from llmport_agent.session.backend_http import Enrollment as Enrolled
-from llmport_agent.session.backend_http import Transient
 from llmport_agent.session.lifecycle import PHASES, Link
 from llmport_agent.session.stop import CRITICAL_STOP_GRACE, StopGate
-from tests import test_session
-from tests.test_session import CRED, FakeProto
 
 
 class LinkTests(SynchronousTestCase):
@@ -54,63 +49,6 @@ class LinkTests(SynchronousTestCase):
         from llmport_agent.ops.metrics import SESSION_STATES
 
         self.assertEqual(set(PHASES), set(SESSION_STATES))
-
-
-class PhaseTests(SynchronousTestCase):
-    """SessionService.phase through a session's life, from its lifecycle and collaborators."""
-
-    make = test_session.SessionServiceTests.make
-    refuse = test_session.SessionServiceTests.refuse
-
-    def test_connect_fail_open_close_stop(self) -> None:
-        """connecting, backing_off after a failed connect, connected, backing_off, stopped."""
-        svc = self.make(credential=CRED)
-        self.assertEqual(svc.phase, "stopped")
-        svc.startService()
-        self.assertEqual(svc.phase, "connecting")
-        self.reactor.tcpClients[-1][2].clientConnectionFailed(None, Failure(ConnectionRefusedError()))
-        self.assertEqual(svc.phase, "backing_off")
-        proto = FakeProto(self.reactor.seconds())
-        svc.connection_opened(proto)  # type: ignore[arg-type]
-        self.assertEqual(svc.phase, "connected")
-        svc.connection_closed(proto, False, 1006, "gone", None)  # type: ignore[arg-type]
-        self.assertEqual(svc.phase, "backing_off")
-        svc.stopService()
-        self.assertEqual(svc.phase, "stopped")
-
-    def test_superseded_connection_closing_keeps_connected(self) -> None:
-        """An older connection closing while a newer one is open does not leave 'connected'."""
-        svc = self.make(credential=CRED)
-        svc.startService()
-        old, new = FakeProto(0.0), FakeProto(0.0)
-        svc.connection_opened(old)  # type: ignore[arg-type]
-        svc.connection_opened(new)  # type: ignore[arg-type]
-        svc.connection_closed(old, True, 1000, "superseded", None)  # type: ignore[arg-type]
-        self.assertEqual(svc.phase, "connected")
-
-    def test_enrolling_then_backing_off_after_transient(self) -> None:
-        """An enrollment says 'enrolling' through its retries; then connecting to the stream."""
-        svc = self.make(token="tok-123")
-        svc.startService()
-        self.assertEqual(svc.phase, "enrolling")
-        self.backend.enrolls[0].errback(Transient("HTTP 503"))
-        self.assertEqual(svc.phase, "enrolling")
-        self.assertEqual(svc.stats.last_error, "enrollment failed: HTTP 503")
-        self.reactor.advance(60)
-        self.backend.enrolls[1].callback(Enrolled("n1", CRED, "10.1.2.3"))
-        # A failed attempt happened since the start: the stream connect is a retry.
-        self.assertEqual(svc.phase, "backing_off")
-
-    def test_revoked_says_refused(self) -> None:
-        """Repeated refusals over time: 'refused' (not backing off), until the stream opens."""
-        svc = self.make(credential=CRED)
-        svc.startService()
-        self.refuse(svc, 5, 60)
-        self.assertTrue(svc.refusals.revoked)
-        self.assertEqual(svc.phase, "refused")
-        svc.connection_opened(FakeProto(self.reactor.seconds()))  # type: ignore[arg-type]
-        self.assertFalse(svc.refusals.revoked)
-        self.assertEqual(svc.phase, "connected")
 
 
 class StopGateTests(SynchronousTestCase):
