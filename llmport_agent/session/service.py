@@ -17,9 +17,10 @@ L{SessionService.subscribe} and receive plain dicts; they send with L{SessionSer
 This module holds the connection (ClientService, the endpoint, the connection events, sending)
 and composes the collaborators, each a class that owns its state and is told what happens
 through its methods: L{Enrollment}, L{Refusals} (refused upgrades, whoami, revoked), L{Polling}
-(polls and the dispatch mode), L{Rotation}, L{StopGate} (what a stop waits for or cancels).
-They get what they need from the session as callbacks at construction and never import this
-module; the values they share live in L{llmport_agent.session.shared}.
+(polls and the dispatch mode), L{Rotation}, L{StopGate} (what a stop waits for or cancels),
+and L{Link}, the connection lifecycle as an Automat machine (the C{phase} reported). They get
+what they need from the session as callbacks at construction and never import this module;
+the values they share live in L{llmport_agent.session.shared}.
 """
 
 from __future__ import annotations
