@@ -403,13 +403,14 @@ class RayHandlerTests(TestCase):
         probe = {"runtime_bundle": self.bundle(), "include_metrics": True}
         _c, r = await self.do("get_ray_status", probe)
         self.assertEqual((r["alive"], r["version"], r["num_nodes"], r["nodes"]), (False, None, 0, []))
-        self.assertIn("not running", r["detail"])
+        self.assertIn("does not exist", r["detail"])
         await self.do("start_ray_head", self.head())
         assert self.engine.container is not None
         self.engine.container.update(running=False, status="exited")
         before = len(self.engine.execs)
         _c, r = await self.do("get_ray_status", probe)
         self.assertEqual((r["alive"], r["nodes"], r["container"]), (False, [], "llm-port-ray-runtime"))
+        self.assertIn("is exited", r["detail"])
         self.assertEqual(self.engine.execs[before:], [])
 
     async def test_get_ray_status_through_helper(self) -> None:

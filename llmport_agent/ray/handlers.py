@@ -664,30 +664,33 @@ class RayManager:
 
     async def status_container(self, bundle: RuntimeBundle | None) -> tuple[dict[str, Any] | None, str]:
         """
-        The runtime container a status probe reads (C{None} when this agent's is absent or
-        stopped: no Ray runs here), and its name. A container of that name that is not this
+        The runtime container a status probe reads, or C{None} and why not (this agent's is
+        absent or stopped: no Ray runs here). A container of that name that is not this
         agent's is never read, and with a bundle it is an error (its state cannot be told).
         """
         name = bundle.name if bundle is not None else DEFAULT_CONTAINER_NAME
         snap = await self.find_container(name)
-        if snap is not None and not rc.is_ours(snap, self.settings.agent_id):
+        if snap is None:
+            return None, f"the Ray runtime container {name} does not exist on this node"
+        if not rc.is_ours(snap, self.settings.agent_id):
             if bundle is not None:
                 await self.running_container(bundle)  # raises: "is not this agent's"
-            return None, name
-        return (snap if snap is not None and snap["running"] else None), name
+            return None, f"the container {name} on this node is not this agent's Ray runtime"
+        if not snap["running"]:
+            return None, f"the Ray runtime container {name} is {snap['status'] or 'stopped'}, so Ray is not running"
+        return snap, name
 
     async def get_ray_status(self, ctx: CommandContext) -> dict[str, Any]:
         payload = _payload(ctx)
         bundle = self.bundle(payload)
-        snap, name = await self.status_container(bundle)
+        snap, why = await self.status_container(bundle)
         if snap is None:
             # A fact, not a fallback: no Ray runs on this node. The backend's health check
             # reads a failed probe as "not observed" and restarts nothing, so a head whose
             # runtime container is gone or stopped (a reboot: it never restarts on its own)
             # must answer alive: false to be re-formed.
-            return helpercli.dead_cluster(
-                detail=f"the Ray runtime container {name} is not running on this node",
-                runtime="container", container=name)
+            return helpercli.dead_cluster(detail=why, runtime="container",
+                                          container=bundle.name if bundle is not None else DEFAULT_CONTAINER_NAME)
         await self._token_best_effort(payload)
         _, doc = await self._helper(snap["name"], ["cluster-status"])
         expected = payload.get("expected_version")
