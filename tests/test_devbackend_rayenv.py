@@ -392,19 +392,57 @@ class StartTests(DriverTestCase):
         self.assertEqual(self.env.status, FAILED)
         self.assertIn("not installed", self.env.reason or "")
 
-    def test_member_missing_after_90_s_is_degraded_not_converged(self) -> None:
+    def test_member_missing_after_the_start_is_degraded_not_converged(self) -> None:
+        """
+        As the backend's _verify_cluster: ONE probe after the joins (not a poll until every
+        member shows), read by counting live records; short is DEGRADED, not converged, and
+        the next pass runs the start sequence again.
+        """
         self.fleet.images = {self.h, self.w}
         self.fleet.refuse_join = True
         self.env.start()
         self.clock.advance(0)
-        self.pump(89)
-        self.assertEqual(self.env.status, "pending")
-        self.pump(2)
         self.assertEqual(self.env.status, DEGRADED)
         self.assertIn("worker did not show up", self.env.reason or "")
         self.assertIsNone(self.env.converged_generation)
-        # Polled every second.
-        self.assertGreaterEqual(self.env.probes, 90)
+        self.assertEqual(self.env.probes, 1)
+        self.pump(30)
+        self.assertEqual(self.env.probes, 1)  # nothing polled meanwhile
+        self.fleet.refuse_join = False
+        self.pump(30)
+        self.assertEqual(self.env.status, READY, self.env.reason)
+        self.assertEqual(len(self.issued("start_ray_head")), 2)
+        self.assertEqual(self.env.probes, 2)
+
+    def test_convergence_counts_live_records_as_the_backend_does(self) -> None:
+        """
+        map_cluster_to_environment_status: live records (dead ones ignored) counted against the
+        members, whatever address they carry (the health check is what matches by name); no
+        live record is PREPARING; an unanswered probe FAILED.
+        """
+        self.fleet.images = {self.h, self.w}
+        ghost = {"node_id": "x", "node_ip": "10.9.9.9", "alive": False, "state": "DEAD"}
+        two = [{"node_id": "a", "node_ip": "10.8.8.1", "state": "ALIVE"}, {"node_id": "b", "node_ip": "10.8.8.2"}]
+        for nodes, num, want in (([*two, ghost], 3, READY), ([two[0], ghost], 2, DEGRADED), ([ghost], 1, PREPARING),
+                                 ([], 2, READY), ([], 0, PREPARING)):
+            self.assertEqual(self.env._status_of({"alive": True, "nodes": nodes, "num_nodes": num}), want, nodes)
+        self.assertEqual(self.env._status_of(None), FAILED)
+        self.assertEqual(self.env._status_of({"alive": False, "nodes": two}), FAILED)
+
+    def test_start_and_join_payloads_as_the_backend_sends_them(self) -> None:
+        """No env key when there is no env (the backend omits it); with one, on both."""
+        self.fleet.images = {self.h, self.w}
+        self.up()
+        self.assertNotIn("env", self.issued("start_ray_head")[0]["payload"])
+        self.assertNotIn("env", self.issued("join_ray_cluster")[0]["payload"])
+        env = self.make_env([self.w])
+        env.env = {"NCCL_SOCKET_IFNAME": "ib0"}
+        env.generation = 2
+        self.addCleanup(env.stop)
+        env.start()
+        self.clock.advance(0)
+        self.assertEqual(self.issued("start_ray_head")[-1]["payload"]["env"], {"NCCL_SOCKET_IFNAME": "ib0"})
+        self.assertEqual(self.issued("join_ray_cluster")[-1]["payload"]["env"], {"NCCL_SOCKET_IFNAME": "ib0"})
 
 
 class HealthCheckTests(DriverTestCase):

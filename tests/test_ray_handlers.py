@@ -392,8 +392,26 @@ class RayHandlerTests(TestCase):
     async def test_get_ray_status_without_ray(self) -> None:
         _c, r = await self.do("get_ray_status", {})
         self.assertEqual((r["alive"], r["version"], r["num_nodes"], r["nodes"]), (False, None, 0, []))
-        err = await self.fails("get_ray_status", {"runtime_bundle": self.bundle()})
-        self.assertIn("does not exist", err.error_message)
+
+    async def test_health_check_of_a_head_whose_container_is_gone_or_stopped(self) -> None:
+        """
+        The backend's health check (get_ray_status {runtime_bundle, include_metrics}) reads a
+        FAILED probe as "not observed" and restarts nothing: a head whose runtime container is
+        gone, or stopped (after a reboot: it never restarts on its own), must answer
+        alive: false (the backend then re-forms the cluster), never fail, and never exec.
+        """
+        probe = {"runtime_bundle": self.bundle(), "include_metrics": True}
+        _c, r = await self.do("get_ray_status", probe)
+        self.assertEqual((r["alive"], r["version"], r["num_nodes"], r["nodes"]), (False, None, 0, []))
+        self.assertIn("does not exist", r["detail"])
+        await self.do("start_ray_head", self.head())
+        assert self.engine.container is not None
+        self.engine.container.update(running=False, status="exited")
+        before = len(self.engine.execs)
+        _c, r = await self.do("get_ray_status", probe)
+        self.assertEqual((r["alive"], r["nodes"], r["container"]), (False, [], "llm-port-ray-runtime"))
+        self.assertIn("is exited", r["detail"])
+        self.assertEqual(self.engine.execs[before:], [])
 
     async def test_get_ray_status_through_helper(self) -> None:
         await self.do("start_ray_head", self.head())
@@ -421,6 +439,11 @@ class RayHandlerTests(TestCase):
         self.assertEqual(r["nodes"], [head, worker])
         self.assertTrue(r["serve"]["active"])
         self.assertEqual([t["url"] for t in r["metrics"]["targets"]], ["http://10.0.0.1:8089/metrics"])
+        # Which tiers answered, as the original agent reports them (the backend parses capabilities).
+        self.assertEqual(r["capabilities"], {"serve": True, "metrics": True})
+        _c, r = await self.do("get_ray_status", {"runtime_bundle": self.bundle(), "include_serve": False,
+                                                 "include_state": True})
+        self.assertEqual(r["capabilities"], {"state": False})
 
     async def test_recovery_leave_then_join_gets_a_fresh_container(self) -> None:
         """
@@ -819,7 +842,8 @@ class RayHandlerTests(TestCase):
             (app,) = r["apps"]
             self.assertIsNone(app["llm_configs"])
             self.assertEqual(app["deployments"][0]["name"], "d")
-            self.assertEqual(app["verify"], {"equal": None, "diff": None, "explanation": VERIFY_UNAVAILABLE})
+            self.assertEqual(app["verify"], {"equal": None, "diff": None, "explanation": VERIFY_UNAVAILABLE,
+                                         "error": VERIFY_UNAVAILABLE})
 
     async def test_describe_clears_the_token_from_what_the_container_printed(self) -> None:
         """The container can read the token file; what it prints reaches the result without it."""
@@ -864,6 +888,26 @@ class RayHandlerTests(TestCase):
         self.assertEqual(r["apps"], [])
         self.assertIn("Could not find any running Ray instance", r["errors"][0])
         self.assertIn(f"no application named {APP}", r["errors"][1])
+        # The backend's takeover reads error (one line), not errors, for a machine it cannot use.
+        self.assertIn("Could not find any running Ray instance", r["error"])
+
+    async def test_describe_answers_the_fields_the_backends_takeover_reads(self) -> None:
+        """
+        The takeover (services/inference/takeover.py) shows doc["error"] for a machine whose
+        cluster is not attached, and verify["error"] for an app that is not equal: a reason
+        only in errors or explanation reached the operator as "did not answer"/"no answer".
+        """
+        _c, r = await self.do("describe_ray_cluster", {})
+        self.assertEqual((r["running"], r["attached"]), (False, False))
+        self.assertIn("No Ray runtime container", r["error"])
+        await self.do("start_ray_head", self.head())
+        self.engine.describe_doc = self.described(self.described_app(errors=["deployment LLMServer:qwen: gone"]))
+        _c, r = await self.do("describe_ray_cluster", {"verify": {APP: {"llm_configs": [CANDIDATE]}}})
+        verdict = r["apps"][0]["verify"]
+        self.assertIsNone(verdict["equal"])
+        self.assertEqual(verdict["error"], verdict["explanation"])
+        self.assertIn("gone", verdict["error"])
+        self.assertNotIn("error", r)  # attached: nothing to explain
 
     async def test_describe_hand_over(self) -> None:
         await self.do("start_ray_head", self.head())

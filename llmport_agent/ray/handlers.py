@@ -662,25 +662,54 @@ class RayManager:
             except CommandFailed as exc:
                 self.log.warn("Could not refresh the Ray cluster token: {why}", why=exc.error_message)
 
+    async def status_container(self, bundle: RuntimeBundle | None) -> tuple[dict[str, Any] | None, str]:
+        """
+        The runtime container a status probe reads, or C{None} and why not (this agent's is
+        absent or stopped: no Ray runs here). A container of that name that is not this
+        agent's is never read, and with a bundle it is an error (its state cannot be told).
+        """
+        name = bundle.name if bundle is not None else DEFAULT_CONTAINER_NAME
+        snap = await self.find_container(name)
+        if snap is None:
+            return None, f"the Ray runtime container {name} does not exist on this node"
+        if not rc.is_ours(snap, self.settings.agent_id):
+            if bundle is not None:
+                await self.running_container(bundle)  # raises: "is not this agent's"
+            return None, f"the container {name} on this node is not this agent's Ray runtime"
+        if not snap["running"]:
+            return None, f"the Ray runtime container {name} is {snap['status'] or 'stopped'}, so Ray is not running"
+        return snap, name
+
     async def get_ray_status(self, ctx: CommandContext) -> dict[str, Any]:
         payload = _payload(ctx)
         bundle = self.bundle(payload)
-        snap = await self.running_container(bundle)
+        snap, why = await self.status_container(bundle)
         if snap is None:
-            return helpercli.dead_cluster(detail="no Ray runtime container runs on this node")
+            # A fact, not a fallback: no Ray runs on this node. The backend's health check
+            # reads a failed probe as "not observed" and restarts nothing, so a head whose
+            # runtime container is gone or stopped (a reboot: it never restarts on its own)
+            # must answer alive: false to be re-formed.
+            return helpercli.dead_cluster(detail=why, runtime="container",
+                                          container=bundle.name if bundle is not None else DEFAULT_CONTAINER_NAME)
         await self._token_best_effort(payload)
         _, doc = await self._helper(snap["name"], ["cluster-status"])
         expected = payload.get("expected_version")
         # Ray's node records, passed through bounded: copied on the pool, not the reactor.
         status = await self._pool.run(helpercli.cluster_status, doc, str(expected)[:64] if expected else None)
+        # Which tiers answered (the backend parses it into its cluster status, as the original's).
+        capabilities: dict[str, bool] = {}
         if _bool(payload, "include_serve", True) and status["alive"]:
             _, serve_doc = await self._helper(snap["name"], ["serve-status"])
             status["serve"] = helpercli.serve_status(serve_doc, None)
+            capabilities["serve"] = bool(status["serve"]["available"])
         if _bool(payload, "include_metrics", False) and status["alive"]:
             found = await self.exec(snap["name"], ["cat", helpercli.METRICS_DISCOVERY_FILE])
             status["metrics"] = helpercli.metrics_targets(found.out if found.exit_code == 0 else "")
+            capabilities["metrics"] = bool(status["metrics"]["enabled"])
         if _bool(payload, "include_state", False):
             status["state"] = {"available": False, "detail": "the state API is not offered by the runtime helper"}
+            capabilities["state"] = False
+        status["capabilities"] = capabilities
         status["runtime"] = "container"
         status["container"] = snap["name"]
         return status
@@ -766,7 +795,9 @@ class RayManager:
         wanted = describe.candidates(raw_verify)
         snap = await self.find_container(DEFAULT_CONTAINER_NAME)
         if snap is None or not rc.is_ours(snap, self.settings.agent_id) or not snap["running"]:
-            return {"running": False, "container": rc.facts(snap) if snap is not None else None}
+            # The backend's takeover shows C{error} for a machine that could not describe its cluster.
+            return {"running": False, "container": rc.facts(snap) if snap is not None else None, "attached": False,
+                    "error": f"No Ray runtime container of this agent runs on this node ({DEFAULT_CONTAINER_NAME})."}
         # Read first: the log scrubber then knows a token written before a restart, and what the
         # container prints (it can read the token file) is cleared of it below.
         token = await self.tokens.read()
@@ -785,6 +816,10 @@ class RayManager:
                 entry["verify"] = await self._verify(entry["name"], apps.get(entry["name"]), wanted[entry["name"]])
         for name in sorted(set(wanted) - listed)[:MAX_VERIFY_ERRORS]:
             errors.append(f"verify: no application named {name} runs on this cluster")
+        if not result["attached"]:
+            # What the backend's takeover shows (it reads C{error}, not C{errors}).
+            result["error"] = ("Ray in the runtime container could not be reached: "
+                               f"{'; '.join(errors)[:600] or 'no reason was given'}")
         result = await self._pool.run(describe.without_secrets, result, [*self.tokens.secrets(), token or ""])
         if _bool(payload, "hand_over_token", False) and result["attached"]:
             if token:
@@ -889,7 +924,8 @@ class RayManager:
     async def _verify(self, name: str, app: describe.App | None, candidate: Any) -> dict[str, Any]:
         """One C{verify} answer: compared here, or C{equal: null} with the reason."""
         def unknown(why: str) -> dict[str, Any]:
-            return {"equal": None, "diff": None, "explanation": why}
+            # C{error} is what the backend's takeover shows for an answer that is not C{equal}.
+            return {"equal": None, "diff": None, "explanation": why, "error": why}
 
         if isinstance(candidate, str):
             return unknown(f"not compared: {candidate}")
@@ -901,7 +937,10 @@ class RayManager:
         if app.errors:
             return unknown(f"not compared: the running configuration could not be read completely ({app.errors[0]})")
         comparison = await self._pool.run(configdiff.compare, list(app.llm_configs), candidate, app.defaults)
-        return comparison.as_result()
+        answer = comparison.as_result()
+        if comparison.equal is None and comparison.explanation:
+            answer["error"] = comparison.explanation
+        return answer
 
 
 def ray_handler_specs(manager: RayManager) -> dict[str, HandlerSpec]:
