@@ -92,6 +92,8 @@ class _BoundedChannel(HTTPChannel):
     _gone = False
     _waiting_since = 0.0
     _blocked_since = 0.0
+    #: The kernel send buffer given to each connection (None: the kernel's own, autotuned).
+    send_buffer: int | None = SEND_BUFFER_BYTES
 
     def connectionMade(self) -> None:  # noqa: N802
         self._inbox = bytearray()  # request bytes not yet given to the parser
@@ -100,9 +102,9 @@ class _BoundedChannel(HTTPChannel):
         if hasattr(self.transport, "bufferSize"):
             self.transport.bufferSize = READ_BYTES
         handle = getattr(self.transport, "getHandle", None)
-        if handle is not None:
+        if handle is not None and self.send_buffer is not None:
             try:  # a client that does not read fills a small kernel buffer: less work for it
-                handle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+                handle().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
             except (OSError, AttributeError):
                 pass
         super().connectionMade()

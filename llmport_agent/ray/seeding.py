@@ -610,6 +610,12 @@ _Channel: Any = BoundedSite.protocol
 
 
 class _SeedChannel(_Channel):  # type: ignore[misc]
+    #: The kernel's own send buffer (autotuned), not the ops endpoint's 32 KiB: a bulk transfer
+    #: through a buffer that small waits for a delayed ACK (40 ms) at every window, about
+    #: 1.6 MB/s whatever the link (a 642 MB image took 400 s on loopback). Before the token, a
+    #: client is only ever answered a few bytes (401, 503), so the small buffer bounds nothing.
+    send_buffer = None
+
     def connectionLost(self, reason: Any = None) -> None:  # noqa: N802
         site = self.site
         super().connectionLost(reason)
