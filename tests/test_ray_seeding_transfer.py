@@ -26,9 +26,9 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.resource import Resource
 
-from llmport_agent import opshttp
+from llmport_agent.core.threads import PoolService
+from llmport_agent.ops import bounded as opshttp
 from llmport_agent.ray import seeding
-from llmport_agent.threads import PoolService
 from llmport_agent.workloads.engine import StreamControl
 
 TOKEN = b"seed-token-0123456789"
