@@ -6,7 +6,8 @@ the response left to the caller (the image load fed from the network, a pull who
 can be cancelled, a log follow whose body is read in blocks): its own public methods build
 on these private helpers. They stay here, each behind a function with a public name, so
 the rest of the agent calls this module and a docker-py upgrade that renames one breaks one
-file. C{tests/archcheck.py} lists this module as the allowlisted adapter for docker-py and
+file. The same holds for the socket inside the C{SocketIO} that an exec with C{socket=True}
+returns. C{tests/archcheck.py} lists this module as the allowlisted adapter for docker-py and
 reports its reaches apart from the package's count.
 """
 
@@ -45,6 +46,14 @@ def disable_socket_timeout(api: Any, response: Any) -> None:
     api._disable_socket_timeout(api._get_raw_response_socket(response))
 
 
+def underlying_socket(sock: Any) -> Any:
+    """
+    The socket beneath what an exec or attach with C{socket=True} returns (on a unix engine a
+    C{SocketIO} around it), or C{sock} itself where there is none beneath.
+    """
+    return getattr(sock, "_sock", sock)
+
+
 def custom_adapter(api: Any) -> Any:
     """The transport adapter of a client on a non-HTTP socket (unix, ssh), or C{None}."""
     return getattr(api, "_custom_adapter", None)
@@ -57,5 +66,6 @@ __all__ = [
     "json_messages",
     "post",
     "raise_for_status",
+    "underlying_socket",
     "url",
 ]
