@@ -25,6 +25,8 @@ Private reaches
     C{x} is not the object's own C{self}, C{cls} or C{super()}. So C{other._state},
     C{self._peer._state}, C{module._helper} and C{ctypes._Pointer} all count; C{self._x}
     does not. (C{getattr(x, "_name")} is not parsed as an attribute and is not counted.)
+    The few documented public APIs whose names begin with an underscore
+    (C{PUBLIC_UNDERSCORE}: C{os._exit}) are listed apart and not counted.
     The tests (C{tests/}) are not scanned. The modules of C{ADAPTERS} are the one place
     each for a third-party library's private names where it has no public API: their
     reaches are listed apart, under the library's name, and not counted.
@@ -52,6 +54,9 @@ ADAPTERS = {
     f"{PACKAGE}/workloads/dockerapi.py": "docker-py",
     f"{PACKAGE}/core/twistedapi.py": "Twisted",
 }
+#: Public, documented APIs whose names begin with an underscore (the expression exactly):
+#: listed apart, not counted. C{os._exit} is the standard library's documented immediate exit.
+PUBLIC_UNDERSCORE = {"os._exit": "the standard library's documented immediate exit"}
 _OWN = ("self", "cls")
 
 
@@ -180,12 +185,19 @@ class Report:
         graph: dict[str, set[str]] = {}
         #: module -> its reaches (counted ones only)
         self.reaches: dict[str, list[tuple[int, str]]] = {}
+        #: (module, line, expression) of the uses of C{PUBLIC_UNDERSCORE}
+        self.public: list[tuple[str, int, str]] = []
         #: adapter module -> (library, its reaches)
         self.adapters: dict[str, tuple[str, list[tuple[int, str]]]] = {}
         for name, path in modules.items():
             tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
             graph[name] = imports_of(name, tree, path.name == "__init__.py", modules)
-            hits = private_reaches(tree)
+            hits = []
+            for line, text in private_reaches(tree):
+                if text in PUBLIC_UNDERSCORE:
+                    self.public.append((name, line, text))
+                else:
+                    hits.append((line, text))
             rel = path.relative_to(root).as_posix()
             if rel in ADAPTERS:
                 self.adapters[name] = (ADAPTERS[rel], hits)
@@ -238,6 +250,9 @@ class Report:
             out.append(f"  {name} ({library}): {len(hits)}")
             if verbose:
                 out += [f"      {line}: {text}" for line, text in hits]
+        out.append(f"documented public underscore names: {len(self.public)} uses, not counted")
+        if verbose:
+            out += [f"  {name}:{line}: {text}" for name, line, text in sorted(self.public)]
         out.append(
             f"top-level entries: {counts['top-level entries']} "
             f"(limit {LIMITS['top-level entries']})"

@@ -82,7 +82,7 @@ class CountingTests(SynchronousTestCase):
         self.assertIn(
             ["llmport_agent.core.planted_a", "llmport_agent.core.planted_b"], after.loops
         )
-        self.assertIn("import loops: 1 > 0", " ".join(after.over()))
+        self.assertIn(f"import loops: {len(after.loops)} > 0", " ".join(after.over()))
 
     def test_a_function_level_relative_import_loop_is_counted(self) -> None:
         """An import inside a function, written relative, closes a loop too."""
@@ -108,11 +108,15 @@ class CountingTests(SynchronousTestCase):
         self.assertEqual(len(after.stand_in_loops), len(self.before.stand_in_loops) + 1)
 
     def test_a_planted_reach_is_counted(self) -> None:
-        """C{other._name} counts once; C{self._name}, C{cls._name}, dunders do not."""
+        """
+        C{other._name} counts once; C{self._name}, C{cls._name}, C{super()._name}, dunders
+        and the documented C{os._exit} do not (that one is listed apart).
+        """
         _append(
             self.pkg / "core" / "backoff.py",
-            "\n\ndef _planted(other, self, cls):\n"
+            "\n\ndef _planted(other, self, cls, os):\n"
             "    other._secret = 1\n"
+            "    os._exit\n"
             "    return self._x, cls._y, other.__class__, super()._z\n",
         )
         after = archcheck.Report(self.root)
@@ -120,6 +124,7 @@ class CountingTests(SynchronousTestCase):
             after.counts()["private reaches"], self.before.counts()["private reaches"] + 1
         )
         self.assertIn("other._secret", str(after.reaches["llmport_agent.core.backoff"]))
+        self.assertIn("llmport_agent.core.backoff", [m for m, _line, _t in after.public])
 
     def test_reaches_in_an_allowlisted_adapter_are_listed_apart(self) -> None:
         """The docker-py adapter's reaches are reported under its library, not counted."""
