@@ -1068,7 +1068,7 @@ class _LoopbackSync:
         self.assertValidCache(manifest, files)
         reqs = self.repo.blob_requests(big)
         if self.ranged:
-            self.assertIs(syncer._bounded_ranges, False)  # no ranged requests to it again
+            self.assertIs(syncer.bounded_ranges, False)  # no ranged requests to it again
             self.assertIn(f"bytes=0-{self.segment - 1}", [r.range_header for r in reqs])
             self.assertTrue(all(r.status == 200 for r in reqs))
             self.assertGreaterEqual(result["range_ignored"], 1)

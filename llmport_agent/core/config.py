@@ -13,7 +13,7 @@ import re
 import socket
 from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from attrs import field, fields, frozen
 
@@ -115,7 +115,7 @@ def mask_url(url: str) -> str:
     userinfo, _, host = parts.netloc.rpartition("@")
     user, colon, _password = userinfo.partition(":")
     shown = f"{user}:***" if colon else "***"
-    return parts._replace(netloc=f"{shown}@{host}").geturl()
+    return urlunsplit((parts.scheme, f"{shown}@{host}", parts.path, parts.query, parts.fragment))
 
 
 def strip_userinfo(url: str) -> str:
@@ -123,7 +123,8 @@ def strip_userinfo(url: str) -> str:
     parts = urlsplit(url)
     if "@" not in parts.netloc:
         return url
-    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
 
 
 def _http_url(var: str, raw: str) -> str:

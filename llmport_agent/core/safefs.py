@@ -22,6 +22,7 @@ import secrets
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -446,6 +447,16 @@ def _remove_pass(dir_fd: int, name: str, top: int, label: str, hoisted: int) -> 
     return -1
 
 
-def _closing_iter(it: os._ScandirIterator[str]) -> Iterator[os.DirEntry[str]]:
+class _Listing(Protocol):
+    """What C{os.scandir} returns: an iterator of entries that is its own context manager."""
+
+    def __iter__(self) -> Iterator[os.DirEntry[str]]: ...
+
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, *exc: object) -> object: ...
+
+
+def _closing_iter(it: _Listing) -> Iterator[os.DirEntry[str]]:
     with it:
         yield from it

@@ -621,10 +621,11 @@ class BackendState:
         node.status = status
 
     def set_profile(self, node_id: str, profile: Mapping[str, Any] | None) -> None:
-        node = self._node(node_id)
+        node = self.require_node(node_id)
         node.profile = copy.deepcopy(dict(profile)) if profile is not None else None
 
-    def _node(self, node_id: str) -> NodeRecord:
+    def require_node(self, node_id: str) -> NodeRecord:
+        """The record of C{node_id}; C{KeyError} for an unknown node."""
         node = self.nodes.get(node_id)
         if node is None:
             raise KeyError(f"unknown node {node_id!r}")
@@ -650,7 +651,7 @@ class BackendState:
         current generation renames the key of a terminal one to C{<key>::retired::<id>}
         and wakes the node's stream (push).
         """
-        self._node(node_id)
+        self.require_node(node_id)
         if idempotency_key is not None:
             for existing in self.commands.values():
                 if existing.node_id != node_id or existing.idempotency_key != idempotency_key:

@@ -706,7 +706,7 @@ class DevBackend:
         Create a runtime on C{node_id} and issue its C{deploy_workload}, with the payload the
         real backend builds (see L{runtimes}). Returns the command.
         """
-        self.state._node(node_id)
+        self.state.require_node(node_id)
         prov = provider if isinstance(provider, Provider) else Provider.from_dict(dict(provider))
         runtime = Runtime(
             id=runtime_id or str(uuid.uuid4()),

@@ -156,7 +156,12 @@ class ModelRepository:
         self._models: dict[str, _Model] = {}
         self._held: list[tuple[str, _BlobProducer]] = []
 
-    def _response_finished(self, served: ServedRequest) -> None:
+    def hold(self, blob_hash: str, producer: _BlobProducer) -> None:
+        """Keep C{producer} paused until another response of C{blob_hash} has finished."""
+        self._held.append((blob_hash, producer))
+
+    def response_finished(self, served: ServedRequest) -> None:
+        """Record a completely sent response and release what waited for its blob."""
         self.finished.append(served)
         still: list[tuple[str, _BlobProducer]] = []
         for blob_hash, producer in self._held:
@@ -464,7 +469,7 @@ class _ModelFilesResource(Resource):
         request.setHeader(b"accept-ranges", b"bytes")
         request.setHeader(b"content-length", str(length).encode())
         if length == 0:
-            self._repo._response_finished(entry)
+            self._repo.response_finished(entry)
             return b""
         cut = faults.cut_after_bytes
         if cut is not None and faults.cut_range_start in (None, start):
@@ -484,13 +489,13 @@ class _ModelFilesResource(Resource):
             length,
             cut,
             faults.corrupt_blob == blob_hash,
-            on_finish=lambda: self._repo._response_finished(entry),
+            on_finish=lambda: self._repo.response_finished(entry),
             held=held,
             rate_limit=faults.rate_limit,
             clock=self._repo.clock,
         )
         if held:
-            self._repo._held.append((blob_hash, producer))
+            self._repo.hold(blob_hash, producer)
         request.notifyFinish().addErrback(lambda _: producer.stopProducing())
         request.registerProducer(producer, True)
         producer.resumeProducing()

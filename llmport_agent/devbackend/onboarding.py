@@ -93,11 +93,6 @@ class Onboarding:
     def _now(self) -> float:
         return float(self.backend.clock.seconds())
 
-    def _iso(self, when: float) -> str:
-        import datetime
-
-        return datetime.datetime.fromtimestamp(when, datetime.UTC).isoformat()
-
     def _live(self, row: JoinRequest) -> bool:
         return row.status == "pending" and row.expires_at > self._now()
 
@@ -120,7 +115,7 @@ class Onboarding:
         for row in self.pending():
             if row.agent_id == agent_id:
                 return {"id": row.id, "code": row.code, "poll_secret": None,
-                        "expires_at": self._iso(row.expires_at), "already_pending": True}
+                        "expires_at": _iso(row.expires_at), "already_pending": True}
         waiting = self.pending()
         if len(waiting) >= MAX_PENDING:
             raise PermissionError("Too many machines are already waiting for approval.")
@@ -137,7 +132,7 @@ class Onboarding:
         if self.on_request is not None:
             self.on_request(row)
         return {"id": row.id, "code": row.code, "poll_secret": poll_secret,
-                "expires_at": self._iso(row.expires_at), "already_pending": False}
+                "expires_at": _iso(row.expires_at), "already_pending": False}
 
     def find(self, ident: str) -> JoinRequest | None:
         """By id, or by the code a person reads (any case, dash optional)."""
@@ -180,7 +175,7 @@ class Onboarding:
         if row.status == "pending":
             if row.expires_at <= self._now():
                 return {"status": "expired", "message": "The request timed out."}
-            return {"status": "pending", "code": row.code, "expires_at": self._iso(row.expires_at)}
+            return {"status": "pending", "code": row.code, "expires_at": _iso(row.expires_at)}
         # Approved: provision the node now, through the ordinary enrollment (one-time token).
         token = self.backend.state.mint_token(f"join {row.code}")["token"]
         reply = self.backend.state.enroll(token, row.agent_id, row.host, row.capabilities, row.version, caller)
@@ -221,7 +216,7 @@ class JoinRequestsResource(JsonResource):
             return json_response(request, 404 if not o.enabled else 405, _NOT_FOUND)
         if not _admin_allowed(o.backend, request):
             return json_response(request, 401, {"detail": "Not authenticated"})
-        return json_response(request, 200, [r.public(o._iso) for r in o.pending()])
+        return json_response(request, 200, [r.public(_iso) for r in o.pending()])
 
     def render_POST(self, request: Request) -> bytes:
         o = self._o
@@ -266,7 +261,7 @@ class JoinRequestsResource(JsonResource):
                 return json_response(request, 404, {"detail": str(e)})
             except PermissionError as e:
                 return json_response(request, 409, {"detail": str(e)})
-            return json_response(request, 200, row.public(o._iso))
+            return json_response(request, 200, row.public(_iso))
         return json_response(request, 404, _NOT_FOUND)
 
 
@@ -294,3 +289,10 @@ def install(onboarding: Onboarding, nodes: Resource, node_files: Resource) -> No
     """Put the routes under C{.../system/nodes} and C{/api/node-files}."""
     nodes.putChild(b"join-requests", JoinRequestsResource(onboarding))  # type: ignore[arg-type]
     node_files.putChild(b"whoami", WhoamiResource(onboarding))  # type: ignore[arg-type]
+
+
+def _iso(when: float) -> str:
+    """A POSIX time as ISO 8601 in UTC."""
+    import datetime
+
+    return datetime.datetime.fromtimestamp(when, datetime.UTC).isoformat()

@@ -408,8 +408,10 @@ class FakeNVML:
 
     def nvmlErrorString(self, result: int) -> str:
         self._enter("nvmlErrorString", needs_init=False)
-        text: str = _real.NVMLError._errcode_to_string.get(result, "Unknown Error")
-        return text
+        error = _real.NVMLError(result)  # a code pynvml knows maps to its own subclass
+        if type(error) is _real.NVMLError:
+            return "Unknown Error"
+        return str(error)
 
     # -- system
 

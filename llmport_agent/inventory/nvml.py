@@ -139,11 +139,15 @@ def _code(exc: BaseException) -> int | None:
     return value if isinstance(value, int) else None
 
 
+#: The base class of every ctypes pointer type, found through the public C{POINTER}.
+_POINTER_BASE: Any = ctypes.POINTER(ctypes.c_char).__mro__[1]
+
+
 def _handle_key(handle: Any) -> Any:
     """A hashable key naming the device behind a handle (the pointer for real handles)."""
     if handle is None:
         return None
-    if isinstance(handle, ctypes._Pointer):
+    if isinstance(handle, _POINTER_BASE):
         address = ctypes.cast(handle, ctypes.c_void_p).value
         return ("nvml-device", address) if address else None
     try:
@@ -205,6 +209,14 @@ class _Probe:
         self.unsupported: set[str] = set()
         self.answered: set[str] = set()
         self.bugs: dict[str, str] = {}
+
+    def note_error(self, key: str, text: str) -> None:
+        """Record an error the caller found in an answer (C{key} as given, no prefix)."""
+        self._errors[key] = text
+
+    def has_error(self, key: str) -> bool:
+        """Whether an error is recorded under C{key} (as given, no prefix)."""
+        return key in self._errors
 
     def call(self, what: str, fname: str, *args: Any, default: Any = None) -> Any:
         if self.gone:
@@ -831,12 +843,12 @@ class NVMLGPUSource:
                     p.unsupported.add("recovery_action")
                 else:
                     p.answered.discard("recovery_action")
-                    p._errors["recovery_action"] = _field_error(nvml, ret)
+                    p.note_error("recovery_action", _field_error(nvml, ret))
             except (IndexError, AttributeError, TypeError):
                 p.answered.discard("recovery_action")
                 p.unsupported.add("recovery_action")
         throttle = p.call("throttle", "nvmlDeviceGetCurrentClocksEventReasons")
-        if throttle is None and "throttle" not in p._errors:
+        if throttle is None and not p.has_error("throttle"):
             throttle = p.call("throttle", "nvmlDeviceGetCurrentClocksThrottleReasons")
         if throttle is not None:
             values["throttle"] = _int(throttle)

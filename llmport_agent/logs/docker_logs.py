@@ -36,6 +36,7 @@ from typing import Any
 from attrs import define, field, frozen
 
 from llmport_agent.logs.encoding import ENTRY_OVERHEAD
+from llmport_agent.workloads import dockerapi
 from llmport_agent.workloads.engine import StreamClosed, StreamControl
 
 #: Lines longer than this many characters are cut (the shipper's own bound, applied here so
@@ -486,10 +487,12 @@ def _open_stream(api: Any, cid: str, since: str | None) -> Any:
     params: dict[str, Any] = {"follow": 1, "stdout": 1, "stderr": 1, "timestamps": 1}
     if since is not None:
         params["since"] = since
-    response = api._get(api._url("/containers/{0}/logs", cid), params=params, stream=True)
-    api._raise_for_status(response)
+    response = dockerapi.get(
+        api, dockerapi.url(api, "/containers/{0}/logs", cid), params=params, stream=True
+    )
+    dockerapi.raise_for_status(api, response)
     try:
-        api._disable_socket_timeout(api._get_raw_response_socket(response))
+        dockerapi.disable_socket_timeout(api, response)
     except Exception:  # noqa: BLE001 - a transport without a socket keeps its timeout
         pass
     return response

@@ -304,10 +304,25 @@ class _PipeReader(FileDescriptor):
 
 
 class _JournalProtocol(ProcessProtocol):
-    """Line splitter of one journalctl run (the lines are parsed elsewhere)."""
+    """
+    Line splitter of one journalctl run (the lines are parsed elsewhere). It tells its
+    source through the callables it is given: C{lines(lines, size)} for complete lines,
+    C{stderr(text)} on journalctl's first complaint, C{oversized()} per dropped long line,
+    C{ended(protocol, reason)} once.
+    """
 
-    def __init__(self, source: JournaldSource) -> None:
-        self._source = source
+    def __init__(
+        self,
+        *,
+        lines: Callable[[list[bytes], int], None],
+        stderr: Callable[[bytes], None],
+        oversized: Callable[[], None],
+        ended: Callable[[_JournalProtocol, Failure], None],
+    ) -> None:
+        self._on_lines = lines
+        self._on_stderr = stderr
+        self._on_oversized = oversized
+        self._on_ended = ended
         self._buffer = b""
         self._skipping = False
         self.stderr = b""
@@ -342,7 +357,7 @@ class _JournalProtocol(ProcessProtocol):
             if len(self.stderr) < _STDERR_KEEP:
                 self.stderr = (self.stderr + data)[:_STDERR_KEEP]
             if first:
-                self._source._stderr(self.stderr)
+                self._on_stderr(self.stderr)
             return
         if childFD != 1:
             return
@@ -355,8 +370,8 @@ class _JournalProtocol(ProcessProtocol):
         if len(self._buffer) > MAX_LINE_BYTES:
             self._buffer = b""
             self._skipping = True
-            self._source.oversized += 1
-        self._source._lines(lines, len(data))
+            self._on_oversized()
+        self._on_lines(lines, len(data))
 
     def stdout_closed(self) -> None:
         self._stdout_done = True
@@ -373,14 +388,14 @@ class _JournalProtocol(ProcessProtocol):
         if self.ended:
             return
         if self._buffer and not self._skipping:
-            self._source._lines([self._buffer], len(self._buffer))
+            self._on_lines([self._buffer], len(self._buffer))
         self._buffer = b""
         self.ended = True
         waiters, self.waiters = self.waiters, []
         for w in waiters:
             if not w.called:
                 w.callback(True)
-        self._source._ended(self, reason)
+        self._on_ended(self, reason)
 
 
 class JournaldSource(Service):
@@ -717,7 +732,10 @@ class JournaldSource(Service):
             self._kick()
             return
         self._respawn_after_parse = False
-        proto = _JournalProtocol(self)
+        proto = _JournalProtocol(
+            lines=self._lines, stderr=self._stderr, oversized=self._count_oversized,
+            ended=self._ended,
+        )
         args = self._args()
         self._started_at = self._reactor.seconds()
         self._run_entries = 0
@@ -743,6 +761,9 @@ class JournaldSource(Service):
         self._proto = proto
         self.state = "running"
         self._check_pause()
+
+    def _count_oversized(self) -> None:
+        self.oversized += 1
 
     def _stderr(self, text: bytes) -> None:
         self.log.warn(

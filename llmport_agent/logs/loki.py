@@ -221,8 +221,10 @@ def loki_http_client(
     from treq.client import HTTPClient
     from twisted.web.client import Agent, HTTPConnectionPool
 
+    from llmport_agent.core.twistedapi import quiet_pool_factory
+
     pool = HTTPConnectionPool(reactor, persistent=True)
-    pool._factory.noisy = False
+    quiet_pool_factory(pool)
     pool.maxPersistentPerHost = 2
     pool.cachedConnectionTimeout = 60
     kwargs: dict[str, Any] = {"pool": pool, "connectTimeout": connect_timeout}

@@ -76,7 +76,12 @@ from llmport_agent.models.manifest import (
     manifest_digest,
     parse_manifest,
 )
-from llmport_agent.models.transfer import BlobTransfer
+from llmport_agent.models.transfer import (
+    BlobSource,
+    BlobTransfer,
+    RangeSupport,
+    TransferSettings,
+)
 
 PHASE = "sync_model"
 #: The most connections per blob the adaptive setting (C{connections=0}) opens.
@@ -348,25 +353,44 @@ class ModelSyncer:
         self._backend_url = backend_url.rstrip("/")
         self._credential = credential
         self._concurrency = concurrency
-        self._adaptive = connections == 0
-        self._connections = connections or AUTO_MAX_CONNECTIONS
         self._segment_size = segment_size
-        self._batch_size = batch_size
-        self._stream_high_water = max(4 * batch_size, 8 * 1024 * 1024)
         self._budget = FlowBudget(buffer_bytes)
-        # None until a server's answer to a bounded range shows whether it honours the end.
-        self._bounded_ranges: bool | None = None
+        # What the server showed about bounded ranges, shared by every blob's transfer.
+        self._ranges = RangeSupport()
         self._retry_max = max(0, retry_max)
         self._free_space = free_space
         self._retry_initial_delay = retry_initial_delay
         self._retry_max_delay = retry_max_delay
         self._request_timeout = request_timeout
-        self._idle_timeout = idle_timeout
         self._progress_interval = progress_interval
         self._rng = rng or _random.Random()
         self._ops: dict[str, _Operation] = {}
+        self._source = BlobSource(
+            reactor=reactor,
+            settings=TransferSettings(
+                connections=connections or AUTO_MAX_CONNECTIONS,
+                adaptive=connections == 0,
+                segment_size=segment_size,
+                batch_size=batch_size,
+                stream_high_water=max(4 * batch_size, 8 * 1024 * 1024),
+                idle_timeout=idle_timeout,
+                retry_max=self._retry_max,
+            ),
+            ranges=self._ranges,
+            budget=self._budget,
+            headers=self._headers,
+            get=self._get,
+            refuse=self._refuse,
+            pause=self._pause,
+            downloaded=self._count_downloaded,
+        )
 
     # -- public --------------------------------------------------------------------------
+
+    @property
+    def bounded_ranges(self) -> bool | None:
+        """Whether the backend honours the end of a bounded C{Range} (C{None}: not seen yet)."""
+        return self._ranges.bounded
 
     async def sync(
         self,
@@ -720,6 +744,9 @@ class ModelSyncer:
         tail = "/".join(quote(p, safe="") for p in parts)
         return f"{self._backend_url}/api/node-files/models/{quote(model_id, safe='')}/{tail}"
 
+    def _count_downloaded(self, n: int) -> None:
+        self.bytes_downloaded += n
+
     def _headers(self) -> dict[bytes | str, bytes | str]:
         try:
             credential = self._credential()
@@ -834,7 +861,8 @@ class ModelSyncer:
         transfer: BlobTransfer | None = None
         try:
             while True:
-                transfer = BlobTransfer(self, run, blob, part, writer, hasher, self._budget)
+                url = self._url(run.manifest.model_id, "blob", blob.hash)
+                transfer = BlobTransfer(self._source, run, blob, url, part, writer, hasher)
                 ok = await transfer.run()
                 run.connections_used = max(run.connections_used, transfer.connections_used)
                 if ok:

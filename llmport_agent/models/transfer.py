@@ -26,9 +26,10 @@ from zero as one stream.
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
-from attrs import define
+from attrs import define, frozen
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -48,9 +49,6 @@ from llmport_agent.models._http import (
 from llmport_agent.models._jobs import run_together
 from llmport_agent.models.errors import CHECKSUM_MISMATCH, DOWNLOAD_FAILED
 from llmport_agent.models.manifest import BlobSpec
-
-if TYPE_CHECKING:
-    from llmport_agent.models.syncer import ModelSyncer, _Run
 
 #: Progress records are rewritten after this many newly written bytes.
 CHECKPOINT_BYTES = 64 * 1024 * 1024
@@ -182,33 +180,114 @@ class _Batch:
     waiting: int  # jobs (write, hash) still to finish before its memory is free
 
 
+class ProgressSink(Protocol):
+    """Where a transfer counts the bytes it wrote (or takes back, when it starts over)."""
+
+    def add(self, n: int) -> None: ...
+
+    def rewind(self, n: int) -> None: ...
+
+
+class TransferRun(Protocol):
+    """
+    The sync a transfer belongs to: what it reports into and what the first large blob
+    learnt for the later ones. The syncer's run record provides it.
+    """
+
+    retries: int
+    range_ignored: int
+    range_end_ignored: int
+    learned_connections: int | None
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def progress(self) -> ProgressSink: ...
+
+
+class RangeSupport:
+    """
+    What one backend has shown about C{Range}: C{bounded} is C{None} until a bounded
+    request is answered, then whether the server honours the end of a range. Owned by the
+    syncer and shared by all its transfers, so one blob's discovery holds for the next.
+    """
+
+    def __init__(self) -> None:
+        self.bounded: bool | None = None
+
+
+@frozen
+class TransferSettings:
+    """How a syncer fetches blobs (fixed for the syncer's lifetime)."""
+
+    #: Most connections per blob.
+    connections: int
+    #: Whether the count is learnt per sync (L{ConnectionScaler}) or fixed at C{connections}.
+    adaptive: bool
+    segment_size: int
+    batch_size: int
+    #: Bytes one open-ended stream may hold in memory ahead of the hash.
+    stream_high_water: int
+    idle_timeout: float
+    #: Failed attempts in a row before one connection gives up.
+    retry_max: int
+
+
+@frozen
+class BlobSource:
+    """
+    Everything a L{BlobTransfer} needs from the one that drives it, passed in: the clock,
+    the settings, the shared range knowledge, the flow budget and the few requests it makes.
+    The transfer knows nothing else of its syncer (and does not import it).
+    """
+
+    reactor: Any
+    settings: TransferSettings
+    ranges: RangeSupport
+    budget: FlowBudget
+    #: The request headers (credential included); raises L{CommandFailed} without one.
+    headers: Callable[[], dict[bytes | str, bytes | str]]
+    #: One GET of a URL with headers; raises L{Retry} on a transient failure.
+    get: Callable[[str, dict[bytes | str, bytes | str]], Awaitable[Any]]
+    #: Turns a non-success response into L{Retry} or L{CommandFailed} (never returns).
+    refuse: Callable[[Any, str], Awaitable[None]]
+    #: Waits before retry C{failures} of C{what}, or raises once there were too many.
+    pause: Callable[[int, str, str], Awaitable[None]]
+    #: Counts bytes received from the backend (all syncs together).
+    downloaded: Callable[[int], None]
+
+
 class BlobTransfer:
     """
     Fetches the missing bytes of one blob into its open part file, then verifies and
-    renames it. Create one per attempt of L{ModelSyncer._fetch}.
+    renames it. The syncer creates one per attempt at a blob.
     """
 
     log = Logger()
 
     def __init__(
         self,
-        syncer: ModelSyncer,
-        run: _Run,
+        source: BlobSource,
+        run: TransferRun,
         blob: BlobSpec,
+        url: str,
         part: _fs.PartFile,
         writer: SerialRunner,
         hasher: SerialRunner,
-        budget: FlowBudget,
     ) -> None:
-        self._syncer = syncer
+        self._source = source
+        self._settings = source.settings
+        self._ranges = source.ranges
+        self._reactor = source.reactor
         self._run = run
         self._blob = blob
         self._part = part
         self._writer = writer
         self._hasher = hasher
-        self._budget = budget
+        self._budget = source.budget
         self.what = f"blob {blob.hash} of {run.label}"
-        self._url = syncer._url(run.manifest.model_id, "blob", blob.hash)
+        self._url = url
         self._start_state()
         self.start_overs = 0
         self._write_error: Failure | None = None
@@ -219,14 +298,14 @@ class BlobTransfer:
         self.found = ""
         self.stamp: _fs.Stamp | None = None
         self.connections_used = 1
-        syncer_ = self._syncer
+        settings = self._settings
         learned = run.learned_connections
         self._scaler = ConnectionScaler(
-            syncer_._connections if syncer_._adaptive else 1,
-            2 * syncer_._segment_size,
+            settings.connections if settings.adaptive else 1,
+            2 * settings.segment_size,
             start=learned or 1,
         )
-        if not syncer_._adaptive or learned:
+        if not settings.adaptive or learned:
             self._scaler.settled = True
 
     # -- state ------------------------------------------------------------------------------
@@ -252,12 +331,12 @@ class BlobTransfer:
     @property
     def ranged(self) -> bool:
         """Several bounded requests for this blob (else one open-ended stream)."""
-        s = self._syncer
+        s = self._settings
         return (
             self._part.tracked
-            and s._connections > 1
-            and s._bounded_ranges is not False
-            and self._blob.size >= 2 * s._segment_size
+            and s.connections > 1
+            and self._ranges.bounded is not False
+            and self._blob.size >= 2 * s.segment_size
             and not self._stream_only
         )
 
@@ -308,10 +387,10 @@ class BlobTransfer:
 
     def _written(self, _n: int, batch: _Batch) -> None:
         self.done.add(batch.offset, batch.offset + batch.n)
-        self._syncer.bytes_downloaded += batch.n
+        self._source.downloaded(batch.n)
         self._run.progress.add(batch.n)
         if not self._scaler.settled and self.ranged:
-            self._scale(self._scaler.observe(self._syncer._reactor.seconds(), self.done.total))
+            self._scale(self._scaler.observe(self._reactor.seconds(), self.done.total))
         batch.receiver.written(batch.n)
         self._since_checkpoint += batch.n
         if self._since_checkpoint >= CHECKPOINT_BYTES and self._part.tracked:
@@ -339,7 +418,7 @@ class BlobTransfer:
             self._write_error = failure
 
     def _scale(self, allowed: int | None) -> None:
-        if self._scaler.settled and self._syncer._adaptive:
+        if self._scaler.settled and self._settings.adaptive:
             self._run.learned_connections = self._scaler.allowed
         if allowed is None:
             return
@@ -357,7 +436,7 @@ class BlobTransfer:
         """Workers allowed to fetch now (the rest wait at the gate)."""
         if not self.ranged:
             return 1
-        return self._scaler.allowed if self._syncer._adaptive else self._syncer._connections
+        return self._scaler.allowed if self._settings.adaptive else self._settings.connections
 
     def _release_held(self) -> None:
         held, self._held = self._held, {}
@@ -430,22 +509,22 @@ class BlobTransfer:
         while self._missing:
             workers = 1
             if self.ranged:
-                segments = -(-self._missing.total // self._syncer._segment_size)
-                workers = max(1, min(self._syncer._connections, segments))
+                segments = -(-self._missing.total // self._settings.segment_size)
+                workers = max(1, min(self._settings.connections, segments))
             self._active = workers
             if self.ranged:  # a fixed count opens them all at once; the adaptive one, as it learns
                 self.connections_used = max(self.connections_used,
                                             min(workers, self._connections_now()))
             self._streamer = None
-            if self.ranged and self._syncer._adaptive:
-                self._scaler.restart_window(self._syncer._reactor.seconds(), self.done.total)
+            if self.ranged and self._settings.adaptive:
+                self._scaler.restart_window(self._reactor.seconds(), self.done.total)
             await run_together(self._worker(i) for i in range(workers))
             # Bytes may still be missing: put back by a worker after the others had stopped
             # (a switch to one stream), or left by connections that gave up.
 
     def _take(self, worker: int) -> tuple[int, int] | None:
         if self.ranged:
-            return self._missing.pop_first(self._syncer._segment_size)
+            return self._missing.pop_first(self._settings.segment_size)
         # One open-ended stream: one worker takes whole gaps, the others stop.
         if self._streamer is None:
             self._streamer = worker
@@ -480,14 +559,14 @@ class BlobTransfer:
                 except Retry as e:
                     self._run.retries += 1
                     failures = 1 if attempt.progressed else failures + 1
-                    if failures > self._syncer._retry_max and self._fetching() > 1:
+                    if failures > self._settings.retry_max and self._fetching() > 1:
                         self.log.info(
                             "Giving up one connection for {what} after {n} failed attempts "
                             "({reason}); {left} others go on",
                             what=self.what, n=failures, reason=str(e), left=self._active - 1,
                         )
                         return
-                    await self._syncer._pause(failures, self.what, str(e))
+                    await self._source.pause(failures, self.what, str(e))
                 finally:
                     if attempt.next < attempt.end_asked:
                         self._missing.add(attempt.next, attempt.end_asked)
@@ -509,16 +588,17 @@ class BlobTransfer:
         @raise Retry: a transient failure.
         @raise _StartOver: the blob must start over from zero.
         """
-        syncer = self._syncer
+        source = self._source
+        settings = self._settings
         blob = self._blob
         a, b = attempt.start, attempt.end
         bounded = self.ranged
-        headers = syncer._headers()
+        headers = source.headers()
         if bounded:
             headers["Range"] = f"bytes={a}-{b - 1}"
         elif a > 0:
             headers["Range"] = f"bytes={a}-"
-        response = await syncer._get(self._url, headers)
+        response = await source.get(self._url, headers)
         code = response.code
         in_place = False  # the whole blob came for a ranged request: start over with it
         if code == 200:
@@ -534,7 +614,7 @@ class BlobTransfer:
             if a > 0:
                 self._run.range_ignored += 1
                 if bounded:
-                    syncer._bounded_ranges = False  # no ranged requests to this server again
+                    self._ranges.bounded = False  # no ranged requests to this server again
                 if bounded or self._fetching() > 1:
                     abandon(response)
                     raise _StartOver("the backend ignored Range")
@@ -561,29 +641,29 @@ class BlobTransfer:
             elif bounded and cr.end + 1 > b:
                 self._ignored_end(f"Content-Range {header[0]}")
             elif bounded:
-                syncer._bounded_ranges = True
+                self._ranges.bounded = True
         elif code == 416 and (bounded or a > 0):
             abandon(response)
             raise _StartOver("the backend refused the range (HTTP 416)")
         else:
-            await syncer._refuse(response, self.what)
+            await source.refuse(response, self.what)
         if in_place:
             attempt.start = attempt.next = a = 0
             attempt.end = attempt.end_asked = b = blob.size
         if a > 0 or self._active > 1 or self.done:
             self.spliced = True
         receiver = BlobBodyReceiver(
-            syncer._reactor,
+            self._reactor,
             self,
             self._budget,
             a,
             b - a,
             at_eof=b == blob.size,
-            idle_timeout=syncer._idle_timeout,
-            batch_size=syncer._batch_size,
+            idle_timeout=settings.idle_timeout,
+            batch_size=settings.batch_size,
             # A connection ahead of the hash may hold its whole segment in memory.
-            high_water=(syncer._segment_size if bounded else syncer._stream_high_water)
-            + syncer._batch_size,
+            high_water=(settings.segment_size if bounded else settings.stream_high_water)
+            + settings.batch_size,
             hold=in_place,
         )
         response.deliverBody(receiver)
@@ -614,14 +694,13 @@ class BlobTransfer:
         self._missing = Ranges()  # this response brings all of it
 
     def _ignored_end(self, what: str) -> None:
-        syncer = self._syncer
-        if syncer._bounded_ranges is not False:
+        if self._ranges.bounded is not False:
             self.log.info(
                 "The backend ignores the end of bounded ranges ({what}); fetching the rest "
                 "of each blob as one stream",
                 what=what,
             )
-        syncer._bounded_ranges = False
+        self._ranges.bounded = False
         self._run.range_end_ignored += 1
 
 

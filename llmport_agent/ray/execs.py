@@ -18,6 +18,7 @@ from typing import Any
 import docker
 from attrs import frozen
 
+from ..workloads import dockerapi
 from ..workloads.engine import StreamControl
 
 #: Bytes of stdout (and of stderr) kept from one exec.
@@ -102,7 +103,7 @@ class _Closer:
 
 
 def _raw_socket(sock: Any) -> socket.socket:
-    raw = getattr(sock, "_sock", sock)
+    raw = dockerapi.underlying_socket(sock)
     return raw  # type: ignore[no-any-return]
 
 

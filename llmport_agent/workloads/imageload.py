@@ -27,6 +27,7 @@ from docker.types import CancellableStream
 from docker.utils.json_stream import json_stream
 
 from ..commands.base import CommandFailed
+from . import dockerapi
 from .engine import StreamControl
 from .tarfilter import ImageTarFilter, TarRejected
 
@@ -120,7 +121,7 @@ class _UnixConnection(http.client.HTTPConnection):
 
 def _raw_connection(api: Any) -> http.client.HTTPConnection | None:
     """A plain connection to the engine, or C{None} where docker-py must do the transport."""
-    adapter = getattr(api, "_custom_adapter", None)
+    adapter = dockerapi.custom_adapter(api)
     timeout = getattr(api, "timeout", None)
     if isinstance(adapter, UnixHTTPAdapter):
         return _UnixConnection(adapter.socket_path, timeout)
@@ -195,7 +196,7 @@ def load_thread(
     conn = _raw_connection(api)
     if conn is None:
         return _load_via_docker_py(client, control, source, tar)
-    target = urlsplit(api._url("/images/load"))
+    target = urlsplit(dockerapi.url(api, "/images/load"))
     conn.connect()
     sock = conn.sock
     assert sock is not None
@@ -286,8 +287,9 @@ def _load_via_docker_py(
 
     control.attach(_Closer())
     try:
-        response = api._post(
-            api._url("/images/load"),
+        response = dockerapi.post(
+            api,
+            dockerapi.url(api, "/images/load"),
             data=body(),
             params={"quiet": "0"},
             headers={"Content-Type": "application/x-tar"},
@@ -300,9 +302,9 @@ def _load_via_docker_py(
         raise
     if rejected:
         raise _rejected(tar, rejected[0])
-    stream = CancellableStream(api._stream_helper(response, decode=True), response)
+    stream = CancellableStream(dockerapi.json_messages(api, response), response)
     control.attach(stream)
-    api._raise_for_status(response)
+    dockerapi.raise_for_status(api, response)
     outcome = _messages(iter(stream))
     control.check()
     outcome["transport"] = "docker-py"

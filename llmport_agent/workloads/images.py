@@ -30,6 +30,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from ..commands.base import INVALID_COMMAND, CommandFailed
+from . import dockerapi
 from .engine import DockerEngine, EngineError, StreamClosed, StreamControl
 from .imagetransfer import (
     IMAGE_TRANSFER_FAILED,
@@ -167,16 +168,17 @@ def _pull_thread(
         header = docker.auth.get_config_header(api, registry)
         if header:
             headers["X-Registry-Auth"] = header
-    response = api._post(
-        api._url("/images/create"),
+    response = dockerapi.post(
+        api,
+        dockerapi.url(api, "/images/create"),
         params={"fromImage": repository, "tag": tag},
         headers=headers,
         stream=True,
         timeout=None,
     )
-    stream = CancellableStream(api._stream_helper(response, decode=True), response)
+    stream = CancellableStream(dockerapi.json_messages(api, response), response)
     control.attach(stream)
-    api._raise_for_status(response)
+    dockerapi.raise_for_status(api, response)
     error = ""
     final = ""
     for msg in stream:

@@ -29,6 +29,7 @@ from typing import Any
 import docker
 
 from ..ray.container import is_ours
+from . import dockerapi
 from .containers import by_exact_name
 
 #: The Ray runtime container (protocol 10.6).
@@ -76,7 +77,7 @@ def parse_replica(value: object) -> str | None:
 
 
 def _raw_socket(sock: Any) -> socket.socket | None:
-    for candidate in (sock, getattr(sock, "_sock", None)):
+    for candidate in (sock, dockerapi.underlying_socket(sock)):
         if isinstance(candidate, socket.socket):
             return candidate
     return None
