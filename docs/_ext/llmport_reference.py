@@ -147,11 +147,11 @@ def metric_families() -> list[tuple[str, str, tuple[str, ...], str]]:
     """(name, type, label names, help) of every family a configured agent exports."""
     from twisted.internet.testing import MemoryReactorClock
 
+    from llmport_agent.agent.service import AgentService
     from llmport_agent.core.config import load_config
     from llmport_agent.inventory.fakes import FakeGPU, FakeNVML
-    from llmport_agent.inventory.gpu import NVMLGPUSource
+    from llmport_agent.inventory.nvml import NVMLGPUSource
     from llmport_agent.ops.metrics import make_registry
-    from llmport_agent.agent.service import AgentService
 
     with tempfile.TemporaryDirectory() as d:
         config = load_config(environ={
