@@ -280,6 +280,5 @@ class ReadinessRulesTests(AgentTestCase):
         self.assertNotIn("s3cret", json.dumps(body))
         agent.log_sink.url = None
         agent.loki = None
-        agent.stopping = True
+        agent.drain.begin()
         self.assertEqual(readiness(agent)["status"], "stopping")
-        agent.stopping = False
