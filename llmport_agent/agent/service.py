@@ -12,6 +12,8 @@ of it. Each behaviour lives in a module named after it (docs: architecture):
 - L{llmport_agent.ops.status.NodeStatus}: the heartbeat's status fields and systemd's C{STATUS=} line.
 - L{llmport_agent.ops.diagnostics.Diagnostics}: the C{collect_diagnostics} result.
 - L{llmport_agent.agent.secrets.NodeSecrets}: the secret values no line may show.
+- L{llmport_agent.agent.refresh.InventoryRefresh}: inventory out of its interval (GPU verdicts,
+  C{refresh_inventory}).
 - L{llmport_agent.agent.listeners}: small session listeners (workload announcements, hello profile).
 
 Each part gets its inputs here and never imports this module.
@@ -31,6 +33,7 @@ from twisted.logger import Logger
 from llmport_agent import VERSION
 from llmport_agent.agent.drain import Drain, Teardown
 from llmport_agent.agent.listeners import _Announcer, _ProfileFromHello
+from llmport_agent.agent.refresh import InventoryRefresh
 from llmport_agent.agent.secrets import NodeSecrets
 from llmport_agent.agent.startup import Startup
 from llmport_agent.commands.base import HandlerSpec
@@ -109,7 +112,7 @@ class AgentService(MultiService):
         self.backend = BackendHTTP(
             reactor, self.http, config.backend_url, config.request_timeout_sec, client_cert=config.tls_client_cert
         )
-        self.modes = PersistentModes(self.state, on_change=self._modes_changed)
+        self.modes = PersistentModes(self.state, on_change=lambda: self.heartbeat.notify_changed())
 
         from llmport_agent.inventory.collector import InventoryCollector
         from llmport_agent.inventory.monitor import GPUHealthMonitor
@@ -168,9 +171,8 @@ class AgentService(MultiService):
             gpu_source,
             self.host_pool,
             interval=config.gpu_health_interval_sec,
-            on_transition=self._gpu_transition,
+            on_transition=lambda t: self.refresh.gpu_transition(t),
         )
-        self._gpu_inventory_call: Any = None
         self.session = SessionService(
             reactor,
             config,
@@ -198,6 +200,9 @@ class AgentService(MultiService):
             reactor, self.session, config.inventory_interval_sec, self.collector,
             on_report=self.heartbeat.notify_changed,
         )
+        self.refresh = InventoryRefresh(
+            reactor, self.outbox, self.heartbeat, self.inventory, self.session, running=lambda: bool(self.running)
+        )
         if self.engine is not None:
             self.engine.onAvailability(lambda _available: self.heartbeat.notify_changed())
         registry: dict[str, HandlerSpec] = {}
@@ -207,7 +212,7 @@ class AgentService(MultiService):
         registry.update(
             node_handler_specs(
                 self.modes,
-                self._refresh_inventory,
+                self.refresh.refresh,
                 self.diagnostics,
                 lambda: check_system_updates(run_process),
             )
@@ -310,7 +315,7 @@ class AgentService(MultiService):
             self.outbox, self.log,
         )
         self.teardown = Teardown(
-            reactor, self.drain, self, pools, self._cancel_timers, self.adoption, self.notify,
+            reactor, self.drain, self, pools, self.refresh.cancel, self.adoption, self.notify,
             log_observer=lambda: self.log_observer, loki_pool=lambda: self.loki_pool, state=self.state,
             collector=self.collector, http_pool=self.http_pool, instance_lock=self.instance_lock,
             io_pool=self.io_pool, log=self.log,
@@ -534,39 +539,6 @@ class AgentService(MultiService):
             self._fatal_cb(status, message)
 
     # -- glue ------------------------------------------------------------------------------
-
-    def _gpu_transition(self, t: Any) -> None:
-        """
-        A GPU's verdict changed: an event, a heartbeat as soon as its status/status_reason
-        differ (heartbeat.notify_changed, rate-limited), a fresh inventory soon.
-        """
-        self.outbox.emit(t.event_type, t.payload(), t.severity)
-        self.heartbeat.notify_changed()
-        if self._gpu_inventory_call is None or not self._gpu_inventory_call.active():
-            # Coalesced: one inventory (gpu_count, free VRAM) for a burst of transitions.
-            self._gpu_inventory_call = self.reactor.callLater(1.0, self._gpu_inventory)
-
-    def _gpu_inventory(self) -> None:
-        self._gpu_inventory_call = None
-        if self.session.connected and self.running:
-            self.inventory.report_now()
-
-    def _cancel_timers(self) -> None:
-        if self._gpu_inventory_call is not None and self._gpu_inventory_call.active():
-            self._gpu_inventory_call.cancel()
-
-    def _modes_changed(self) -> None:
-        self.heartbeat.notify_changed()
-
-    async def _refresh_inventory(self) -> bool:
-        """Send a fresh inventory; if the link is down, send it once it is back (within ~50 s)."""
-        from twisted.internet.task import deferLater
-
-        for _ in range(100):
-            if self.session.connected and await self.inventory.report_now():
-                return True
-            await deferLater(self.reactor, 0.5, lambda: None)
-        return False
 
     async def diagnostics(self) -> dict[str, Any]:
         """The C{collect_diagnostics} result: structured, secrets masked."""
