@@ -167,7 +167,7 @@ def scrape(scrapes: int) -> None:
     from llmport_agent.agent.service import AgentService
     from llmport_agent.core.config import load_config
     from llmport_agent.devbackend import DevBackend
-    from llmport_agent.inventory.gpu import NVMLGPUSource
+    from llmport_agent.inventory.nvml import NVMLGPUSource
     from llmport_agent.ops.endpoint import OpsService
     from tests.agentharness import agent_env as test_env
     from tests.test_ops import _Health, fake_gpus

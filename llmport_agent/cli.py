@@ -57,7 +57,8 @@ def run_agent(config: AgentConfig, json_logs: bool = False) -> int:
     """
     from twisted.internet import reactor
 
-    from llmport_agent.agent.service import AgentService, install_stop_signals
+    from llmport_agent.agent.drain import install_stop_signals
+    from llmport_agent.agent.service import AgentService
     from llmport_agent.core.logsetup import SecretsHolder, begin_logging, choose_format
     from llmport_agent.host.fdlimit import raise_open_files_limit
 
@@ -72,8 +73,8 @@ def run_agent(config: AgentConfig, json_logs: bool = False) -> int:
         reactor.callLater(0, reactor.stop)  # type: ignore[attr-defined]
 
     agent = AgentService(reactor, config, fatal=fatal)
-    secrets.provider = agent._secrets
-    reactor.callWhenRunning(install_stop_signals, reactor, agent)  # type: ignore[attr-defined]
+    secrets.provider = agent.secrets.values
+    reactor.callWhenRunning(install_stop_signals, reactor, agent.drain.stop_requested)  # type: ignore[attr-defined]
     reactor.callWhenRunning(agent.startService)  # type: ignore[attr-defined]
     reactor.addSystemEventTrigger("before", "shutdown", agent.stopService)  # type: ignore[attr-defined]
     global _AGENT_RAN

@@ -36,7 +36,7 @@ from twisted.internet import reactor
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmport_agent.inventory.gpu import NVMLGPUSource
+from llmport_agent.inventory.nvml import NVMLGPUSource
 from llmport_agent.ops.endpoint import OpsService
 from tests.agentharness import AgentTestCase
 from tests.support.docker_env import free_port

@@ -88,7 +88,7 @@ class DrainTests(AgentTestCase):
         self.assertEqual(backend.command(later["id"])["status"], left)
         if left == "failed":
             self.assertEqual(backend.command(later["id"])["error_code"], "node_stream_lost")
-        self.assertEqual(agent.drain_report["left"], 0)
+        self.assertEqual(agent.drain.report["left"], 0)
         self.assertEqual(agent.pipeline.stats["deferred_by_stop"], 1)
         self.assertIsNone(agent.journal.get(later["id"]))
 
@@ -100,7 +100,7 @@ class DrainTests(AgentTestCase):
         started = reactor.seconds()
         await agent.stopService()
         self.assertLess(reactor.seconds() - started, 10)
-        self.assertEqual(agent.drain_report["left"], 1)
+        self.assertEqual(agent.drain.report["left"], 1)
         self.assertFalse(agent.journal.get(cmd["id"]).finished)
 
     async def test_second_request_forces_the_stop(self) -> None:
@@ -110,9 +110,9 @@ class DrainTests(AgentTestCase):
         stopped, finished = self.stop(agent)
         await deferLater(reactor, 0.3, lambda: None)
         self.assertFalse(finished)
-        agent.stop_requested(signal.SIGTERM)  # the stop was the first request: this one forces
+        agent.drain.stop_requested(signal.SIGTERM)  # the stop was the first request: this one forces
         await stopped
-        self.assertEqual(agent.drain_report["left"], 1)
+        self.assertEqual(agent.drain.report["left"], 1)
 
 
 class SigtermDuringDeployTests(AgentTestCase):

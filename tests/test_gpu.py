@@ -30,8 +30,8 @@ from llmport_agent.inventory.gpu import (
     GPUSnapshot,
     IGPUSource,
     NoGPUSource,
-    NVMLGPUSource,
 )
+from llmport_agent.inventory.nvml import NVMLGPUSource
 
 GIB = 1024**3
 MIB = 1024**2

@@ -579,11 +579,10 @@ class TokenFileWarningTests(SynchronousTestCase):
     """
 
     def check(self, mode: int, token_line: bool = True) -> tuple[list[str], str]:
-        from twisted.internet.task import Clock
-        from twisted.logger import globalLogPublisher
+        from twisted.logger import Logger, globalLogPublisher
 
-        from llmport_agent.agent.service import AgentService, tighten_env_file
-        from llmport_agent.core.config import load_config
+        from llmport_agent.demo.testing import SynchronousRunner
+        from llmport_agent.host.envfile import EnvFileCheck
 
         root = os.path.abspath(self.mktemp())
         os.makedirs(os.path.join(root, "etc"))
@@ -602,11 +601,7 @@ class TokenFileWarningTests(SynchronousTestCase):
 
         globalLogPublisher.addObserver(observer)
         self.addCleanup(globalLogPublisher.removeObserver, observer)
-        state = os.path.join(root, "state", "state.json")
-        config = load_config({"LLM_PORT_NODE_AGENT_ENROLLMENT_TOKEN": TOKEN,
-                              "LLM_PORT_NODE_AGENT_STATE_PATH": state, "LLM_PORT_NODE_AGENT_OPS_PORT": "0"}, {})
-        agent = AgentService(Clock(), config, docker_enabled=False, notify_environ={})
-        agent._env_file_checked(tighten_env_file(path))
+        EnvFileCheck(SynchronousRunner().run, Logger(), path).check()
         return seen, path
 
     def test_world_readable_file_is_tightened(self) -> None:
@@ -638,7 +633,7 @@ class TokenFileWarningTests(SynchronousTestCase):
             with open(path, "w") as f:
                 f.write(content)
             os.chmod(path, 0o644)
-            from llmport_agent.agent.service import tighten_env_file
+            from llmport_agent.host.envfile import tighten_env_file
 
             read, write = os.pipe()
             pid = os.fork()
@@ -658,7 +653,7 @@ class TokenFileWarningTests(SynchronousTestCase):
         self.assertIsNone(results[1])
 
     def test_a_link_is_not_followed(self) -> None:
-        from llmport_agent.agent.service import tighten_env_file
+        from llmport_agent.host.envfile import tighten_env_file
 
         d = os.path.abspath(self.mktemp())
         os.makedirs(d)

@@ -35,8 +35,9 @@ from llmport_agent.inventory.collector import (
     scrub_nulls,
 )
 from llmport_agent.inventory.fakes import h100_node
-from llmport_agent.inventory.gpu import GPUSnapshot, NoGPUSource, NVMLGPUSource
+from llmport_agent.inventory.gpu import GPUSnapshot, NoGPUSource
 from llmport_agent.inventory.host import collect_host_facts, measure_disks, nearest_existing
+from llmport_agent.inventory.nvml import NVMLGPUSource
 
 REQUIRED_CAPS = {
     "hostname": str,

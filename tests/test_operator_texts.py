@@ -315,8 +315,8 @@ class SmallGlitchTests(SynchronousTestCase):
         agent = SimpleNamespace(
             session=SimpleNamespace(connected=True, stats=SimpleNamespace(last_error=""), node_id="n-1"),
             engine=SimpleNamespace(available=False, last_error=error, version="", address="unix:///run/docker.sock"),
-            config=SimpleNamespace(agent_id="gpu-1"), pipeline=SimpleNamespace(_running={}),
-            _heartbeat_fields=lambda: {"status": "degraded"},
+            config=SimpleNamespace(agent_id="gpu-1"), pipeline=SimpleNamespace(running_count=0),
+            status=SimpleNamespace(heartbeat_fields=lambda: {"status": "degraded"}),
         )
         detail = readiness(agent)["checks"]["engine"]["detail"]
         self.assertEqual(detail, error)

@@ -18,7 +18,7 @@ from twisted.internet.task import deferLater
 from llmport_agent.agent.service import AgentService
 from llmport_agent.core.config import load_config
 from llmport_agent.inventory.fakes import FakeGPU, FakeNVML
-from llmport_agent.inventory.gpu import NVMLGPUSource
+from llmport_agent.inventory.nvml import NVMLGPUSource
 from llmport_agent.ops.endpoint import OpsService
 from tests.agentharness import AgentTestCase, agent_env
 from tests.support.docker_env import require_docker
@@ -280,6 +280,5 @@ class ReadinessRulesTests(AgentTestCase):
         self.assertNotIn("s3cret", json.dumps(body))
         agent.log_sink.url = None
         agent.loki = None
-        agent.stopping = True
+        agent.drain.begin()
         self.assertEqual(readiness(agent)["status"], "stopping")
-        agent.stopping = False

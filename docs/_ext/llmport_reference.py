@@ -150,7 +150,7 @@ def metric_families() -> list[tuple[str, str, tuple[str, ...], str]]:
     from llmport_agent.agent.service import AgentService
     from llmport_agent.core.config import load_config
     from llmport_agent.inventory.fakes import FakeGPU, FakeNVML
-    from llmport_agent.inventory.gpu import NVMLGPUSource
+    from llmport_agent.inventory.nvml import NVMLGPUSource
     from llmport_agent.ops.metrics import make_registry
 
     with tempfile.TemporaryDirectory() as d:

@@ -65,7 +65,7 @@ class _ProfileFromHello:
         if profile is not None and not isinstance(profile, dict):
             self.log.warn("Ignored a hello_ack profile that is not an object")
             return
-        changed = (self.modes.profile is not None) if profile is None else profile != self.modes._live_profile
+        changed = (self.modes.profile is not None) if profile is None else profile != self.modes.live_profile
         if changed:
             # None clears it: no profile is assigned to this node any more.
             d = Deferred.fromCoroutine(self.modes.set(profile=profile))

@@ -2,21 +2,26 @@
 The composition root: one MultiService holding everything the agent runs, and only the wiring
 of it. Each behaviour lives in a module named after it (docs: architecture):
 
-- L{llmport_agent.agent.startup}: the start order (dependencies first): thread pools, durable state
-  (state file, command journal, event outbox), the Docker executor and health watcher, the
-  command pipeline, heartbeat and inventory, the ops endpoint, and last the backend session;
-  then systemd hears C{READY=1}.
-- L{llmport_agent.agent.drain}: stop signals, the drain and the stop in reverse order.
-- L{llmport_agent.host.envfile}: the env file of the unit, tightened at start.
-- L{llmport_agent.ops.status}: the heartbeat's status fields and systemd's C{STATUS=} line.
-- L{llmport_agent.ops.diagnostics}: the C{collect_diagnostics} result.
+- L{llmport_agent.agent.startup.Startup}: the start order (dependencies first): thread pools,
+  durable state (state file, command journal, event outbox), the Docker executor and health
+  watcher, the command pipeline, heartbeat and inventory, the ops endpoint, and last the backend
+  session; then systemd hears C{READY=1}.
+- L{llmport_agent.agent.drain.Drain}: stop signals and the drain; L{llmport_agent.agent.drain.Teardown}:
+  the stop in reverse order.
+- L{llmport_agent.host.envfile.EnvFileCheck}: the env file of the unit, tightened at start.
+- L{llmport_agent.ops.status.NodeStatus}: the heartbeat's status fields and systemd's C{STATUS=} line.
+- L{llmport_agent.ops.diagnostics.Diagnostics}: the C{collect_diagnostics} result.
+- L{llmport_agent.agent.secrets.NodeSecrets}: the secret values no line may show.
+- L{llmport_agent.agent.refresh.InventoryRefresh}: inventory out of its interval (GPU verdicts,
+  C{refresh_inventory}).
 - L{llmport_agent.agent.listeners}: small session listeners (workload announcements, hello profile).
+
+Each part gets its inputs here and never imports this module.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
@@ -26,9 +31,11 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from llmport_agent import VERSION
-from llmport_agent.agent import drain, startup
-from llmport_agent.agent.drain import EVENT_FLUSH_SEC, install_stop_signals
+from llmport_agent.agent.drain import Drain, Teardown
 from llmport_agent.agent.listeners import _Announcer, _ProfileFromHello
+from llmport_agent.agent.refresh import InventoryRefresh
+from llmport_agent.agent.secrets import NodeSecrets
+from llmport_agent.agent.startup import Startup
 from llmport_agent.commands.base import HandlerSpec
 from llmport_agent.commands.journal import CommandJournal
 from llmport_agent.commands.node import PersistentModes, node_handler_specs
@@ -37,21 +44,15 @@ from llmport_agent.core.config import AgentConfig
 from llmport_agent.core.state import StateStore, resolve_state_path
 from llmport_agent.core.threads import PoolService
 from llmport_agent.events.outbox import EventOutbox
-from llmport_agent.host import envfile
-from llmport_agent.host.envfile import ENV_FILE, env_file_path, tighten_env_file
+from llmport_agent.host.envfile import EnvFileCheck
 from llmport_agent.host.instance import InstanceLock
-from llmport_agent.ops import diagnostics
-from llmport_agent.ops import status as node_status
-from llmport_agent.ops.diagnostics import START_TIME
+from llmport_agent.ops.diagnostics import Diagnostics
+from llmport_agent.ops.status import NodeStatus
 from llmport_agent.session.backend_http import BackendHTTP
 from llmport_agent.session.reporting import HeartbeatReporter, InventoryReporter
 from llmport_agent.session.service import SessionService
 
-#: Importable from here as before the split (cli, tap, tests).
-__all__ = [
-    "ENV_FILE", "EVENT_FLUSH_SEC", "START_TIME", "AgentService", "_Announcer", "_ProfileFromHello",
-    "env_file_path", "install_stop_signals", "make_http_client", "tighten_env_file",
-]
+__all__ = ["AgentService", "make_http_client"]
 
 
 def make_http_client(reactor: Any, config: AgentConfig) -> Any:
@@ -99,13 +100,7 @@ class AgentService(MultiService):
         self.config = config
         self._fatal_cb = fatal
         self.exit_status: int | None = None
-        #: True from the first stop request (SIGTERM) on: heartbeats say "draining".
-        self.stopping = False
-        self._stop_signals = 0
-        self._force_stop: Deferred[None] | None = None
-        self.drain_report: dict[str, Any] = {}
         state_path, note = resolve_state_path(config.state_path)
-        self.state_note = note
         state_dir = os.path.dirname(os.path.abspath(state_path))
         self.io_pool = PoolService(reactor, "io", 2)
         self.host_pool = PoolService(reactor, "host", 2)
@@ -117,7 +112,7 @@ class AgentService(MultiService):
         self.backend = BackendHTTP(
             reactor, self.http, config.backend_url, config.request_timeout_sec, client_cert=config.tls_client_cert
         )
-        self.modes = PersistentModes(self.state, on_change=self._modes_changed)
+        self.modes = PersistentModes(self.state, on_change=lambda: self.heartbeat.notify_changed())
 
         from llmport_agent.inventory.collector import InventoryCollector
         from llmport_agent.inventory.monitor import GPUHealthMonitor
@@ -155,6 +150,7 @@ class AgentService(MultiService):
         if docker_enabled:
             self._build_workloads(state_dir)
             self._build_ray()
+        self.secrets = NodeSecrets(config, self.state, self.ray)
         from llmport_agent.inventory.sections import inventory_sections
 
         self.collector = InventoryCollector(
@@ -175,9 +171,8 @@ class AgentService(MultiService):
             gpu_source,
             self.host_pool,
             interval=config.gpu_health_interval_sec,
-            on_transition=self._gpu_transition,
+            on_transition=lambda t: self.refresh.gpu_transition(t),
         )
-        self._gpu_inventory_call: Any = None
         self.session = SessionService(
             reactor,
             config,
@@ -196,7 +191,7 @@ class AgentService(MultiService):
         # Reactor lateness, measured on the heartbeat's ticks (no timer of its own while they run).
         self.lateness = ReactorLatenessProbe(reactor)
         self.heartbeat = HeartbeatReporter(
-            reactor, self.session, config.heartbeat_interval_sec, self._heartbeat_fields,
+            reactor, self.session, config.heartbeat_interval_sec, lambda: self.status.heartbeat_fields(),
             on_lateness=self.lateness.observe,
         )
         # Heartbeat fields that change (engine, modes, capabilities; GPU health too) call
@@ -204,6 +199,9 @@ class AgentService(MultiService):
         self.inventory = InventoryReporter(
             reactor, self.session, config.inventory_interval_sec, self.collector,
             on_report=self.heartbeat.notify_changed,
+        )
+        self.refresh = InventoryRefresh(
+            reactor, self.outbox, self.heartbeat, self.inventory, self.session, running=lambda: bool(self.running)
         )
         if self.engine is not None:
             self.engine.onAvailability(lambda _available: self.heartbeat.notify_changed())
@@ -214,7 +212,7 @@ class AgentService(MultiService):
         registry.update(
             node_handler_specs(
                 self.modes,
-                self._refresh_inventory,
+                self.refresh.refresh,
                 self.diagnostics,
                 lambda: check_system_updates(run_process),
             )
@@ -291,11 +289,37 @@ class AgentService(MultiService):
         from llmport_agent.host.sdnotify import Notifier, NotifyService
 
         self._ordered.insert(3, self.lateness)
+        self.status = NodeStatus(
+            config, self.session, self.modes, self.collector, self.gpu_monitor, self.pipeline,
+            self.engine, self.health, stopping=lambda: self.drain.stopping, secrets=self.secrets.values,
+        )
         # Not a child: it must outlive every other service (watchdog pings while draining).
-        self.notify = NotifyService(reactor, Notifier(notify_environ), self.status_line)
+        self.notify = NotifyService(reactor, Notifier(notify_environ), self.status.status_line)
         self.session.subscribe(self.notify)
         self.recent_errors: list[dict[str, Any]] = []
-        self._started: Deferred[None] | None = None
+        self._diagnostics = Diagnostics(
+            config, self.session, self.modes, self.collector, self.gpu_monitor, self.pipeline,
+            self.outbox, self.heartbeat, self.inventory, self.status.heartbeat_fields,
+            log_shipping=lambda: self.log_shipping, log_sink=self.log_sink,
+            recent_errors=self.recent_errors, engine=self.engine, health=self.health, adoption=self.adoption,
+        )
+        pools = self._ordered[:3]
+        self.startup = Startup(
+            self, pools, self._ordered[3:], config, note or "", self.io_pool, self.instance_lock, self.state,
+            self.journal, self.outbox, EnvFileCheck(self.io_pool.run, self.log),
+            log_observer=lambda: self.log_observer, adoption=self.adoption, notify=self.notify,
+            fatal=self._fatal, log=self.log,
+        )
+        self.drain = Drain(
+            reactor, config.shutdown_grace_sec, self.pipeline, self.notify, self.heartbeat, self.session,
+            self.outbox, self.log,
+        )
+        self.teardown = Teardown(
+            reactor, self.drain, self, pools, self.refresh.cancel, self.adoption, self.notify,
+            log_observer=lambda: self.log_observer, loki_pool=lambda: self.loki_pool, state=self.state,
+            collector=self.collector, http_pool=self.http_pool, instance_lock=self.instance_lock,
+            io_pool=self.io_pool, log=self.log,
+        )
 
     # -- logs to Loki (optional) -------------------------------------------------------------
 
@@ -305,7 +329,7 @@ class AgentService(MultiService):
         # The host label must equal the host the backend stores for this node.
         shipping = build_log_shipping(
             self.reactor, self.config, state_dir=state_dir, host=self.backend_host,
-            secrets=self._secrets, engine=self.engine, docker_environ=self._docker_environ,
+            secrets=self.secrets.values, engine=self.engine, docker_environ=self._docker_environ,
             adoption=self.adoption,
         )
         self.log_shipping = shipping
@@ -352,7 +376,7 @@ class AgentService(MultiService):
             self.log.warn("{note}", note=note)
         shipping = build_log_shipping(
             self.reactor, config, state_dir=self._state_dir,
-            host=self.backend_host, secrets=self._secrets, engine=self.engine,
+            host=self.backend_host, secrets=self.secrets.values, engine=self.engine,
             docker_environ=self._docker_environ, adoption=self.adoption, backend_sink=True,
         )
         self.log_shipping = shipping
@@ -382,17 +406,6 @@ class AgentService(MultiService):
         except ValueError:
             stored = self.state.get("backend_host")
             return stored if isinstance(stored, str) and stored else self.config.advertise_host
-
-    def _secrets(self) -> list[str]:
-        values = [
-            self.config.enrollment_token,
-            self.state.credential,
-            self.state.get("pending_credential"),
-            self.state.get("previous_credential"),
-        ]
-        if self.ray is not None:
-            values += self.ray.tokens.secrets()
-        return [v for v in values if isinstance(v, str) and v]
 
     # -- workloads (optional: the Docker executor) ------------------------------------------
 
@@ -499,44 +512,24 @@ class AgentService(MultiService):
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    @property
+    def stopping(self) -> bool:
+        """True from the first stop request (SIGTERM) on: heartbeats say "draining"."""
+        return self.drain.stopping
+
     def startService(self) -> None:
-        startup.start_service(self)
-
-    def _start_failed(self, f: Any) -> None:
-        startup.start_failed(self, f)
-
-    async def _start(self) -> None:
-        await startup.start(self)
-
-    def _check_env_file(self) -> None:
-        envfile.check_env_file(self)
-
-    def _env_file_checked(self, result: tuple[str, str, int] | None) -> None:
-        envfile.env_file_checked(self, result)
+        # The children are started by the startup, in order, once durable state is loaded.
+        self.running = 1
+        self.startup.begin()
 
     def whenStarted(self) -> Deferred[None]:
-        return startup.when_started(self)
+        """Fires once the start is over (done or failed)."""
+        return self.startup.started
 
     def stopService(self) -> Deferred[None]:
-        return drain.stop_service(self)
-
-    def stop_requested(self, signum: int = signal.SIGTERM) -> None:
-        """A stop signal: the first stops the reactor (which drains), a second ends the drain."""
-        drain.stop_requested(self, signum)
-
-    def force_stop(self) -> None:
-        """End the drain now (a second SIGTERM)."""
-        drain.force_stop(self)
-
-    async def _drain(self) -> None:
-        """Let running commands reach their result, within SHUTDOWN_GRACE_SEC; keep heartbeating."""
-        await drain.drain(self)
-
-    async def _stop(self) -> None:
-        await drain.stop(self)
-
-    async def _stop_one(self, svc: Any) -> None:
-        await drain.stop_one(self, svc)
+        self.running = 0
+        self.drain.begin()
+        return self.startup.started.addBoth(lambda _: Deferred.fromCoroutine(self.teardown.stop()))
 
     def _fatal(self, status: int, message: str) -> None:
         self.exit_status = status
@@ -547,42 +540,6 @@ class AgentService(MultiService):
 
     # -- glue ------------------------------------------------------------------------------
 
-    def _heartbeat_fields(self) -> dict[str, Any]:
-        return node_status.heartbeat_fields(self)
-
-    def _gpu_transition(self, t: Any) -> None:
-        """
-        A GPU's verdict changed: an event, a heartbeat as soon as its status/status_reason
-        differ (heartbeat.notify_changed, rate-limited), a fresh inventory soon.
-        """
-        self.outbox.emit(t.event_type, t.payload(), t.severity)
-        self.heartbeat.notify_changed()
-        if self._gpu_inventory_call is None or not self._gpu_inventory_call.active():
-            # Coalesced: one inventory (gpu_count, free VRAM) for a burst of transitions.
-            self._gpu_inventory_call = self.reactor.callLater(1.0, self._gpu_inventory)
-
-    def _gpu_inventory(self) -> None:
-        self._gpu_inventory_call = None
-        if self.session.connected and self.running:
-            self.inventory.report_now()
-
-    def _modes_changed(self) -> None:
-        self.heartbeat.notify_changed()
-
-    def status_line(self) -> str:
-        """The one line systemd shows (C{STATUS=}): session state, node, workloads, last error."""
-        return node_status.status_line(self)
-
-    async def _refresh_inventory(self) -> bool:
-        """Send a fresh inventory; if the link is down, send it once it is back (within ~50 s)."""
-        from twisted.internet.task import deferLater
-
-        for _ in range(100):
-            if self.session.connected and await self.inventory.report_now():
-                return True
-            await deferLater(self.reactor, 0.5, lambda: None)
-        return False
-
     async def diagnostics(self) -> dict[str, Any]:
         """The C{collect_diagnostics} result: structured, secrets masked."""
-        return await diagnostics.diagnostics(self)
+        return await self._diagnostics.collect()

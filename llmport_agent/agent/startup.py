@@ -1,104 +1,144 @@
 """
-How the agent starts (the start half of L{AgentService}'s lifecycle): the pools first, the
+How the agent starts (the start half of its lifecycle), as L{Startup}: the pools first, the
 env file check, the instance lock, durable state loaded, then every other service in order;
 systemd hears C{READY=1} last.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from attrs import define, field
+from twisted.application.service import IServiceCollection, Service
 from twisted.internet.defer import Deferred, succeed
+from twisted.logger import Logger
 
 from llmport_agent import VERSION
 from llmport_agent.core.config import mask_url
 from llmport_agent.host.instance import AlreadyRunning
 
-if TYPE_CHECKING:
-    from llmport_agent.agent.service import AgentService
 
+@define
+class Startup:
+    """
+    Starts the agent's services in order, once durable state is loaded (L{begin}); a start
+    that cannot go on ends the process through C{fatal} with a line that says why.
 
-def start_service(agent: AgentService) -> None:
-    # The children are started by _start, in order, once durable state is loaded.
-    agent.running = 1
-    agent.notify.startService()
-    agent._started = Deferred.fromCoroutine(agent._start())
-    agent._started.addErrback(agent._start_failed)
+    @ivar parent: the service collection every started service joins (the agent).
+    @ivar pools: the thread pools, started first (the state loads on them).
+    @ivar services: every other service, in start order (the stop goes in reverse).
+    @ivar config: the agent's settings (what the start line and the config notes say).
+    @ivar state_note: what resolving the state path had to say ("" when nothing).
+    @ivar io_pool: the pool the lock and the state files are handled on.
+    @ivar instance_lock: one agent per state file, taken before the state is touched.
+    @ivar state: the state store; C{journal}, C{outbox}: the command journal and event outbox.
+    @ivar env_file: the env file check (L{EnvFileCheck}).
+    @ivar log_observer: the log shipping observer to add once the state is loaded, if any.
+    @ivar adoption: the original agent's workloads to take over, or C{None}.
+    @ivar notify: systemd's notifier (C{startService}, C{ready}).
+    @ivar fatal: ends the process with an exit status and one line.
+    @ivar log: where the start is said.
+    """
 
+    parent: IServiceCollection
+    pools: Sequence[Service]
+    services: Sequence[Service]
+    config: Any
+    state_note: str
+    io_pool: Any
+    instance_lock: Any
+    state: Any
+    journal: Any
+    outbox: Any
+    env_file: Any
+    log_observer: Callable[[], Any]
+    adoption: Any
+    notify: Any
+    fatal: Callable[[int, str], None]
+    log: Logger
+    _started: Deferred[None] | None = field(default=None, init=False)
 
-def start_failed(agent: AgentService, f: Any) -> None:
-    from llmport_agent.core.state import StateUnreadable
-    from llmport_agent.session.service import EXIT_NEEDS_OPERATOR
+    @property
+    def started(self) -> Deferred[None]:
+        """Fires once the start is over (done or failed); at once when it never began."""
+        if self._started is None:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
 
-    if f.check(StateUnreadable):
-        agent._fatal(EXIT_NEEDS_OPERATOR, f.getErrorMessage())
-        return
-    if f.check(OSError) and not agent.instance_lock.held:
-        agent._fatal(1, f"cannot create the lock file {agent.instance_lock.path} ({f.getErrorMessage()}); "
-                       "check that the state directory is writable by the agent")
-        return
-    agent.log.failure("The agent could not start", failure=f)
-    agent._fatal(1, f"The agent could not start: {f.getErrorMessage()}")
+        def done(result: object) -> object:
+            d.callback(None)
+            return result
 
+        self._started.addBoth(done)
+        return d
 
-async def start(agent: AgentService) -> None:
-    if agent.state_note:
-        agent.log.warn("{note}", note=agent.state_note)
-    for svc in agent._ordered[:3]:
-        svc.setServiceParent(agent)
-    agent._check_env_file()
-    try:
-        await agent.io_pool.run(agent.instance_lock.acquire)
-    except AlreadyRunning as e:
-        # Nothing else starts: this process must not touch the state, the journal or the
-        # engine that the other agent is using.
-        agent._fatal(1, str(e))
-        return
-    from llmport_agent.core.state import TwoStates, adopt_old_state
+    def begin(self) -> None:
+        """Start: systemd's notifier now, the services once durable state is loaded."""
+        self.notify.startService()
+        self._started = Deferred.fromCoroutine(self._start())
+        self._started.addErrback(self._failed)
 
-    try:
-        # One state location per user (run, start --user and join --user share it).
-        moved = await agent.io_pool.run(adopt_old_state, agent.state.path)
-    except TwoStates as e:
+    def _failed(self, f: Any) -> None:
+        from llmport_agent.core.state import StateUnreadable
         from llmport_agent.session.service import EXIT_NEEDS_OPERATOR
 
-        agent._fatal(EXIT_NEEDS_OPERATOR, str(e))
-        return
-    if moved:
-        agent.log.warn("{note}", note=moved)
-    await agent.state.load()
-    await agent.journal.load()
-    await agent.outbox.load()
-    if agent.log_observer is not None:
-        from twisted.logger import globalLogPublisher
+        if f.check(StateUnreadable):
+            self.fatal(EXIT_NEEDS_OPERATOR, f.getErrorMessage())
+            return
+        if f.check(OSError) and not self.instance_lock.held:
+            self.fatal(1, f"cannot create the lock file {self.instance_lock.path} ({f.getErrorMessage()}); "
+                          "check that the state directory is writable by the agent")
+            return
+        self.log.failure("The agent could not start", failure=f)
+        self.fatal(1, f"The agent could not start: {f.getErrorMessage()}")
 
-        globalLogPublisher.addObserver(agent.log_observer)
-    # Said before the services start, so that what they say (the session's "no credential
-    # and no token", say) comes after it, not before.
-    agent.log.info(
-        "llmport-agent {version} started (agent id {agent_id}, backend {url}, state {path})",
-        version=VERSION,
-        agent_id=agent.config.agent_id,
-        url=mask_url(agent.config.backend_url),
-        path=agent.state.path,
-    )
-    for note in agent.config.notes:
-        agent.log.warn("{note}", note=note)
-    for svc in agent._ordered[3:]:
-        svc.setServiceParent(agent)
-    if agent.adoption is not None:
-        agent.adoption.start()
-    agent.notify.ready()
+    async def _start(self) -> None:
+        if self.state_note:
+            self.log.warn("{note}", note=self.state_note)
+        for svc in self.pools:
+            svc.setServiceParent(self.parent)
+        self.env_file.check()
+        try:
+            await self.io_pool.run(self.instance_lock.acquire)
+        except AlreadyRunning as e:
+            # Nothing else starts: this process must not touch the state, the journal or the
+            # engine that the other agent is using.
+            self.fatal(1, str(e))
+            return
+        from llmport_agent.core.state import TwoStates, adopt_old_state
 
+        try:
+            # One state location per user (run, start --user and join --user share it).
+            moved = await self.io_pool.run(adopt_old_state, self.state.path)
+        except TwoStates as e:
+            from llmport_agent.session.service import EXIT_NEEDS_OPERATOR
 
-def when_started(agent: AgentService) -> Deferred[None]:
-    if agent._started is None:
-        return succeed(None)
-    d: Deferred[None] = Deferred()
+            self.fatal(EXIT_NEEDS_OPERATOR, str(e))
+            return
+        if moved:
+            self.log.warn("{note}", note=moved)
+        await self.state.load()
+        await self.journal.load()
+        await self.outbox.load()
+        observer = self.log_observer()
+        if observer is not None:
+            from twisted.logger import globalLogPublisher
 
-    def done(result: object) -> object:
-        d.callback(None)
-        return result
-
-    agent._started.addBoth(done)
-    return d
+            globalLogPublisher.addObserver(observer)
+        # Said before the services start, so that what they say (the session's "no credential
+        # and no token", say) comes after it, not before.
+        self.log.info(
+            "llmport-agent {version} started (agent id {agent_id}, backend {url}, state {path})",
+            version=VERSION,
+            agent_id=self.config.agent_id,
+            url=mask_url(self.config.backend_url),
+            path=self.state.path,
+        )
+        for note in self.config.notes:
+            self.log.warn("{note}", note=note)
+        for svc in self.services:
+            svc.setServiceParent(self.parent)
+        if self.adoption is not None:
+            self.adoption.start()
+        self.notify.ready()

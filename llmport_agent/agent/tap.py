@@ -38,7 +38,8 @@ class Options(usage.Options):
 def makeService(options: Options) -> Any:
     from twisted.internet import reactor
 
-    from llmport_agent.agent.service import AgentService, install_stop_signals
+    from llmport_agent.agent.drain import install_stop_signals
+    from llmport_agent.agent.service import AgentService
     from llmport_agent.host.fdlimit import raise_open_files_limit
 
     raise_open_files_limit()
@@ -57,5 +58,5 @@ def makeService(options: Options) -> Any:
     reactor.addSystemEventTrigger("after", "shutdown", clean_exit)
     agent = AgentService(reactor, options.config, fatal=fatal)
     # SIGTERM drains (running commands finish within SHUTDOWN_GRACE_SEC); a second one forces.
-    reactor.callWhenRunning(install_stop_signals, reactor, agent)
+    reactor.callWhenRunning(install_stop_signals, reactor, agent.drain.stop_requested)
     return agent

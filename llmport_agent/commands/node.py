@@ -44,6 +44,11 @@ class PersistentModes:
         return bool(self.state.get("draining", False))
 
     @property
+    def live_profile(self) -> dict[str, Any] | None:
+        """The profile as received from the backend since this start (memory only), or C{None}."""
+        return self._live_profile
+
+    @property
     def profile(self) -> dict[str, Any] | None:
         if self._live_profile is not None:
             return self._live_profile

@@ -278,6 +278,11 @@ class CommandPipeline(Service):
         self._draining = True
 
     @property
+    def running_count(self) -> int:
+        """How many commands are running now (their handlers have not returned)."""
+        return len(self._running)
+
+    @property
     def busy(self) -> int:
         """Commands running or whose result is being written or confirmed."""
         return len(self._running) + self._finishing + len(self._delivering)

@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any
 
-from llmport_agent.demo.run import STEP_TIMEOUT, Say
+from llmport_agent.demo.steps import STEP_TIMEOUT, Say
 
 DEFAULT_IMAGE = "llmport-test/ray-runtime:2.58.0"
 

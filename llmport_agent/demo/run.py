@@ -17,7 +17,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -26,8 +25,8 @@ from twisted.logger import ILogFilterPredicate, LogLevel, PredicateResult
 from zope.interface import implementer
 
 from llmport_agent import VERSION
-
-STEP_TIMEOUT = 10.0
+from llmport_agent.demo.steps import STEP_TIMEOUT, Say
+from llmport_agent.demo.steps import say as _say
 
 #: What C{demo --help} says (plain text: the module docstring is epytext).
 DESCRIPTION = (
@@ -37,13 +36,6 @@ DESCRIPTION = (
     "set_maintenance_mode (on, then off) are issued and each command's timeline is printed; both "
     "stop cleanly. Exits 0 when every step happened, 1 otherwise."
 )
-
-Say = Callable[[str], None]
-
-
-def _say(text: str) -> None:
-    print(text, flush=True)
-
 
 def _fmt_bytes(n: Any) -> str:
     try:

@@ -95,10 +95,18 @@ def _backend(ctx: Context) -> tuple[str, str, int, bool]:
     return ctx.config.backend_url, parts.hostname or "", parts.port or (443 if tls else 80), tls
 
 
+def _unverified_context() -> ssl.SSLContext:
+    """A client TLS context that verifies neither the certificate nor the host name (to read them)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 def _tls_context(ctx: Context, verify: bool, client: bool = True) -> ssl.SSLContext:
     """The backend's TLS context; C{client=False} (Loki, another server): the CA only, no client certificate."""
     assert ctx.config is not None
-    context = ssl.create_default_context(cafile=ctx.config.ca_bundle) if verify else ssl._create_unverified_context()
+    context = ssl.create_default_context(cafile=ctx.config.ca_bundle) if verify else _unverified_context()
     if client and ctx.config.tls_client_cert:
         context.load_cert_chain(ctx.config.tls_client_cert, ctx.config.tls_client_key)
     return context
@@ -110,7 +118,7 @@ def _issuer(host: str, port: int, timeout: float) -> str:
         from OpenSSL import crypto
 
         with socket.create_connection((host, port), timeout=timeout) as raw:
-            with ssl._create_unverified_context().wrap_socket(raw, server_hostname=host) as s:
+            with _unverified_context().wrap_socket(raw, server_hostname=host) as s:
                 der = s.getpeercert(binary_form=True)
         if not der:
             return "unknown"

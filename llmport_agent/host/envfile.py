@@ -1,18 +1,19 @@
 """
 The env file of the systemd unit: tightened to 0600 at start when other users may read it
-(issue 20), and said once. L{AgentService} calls L{check_env_file} as it starts.
+(issue 20), and said once: L{EnvFileCheck}, which the agent runs as it starts.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
 
 from llmport_agent.core.config import SETTINGS
-
-if TYPE_CHECKING:
-    from llmport_agent.agent.service import AgentService
 
 #: The env file `llmport-agent start` (and llm-port's own installer) writes for the unit.
 ENV_FILE = "/etc/llmport-agent.env"
@@ -58,34 +59,47 @@ def tighten_env_file(path: str) -> tuple[str, str, int] | None:
         os.close(fd)
 
 
-def check_env_file(agent: AgentService) -> None:
+class EnvFileCheck:
     """
     The env file (llm-port's own installer writes it 0644, token included) readable or
     writable by other users is tightened to 0600 (issue 20), and said once; when it cannot
     be (another owner), the warning says what to run.
+
+    @param run: runs a thread function on a bounded pool (L{PoolService.run}).
+    @param path: the env file (by default L{env_file_path}, read when the check runs).
+    @param log: where the outcome is said.
     """
-    agent.io_pool.run(tighten_env_file, env_file_path()).addCallbacks(
-        agent._env_file_checked, lambda f: agent.log.failure("Checking the env file failed", f)
-    )
 
+    def __init__(self, run: Callable[..., Deferred[Any]], log: Logger, path: str | None = None) -> None:
+        self.run = run
+        self.log = log
+        self.path = path
 
-def env_file_checked(agent: AgentService, result: tuple[str, str, int] | None) -> None:
-    if result is None:
-        return
-    outcome, path, mode = result
-    if outcome == "tightened":
-        agent.log.warn(
-            "{path} was readable by other users (mode {mode:04o}) and holds this node's settings "
-            "(an enrollment token, passwords): its mode is now 0600",
-            path=path,
-            mode=mode,
+    def check(self) -> None:
+        """Tighten the env file on the pool; say what was done (or what to run) once."""
+        path = env_file_path() if self.path is None else self.path
+        self.run(tighten_env_file, path).addCallbacks(
+            self.checked, lambda f: self.log.failure("Checking the env file failed", f)
         )
-    else:
-        agent.log.warn(
-            "{path} is readable by other users (mode {mode:04o}) and could not be tightened ({why}): "
-            "run `chmod 600 {path}` (llmport-agent start does this); once the node is enrolled the "
-            "token line can be removed",
-            path=path,
-            mode=mode,
-            why=outcome,
-        )
+
+    def checked(self, result: tuple[str, str, int] | None) -> None:
+        """Say the outcome of L{tighten_env_file}: nothing when nothing was to do."""
+        if result is None:
+            return
+        outcome, path, mode = result
+        if outcome == "tightened":
+            self.log.warn(
+                "{path} was readable by other users (mode {mode:04o}) and holds this node's settings "
+                "(an enrollment token, passwords): its mode is now 0600",
+                path=path,
+                mode=mode,
+            )
+        else:
+            self.log.warn(
+                "{path} is readable by other users (mode {mode:04o}) and could not be tightened ({why}): "
+                "run `chmod 600 {path}` (llmport-agent start does this); once the node is enrolled the "
+                "token line can be removed",
+                path=path,
+                mode=mode,
+                why=outcome,
+            )

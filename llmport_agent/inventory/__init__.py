@@ -2,7 +2,8 @@
 What the agent reports about the node (protocol section 5): static capabilities, the
 inventory and utilisation objects, and GPUs through NVML.
 
- - L{gpu}: L{IGPUSource}, L{NVMLGPUSource}, L{NoGPUSource} and the snapshot values;
+ - L{gpu}: L{IGPUSource}, L{NoGPUSource} and the snapshot values;
+ - L{nvml}: L{NVMLGPUSource}, GPUs through the driver's library;
  - L{host}: psutil readings (blocking);
  - L{capabilities}: the static capabilities object;
  - L{collector}: L{InventoryCollector}, which puts them together off the reactor thread;
@@ -23,7 +24,6 @@ from llmport_agent.inventory.gpu import (
     GPUSnapshot,
     IGPUSource,
     NoGPUSource,
-    NVMLGPUSource,
 )
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "IGPUSource",
     "InventoryCollector",
     "InventoryReport",
-    "NVMLGPUSource",
     "NoGPUSource",
     "assert_no_nulls",
     "find_nulls",

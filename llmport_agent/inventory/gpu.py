@@ -64,16 +64,6 @@ def _mib(n: int) -> int:
     return n // MIB
 
 
-def __getattr__(name: str) -> Any:
-    # NVMLGPUSource lives in its own module; importing it lazily keeps old imports working
-    # without an import cycle.
-    if name == "NVMLGPUSource":
-        from llmport_agent.inventory.nvml import NVMLGPUSource
-
-        return NVMLGPUSource
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # --------------------------------------------------------------------------- values
 
 

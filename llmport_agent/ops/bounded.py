@@ -84,7 +84,6 @@ class _BoundedChannel(HTTPChannel):
     transport: Any
     _deadline: IDelayedCall | None = None
     _next: IDelayedCall | None = None
-    _counted = False
     #: A request head was given to the parser and its response is not complete.
     _in_flight = False
     #: The transport's output buffer is over its bound (it paused us; the client is not reading).
@@ -243,10 +242,7 @@ class _BoundedChannel(HTTPChannel):
             self._next.cancel()
         self._next = None
         self._inbox = bytearray()
-        if self._counted:
-            self._counted = False
-            self.site.open_connections -= 1
-            self.site.channels.discard(self)
+        self.site.release(self)
         super().connectionLost(reason)
 
 
@@ -287,7 +283,6 @@ class BoundedSite(Site):
             self.refused += 1
             return None  # the transport is closed at once
         channel = super().buildProtocol(addr)
-        channel._counted = True
         self.open_connections += 1
         self.channels.add(channel)
         return channel
@@ -299,9 +294,12 @@ class BoundedSite(Site):
             return False
         _rank, _id, victim = min(ranked, key=lambda r: (r[0], r[1]))
         self.evicted += 1
-        self.channels.discard(victim)
-        if victim._counted:
-            victim._counted = False
-            self.open_connections -= 1
+        self.release(victim)
         victim.evict()
         return True
+
+    def release(self, channel: _BoundedChannel) -> None:
+        """A connection is gone (or evicted): it no longer counts against C{max_connections}."""
+        if channel in self.channels:
+            self.channels.discard(channel)
+            self.open_connections -= 1

@@ -87,8 +87,8 @@ def readiness(agent: Any) -> dict[str, Any]:
             "agent_id": agent.config.agent_id,
             "last_heartbeat_at": getattr(heartbeat, "last_sent_at", None),
             "workloads": len(workload_states(agent)),
-            "commands_running": len(agent.pipeline._running),
-            "heartbeat_status": agent._heartbeat_fields()["status"],
+            "commands_running": agent.pipeline.running_count,
+            "heartbeat_status": agent.status.heartbeat_fields()["status"],
         },
     }
 

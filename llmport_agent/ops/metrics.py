@@ -375,7 +375,7 @@ class AgentCollector:
         for key in ("succeeded", "failed", "timed_out"):
             outcomes.add_metric([key], p.stats.get(key, 0))
         yield outcomes
-        yield _gauge("commands_running", "Commands running now", len(p._running))
+        yield _gauge("commands_running", "Commands running now", p.running_count)
         journal = GaugeMetricFamily(PREFIX + "command_journal_records",
                                     "Records in the command journal by state", labels=["state"])
         for key, value in sorted(a.journal.depth().items()):
