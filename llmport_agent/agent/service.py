@@ -60,11 +60,12 @@ def make_http_client(reactor: Any, config: AgentConfig) -> Any:
     from treq.client import HTTPClient
     from twisted.web.client import HTTPConnectionPool
 
+    from llmport_agent.core.twistedapi import quiet_pool_factory
     from llmport_agent.session.endpoints import backend_agent
     from llmport_agent.session.tls import https_policy
 
     pool = HTTPConnectionPool(reactor, persistent=True)
-    pool._factory.noisy = False
+    quiet_pool_factory(pool)
     pool.maxPersistentPerHost = max(
         4, config.model_sync_concurrency * (config.model_sync_connections or 4) + 2
     )

@@ -40,6 +40,7 @@ def makeService(options: Options) -> Any:
 
     from llmport_agent.agent.drain import install_stop_signals
     from llmport_agent.agent.service import AgentService
+    from llmport_agent.core.twistedapi import forget_exit_signal
     from llmport_agent.host.fdlimit import raise_open_files_limit
 
     raise_open_files_limit()
@@ -52,8 +53,7 @@ def makeService(options: Options) -> Any:
     def clean_exit() -> None:
         # twistd re-raises SIGTERM/SIGINT at exit (status -15/-2); a clean stop of the agent
         # exits 0 instead, as `llmport-agent run` does.
-        if getattr(reactor, "_exitSignal", None) in (signal.SIGTERM, signal.SIGINT):
-            reactor._exitSignal = None  # type: ignore[attr-defined]
+        forget_exit_signal(reactor, (signal.SIGTERM, signal.SIGINT))
 
     reactor.addSystemEventTrigger("after", "shutdown", clean_exit)
     agent = AgentService(reactor, options.config, fatal=fatal)
