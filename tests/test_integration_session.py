@@ -15,7 +15,7 @@ from twisted.internet import reactor
 from twisted.internet.task import deferLater
 
 from llmport_agent.devbackend import make_test_tls
-from llmport_agent.session.service import EXIT_NEEDS_OPERATOR
+from llmport_agent.session.shared import EXIT_NEEDS_OPERATOR
 from tests.agentharness import AgentTestCase
 
 

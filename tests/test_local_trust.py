@@ -587,7 +587,7 @@ class AgentKeepsTheIssuerTests(SynchronousTestCase):
         return svc
 
     def test_another_backend_url_gets_nothing(self) -> None:
-        from llmport_agent.session.enrollment import EXIT_NEEDS_OPERATOR
+        from llmport_agent.session.shared import EXIT_NEEDS_OPERATOR
         from tests.test_session import CRED
 
         self.session("http://127.0.0.1:8001", {"credential": CRED, "node_id": "n1",
@@ -614,7 +614,7 @@ class AgentKeepsTheIssuerTests(SynchronousTestCase):
 
     def test_enrollment_naming_a_bad_node_id_stops_with_one_line(self) -> None:
         from llmport_agent.core.cleantext import checked_node_id
-        from llmport_agent.session.enrollment import EXIT_NEEDS_OPERATOR
+        from llmport_agent.session.shared import EXIT_NEEDS_OPERATOR
 
         self.session("http://127.0.0.1:8000", token="tok-1")
         try:

@@ -828,7 +828,7 @@ class AgentObserverTests(SynchronousTestCase):
 
     def test_the_agents_fix_hints_ship_whole(self) -> None:
         """Its own sentence after "token:" reaches Loki as written (issue 26); values do not."""
-        from llmport_agent.session.enrollment import TOKEN_HELP
+        from llmport_agent.session.shared import TOKEN_HELP
 
         self.log.critical("{reason}", reason=f"no enrollment token: {TOKEN_HELP} and set X")
         self.log.info("password: {p} was set", p="hunter22")

@@ -67,7 +67,7 @@ class JSONLinesTests(SynchronousTestCase):
         The agent's fatal line carries its text in a field ({reason}), which is redacted: the
         hint after "token:" must survive it (issue 26: "no enrollment token: *** a new one").
         """
-        from llmport_agent.session.enrollment import TOKEN_HELP
+        from llmport_agent.session.shared import TOKEN_HELP
 
         reason = f"No credential in /var/lib/x and no enrollment token: {TOKEN_HELP} and set Y"
         line = self.emit(lambda log: log.critical("{reason}", reason=reason))[0]
@@ -149,7 +149,7 @@ class JournalTests(SynchronousTestCase):
         return stream.getvalue()
 
     def test_native_entries_with_priorities_and_fields(self) -> None:
-        from llmport_agent.session.enrollment import TOKEN_HELP
+        from llmport_agent.session.shared import TOKEN_HELP
 
         path, server = self.journal_socket()
 

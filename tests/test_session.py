@@ -23,13 +23,10 @@ from llmport_agent.core.state import StateStore, token_fingerprint
 from llmport_agent.demo.testing import SynchronousRunner
 from llmport_agent.session.backend_http import Enrollment, Rejected, Transient
 from llmport_agent.session.protocol import AgentClientFactory, ConnectionGone
-from llmport_agent.session.service import (
-    CRITICAL_STOP_GRACE,
-    EXIT_NEEDS_OPERATOR,
-    ROTATION_INTERVAL,
-    SessionService,
-    stream_url,
-)
+from llmport_agent.session.rotation import ROTATION_INTERVAL
+from llmport_agent.session.service import SessionService, stream_url
+from llmport_agent.session.shared import EXIT_NEEDS_OPERATOR
+from llmport_agent.session.stop import CRITICAL_STOP_GRACE
 
 CRED = "11111111-2222-3333-4444-555555555555." + "s" * 43
 

@@ -81,7 +81,7 @@ class Startup:
 
     def _failed(self, f: Any) -> None:
         from llmport_agent.core.state import StateUnreadable
-        from llmport_agent.session.service import EXIT_NEEDS_OPERATOR
+        from llmport_agent.session.shared import EXIT_NEEDS_OPERATOR
 
         if f.check(StateUnreadable):
             self.fatal(EXIT_NEEDS_OPERATOR, f.getErrorMessage())
@@ -112,7 +112,7 @@ class Startup:
             # One state location per user (run, start --user and join --user share it).
             moved = await self.io_pool.run(adopt_old_state, self.state.path)
         except TwoStates as e:
-            from llmport_agent.session.service import EXIT_NEEDS_OPERATOR
+            from llmport_agent.session.shared import EXIT_NEEDS_OPERATOR
 
             self.fatal(EXIT_NEEDS_OPERATOR, str(e))
             return

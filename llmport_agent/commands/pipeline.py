@@ -1030,4 +1030,4 @@ async def _call(spec: HandlerSpec, ctx: _Context) -> dict[str, Any]:
     return await spec.handler(ctx)
 
 
-__all__ = ["CommandPipeline", "NodeModes", "RECEIVED"]
+__all__ = ["CommandPipeline", "NodeModes",]

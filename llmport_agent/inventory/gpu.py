@@ -41,7 +41,6 @@ from llmport_agent.inventory.health import (
 )
 
 __all__ = [
-    "EccErrors",
     "GPUDevice",
     "GPUProcess",
     "GPUSnapshot",

@@ -80,7 +80,6 @@ __all__ = [
     "LokiShipper",
     "RoomWaiter",
     "PUSH_PATH",
-    "encode_batch",
     "loki_http_client",
     "push_target",
 ]

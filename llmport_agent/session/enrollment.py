@@ -24,7 +24,7 @@ from llmport_agent.session.backend_http import BackendHTTP, Rejected, Transient
 from llmport_agent.session.shared import EXIT_NEEDS_OPERATOR, TOKEN_HELP, SessionStats
 from llmport_agent.session.stop import StopGate
 
-__all__ = ["EXIT_NEEDS_OPERATOR", "TOKEN_HELP", "Enrollment"]
+__all__ = [ "Enrollment"]
 
 
 class Enrollment:

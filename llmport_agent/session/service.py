@@ -55,15 +55,9 @@ from llmport_agent.session.protocol import (
     AgentClientProtocol,
 )
 from llmport_agent.session.refusal import (
-    REVOKED_AFTER_REFUSALS,
-    REVOKED_AFTER_SECONDS,
-    REVOKED_RETRY_SECONDS,
     Refusals,
 )
 from llmport_agent.session.rotation import (
-    ROTATION_CHECK,
-    ROTATION_INTERVAL,
-    ROTATION_TIMEOUT,
     Rotation,
 )
 from llmport_agent.session.shared import (
@@ -73,18 +67,13 @@ from llmport_agent.session.shared import (
     SessionListener,
     SessionStats,
 )
-from llmport_agent.session.stop import CRITICAL_STOP_GRACE, StopGate
+from llmport_agent.session.stop import StopGate
 from llmport_agent.session.tls import client_tls_options, describe_connection_error
 
 STREAM_PATH = "/api/admin/system/nodes/stream"
 
 #: Importable from here as before the split (the agent, tests).
-__all__ = [
-    "CRITICAL_STOP_GRACE", "EXIT_NEEDS_OPERATOR", "INBOUND_TYPES", "REVOKED_AFTER_REFUSALS",
-    "REVOKED_AFTER_SECONDS", "REVOKED_RETRY_SECONDS", "ROTATION_CHECK", "ROTATION_INTERVAL",
-    "ROTATION_TIMEOUT", "STREAM_PATH", "TOKEN_HELP", "SessionListener", "SessionService",
-    "SessionStats", "stream_url",
-]
+__all__ = ["STREAM_PATH", "SessionService", "stream_url"]
 
 
 def stream_url(backend_url: str) -> str:

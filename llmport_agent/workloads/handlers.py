@@ -64,7 +64,7 @@ from .spec import (
     slug_container_name,
 )
 
-__all__ = ["WorkloadManager", "WorkloadSettings", "workload_handler_specs"]
+__all__ = ["WorkloadManager", "workload_handler_specs"]
 
 #: sync_model(model_sync, progress) -> result; progress(message, **extra)
 SyncModel = Callable[[dict[str, Any], Callable[..., None]], Awaitable[dict[str, Any]]]

@@ -38,7 +38,9 @@ from llmport_agent.devbackend import _stream as dev_stream
 from llmport_agent.events.outbox import EventOutbox
 from llmport_agent.session import service as session_service
 from llmport_agent.session.protocol import AgentClientFactory
-from llmport_agent.session.service import CRITICAL_STOP_GRACE, ROTATION_INTERVAL, SessionService
+from llmport_agent.session.rotation import ROTATION_INTERVAL
+from llmport_agent.session.service import SessionService
+from llmport_agent.session.stop import CRITICAL_STOP_GRACE
 from tests.agentharness import AgentTestCase
 from tests.test_pipeline import Harness, command
 
