@@ -13,6 +13,7 @@ import os
 import threading
 from typing import Any
 
+from twisted.internet.defer import ensureDeferred
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
@@ -409,3 +410,87 @@ class NoEngineSocketTests(SynchronousTestCase):
         advance(clock, 31, step=1)
         self.assertTrue(engine.available)
         self.assertEqual(pool.calls, 1)
+
+    def test_calls_without_a_socket_use_no_thread(self) -> None:
+        from llmport_agent.workloads.engine import EngineError, StreamControl
+        from tests.test_workloads_engine import ADDR, FakeDocker, SyncPool
+
+        clock, fake = Clock(), FakeDocker()
+        engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake,
+                              socket_exists=lambda path: False)
+        short, streams = SyncPool(), SyncPool()
+        engine._short = short  # type: ignore[assignment]
+        engine._streams = streams  # type: ignore[assignment]
+        engine.startService()
+        self.addCleanup(engine.stopService)
+        for _ in range(3):
+            err = self.failureResultOf(
+                ensureDeferred(engine.call(lambda client: None, what="list containers")), EngineError
+            ).value
+            self.assertTrue(err.unreachable)
+            self.assertEqual(
+                err.error_message,
+                f"list containers failed: Docker engine at {ADDR} is unreachable: the socket does "
+                "not exist (is dockerd running?)",
+            )
+            self.failureResultOf(
+                ensureDeferred(engine.stream(lambda client, control: None, StreamControl(), what="events")),
+                EngineError,
+            )
+        self.assertEqual((short.calls, streams.calls, fake.created), (0, 0, 0))
+        # The node's engine error reads as the probe's, whichever call found the socket missing.
+        self.assertEqual(
+            engine.last_error,
+            f"Docker engine at {ADDR} is unreachable: the socket does not exist (is dockerd running?)",
+        )
+
+
+LAZY_PROBE = r"""
+import sys
+from twisted.internet.defer import ensureDeferred
+from twisted.internet.task import Clock
+import llmport_agent.workloads.handlers, llmport_agent.workloads.health
+import llmport_agent.workloads.adoption, llmport_agent.workloads.exits
+import llmport_agent.workloads.images, llmport_agent.workloads.imageload
+import llmport_agent.workloads.servelogs, llmport_agent.workloads.diagnostics
+import llmport_agent.ray.handlers, llmport_agent.ray.container, llmport_agent.ray.imagepin
+import llmport_agent.ray.execs
+from llmport_agent.workloads.engine import DockerEngine, translate_error
+engine = DockerEngine(Clock(), environ={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
+translate_error("ping", engine.address, FileNotFoundError(2, "gone"), 1.0)
+print("before", "docker" in sys.modules, "requests" in sys.modules)
+engine._client("probe")
+print("after", "docker" in sys.modules, "requests" in sys.modules)
+"""
+
+
+class LazyDockerImportTests(SynchronousTestCase):
+    """docker-py (with requests, ~7 MiB) is imported when the first engine client is made."""
+
+    def test_not_imported_until_a_client_is_made(self) -> None:
+        import subprocess
+        import sys
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=root)
+        out = subprocess.run([sys.executable, "-c", LAZY_PROBE], env=env, capture_output=True,
+                             text=True, timeout=120, check=False)
+        self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+        self.assertEqual(out.stdout.split("\n")[:2], ["before False False", "after True True"])
+
+    def test_tls_settings_read_at_start(self) -> None:
+        from docker.errors import TLSParameterError
+
+        # A wrong TLS setting is said when the engine is made (docker-py reads it), as before.
+        with self.assertRaises(TLSParameterError):
+            DockerEngine(Clock(), environ={"DOCKER_HOST": "tcp://127.0.0.1:2376",
+                                           "DOCKER_CERT_PATH": "/nonexistent/certs",
+                                           "DOCKER_TLS_VERIFY": "1"})
+
+    def test_lazy_module(self) -> None:
+        from llmport_agent.core.lazyimport import LazyModule
+
+        lazy = LazyModule("json")
+        self.assertEqual(lazy.dumps([1]), "[1]")
+        self.assertTrue(lazy.loaded())
+        self.assertIs(lazy.module(), __import__("json"))
