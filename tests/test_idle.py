@@ -494,3 +494,50 @@ class LazyDockerImportTests(SynchronousTestCase):
         self.assertEqual(lazy.dumps([1]), "[1]")
         self.assertTrue(lazy.loaded())
         self.assertIs(lazy.module(), __import__("json"))
+
+
+class InventorySectionDeadlineTests(SynchronousTestCase):
+    """
+    One timer bounds all of a round's inventory sections: each timer the round left behind
+    (cancelled once its section answered) woke the reactor at its time, once a round.
+    """
+
+    def make(self, sections: dict[str, Any]) -> tuple[Clock, Any]:
+        from llmport_agent.inventory.collector import InventoryCollector
+        from llmport_agent.inventory.gpu import NoGPUSource
+        from tests.test_inventory_vllm import SyncRunner
+
+        clock = Clock()
+        state = self.mktemp()
+        os.makedirs(state)
+        collector = InventoryCollector(clock, SyncRunner(), NoGPUSource(), state_dir=state,
+                                       model_store=None, sections=sections, section_timeout=30.0)
+        return clock, collector
+
+    def test_one_deadline_for_all_sections(self) -> None:
+        from twisted.internet.defer import Deferred, succeed
+
+        pending: dict[str, Deferred[Any]] = {n: Deferred() for n in ("a", "b", "c")}
+        clock, collector = self.make({n: (lambda n=n: pending[n]) for n in pending})
+        d = Deferred.fromCoroutine(collector.collect())
+        self.assertEqual([c.getTime() for c in clock.getDelayedCalls()], [30.0])
+        pending["a"].callback(1)
+        pending["b"].callback(2)
+        clock.advance(30)  # "c" never answers: cut off at the round's deadline
+        report = self.successResultOf(d)
+        self.assertEqual((report.inventory.get("a"), report.inventory.get("b")), (1, 2))
+        self.assertNotIn("c", report.inventory)
+        self.assertEqual(clock.getDelayedCalls(), [])
+        # A round whose sections all answer leaves one cancelled timer, not one per section.
+        clock2, collector2 = self.make({n: (lambda: succeed(0)) for n in ("a", "b", "c")})
+        scheduled: list[float] = []
+        real = clock2.callLater
+
+        def counting(delay: float, *a: Any, **kw: Any) -> Any:
+            scheduled.append(delay)
+            return real(delay, *a, **kw)
+
+        clock2.callLater = counting  # type: ignore[method-assign]
+        for _ in range(10):
+            self.successResultOf(Deferred.fromCoroutine(collector2.collect()))
+        self.assertEqual(scheduled.count(30.0), 10)
