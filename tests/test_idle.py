@@ -541,3 +541,29 @@ class InventorySectionDeadlineTests(SynchronousTestCase):
         for _ in range(10):
             self.successResultOf(Deferred.fromCoroutine(collector2.collect()))
         self.assertEqual(scheduled.count(30.0), 10)
+
+
+class HeartbeatChangeTimerTests(SynchronousTestCase):
+    """
+    The inventory's report calls the heartbeat's notify_changed; on the minute it comes right
+    after the heartbeat of the same tick. Nothing changed: no timer for the change gap (it woke
+    the reactor once a minute to find nothing to send).
+    """
+
+    def test_no_timer_when_nothing_changed(self) -> None:
+        clock, session = Clock(), FakeSession()
+        fields: dict[str, Any] = {"status": "healthy", "capabilities": {}}
+        hb = HeartbeatReporter(clock, session, 15, lambda: dict(fields), min_change_gap=1.0)
+        hb.startService()
+        self.addCleanup(hb.stopService)
+        hb.session_opened()
+        loop_only = len(clock.getDelayedCalls())
+        for _ in range(60):  # an hour of inventories right after a heartbeat
+            clock.advance(60)
+            hb.notify_changed()
+            self.assertEqual(len(clock.getDelayedCalls()), loop_only)
+        fields["status"] = "degraded"  # a real change within the gap still goes at its end
+        hb.notify_changed()
+        self.assertEqual(len(clock.getDelayedCalls()), loop_only + 1)
+        clock.advance(1)
+        self.assertEqual(session.of_type("heartbeat")[-1]["status"], "degraded")
