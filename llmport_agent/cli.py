@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command not in commands:
         parser.print_help()
         return EX_USAGE
-    from llmport_agent.host.installer import Installer
+    if args.command != "run":  # the running agent never needs the installer (~2 MiB)
+        from llmport_agent.host.installer import Installer
 
     if args.command == "join":
         return join_command(args.url, args.user_mode, args.insecure_http)

@@ -13,6 +13,7 @@ import os
 import threading
 from typing import Any
 
+from twisted.internet.defer import ensureDeferred
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
@@ -409,3 +410,160 @@ class NoEngineSocketTests(SynchronousTestCase):
         advance(clock, 31, step=1)
         self.assertTrue(engine.available)
         self.assertEqual(pool.calls, 1)
+
+    def test_calls_without_a_socket_use_no_thread(self) -> None:
+        from llmport_agent.workloads.engine import EngineError, StreamControl
+        from tests.test_workloads_engine import ADDR, FakeDocker, SyncPool
+
+        clock, fake = Clock(), FakeDocker()
+        engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake,
+                              socket_exists=lambda path: False)
+        short, streams = SyncPool(), SyncPool()
+        engine._short = short  # type: ignore[assignment]
+        engine._streams = streams  # type: ignore[assignment]
+        engine.startService()
+        self.addCleanup(engine.stopService)
+        for _ in range(3):
+            err = self.failureResultOf(
+                ensureDeferred(engine.call(lambda client: None, what="list containers")), EngineError
+            ).value
+            self.assertTrue(err.unreachable)
+            self.assertEqual(
+                err.error_message,
+                f"list containers failed: Docker engine at {ADDR} is unreachable: the socket does "
+                "not exist (is dockerd running?)",
+            )
+            self.failureResultOf(
+                ensureDeferred(engine.stream(lambda client, control: None, StreamControl(), what="events")),
+                EngineError,
+            )
+        self.assertEqual((short.calls, streams.calls, fake.created), (0, 0, 0))
+        # The node's engine error reads as the probe's, whichever call found the socket missing.
+        self.assertEqual(
+            engine.last_error,
+            f"Docker engine at {ADDR} is unreachable: the socket does not exist (is dockerd running?)",
+        )
+
+
+LAZY_PROBE = r"""
+import sys
+from twisted.internet.defer import ensureDeferred
+from twisted.internet.task import Clock
+import llmport_agent.workloads.handlers, llmport_agent.workloads.health
+import llmport_agent.workloads.adoption, llmport_agent.workloads.exits
+import llmport_agent.workloads.images, llmport_agent.workloads.imageload
+import llmport_agent.workloads.servelogs, llmport_agent.workloads.diagnostics
+import llmport_agent.ray.handlers, llmport_agent.ray.container, llmport_agent.ray.imagepin
+import llmport_agent.ray.execs
+from llmport_agent.workloads.engine import DockerEngine, translate_error
+engine = DockerEngine(Clock(), environ={"DOCKER_HOST": "unix:///nonexistent/docker.sock"})
+translate_error("ping", engine.address, FileNotFoundError(2, "gone"), 1.0)
+print("before", "docker" in sys.modules, "requests" in sys.modules)
+engine._client("probe")
+print("after", "docker" in sys.modules, "requests" in sys.modules)
+"""
+
+
+class LazyDockerImportTests(SynchronousTestCase):
+    """docker-py (with requests, ~7 MiB) is imported when the first engine client is made."""
+
+    def test_not_imported_until_a_client_is_made(self) -> None:
+        import subprocess
+        import sys
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=root)
+        out = subprocess.run([sys.executable, "-c", LAZY_PROBE], env=env, capture_output=True,
+                             text=True, timeout=120, check=False)
+        self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+        self.assertEqual(out.stdout.split("\n")[:2], ["before False False", "after True True"])
+
+    def test_tls_settings_read_at_start(self) -> None:
+        from docker.errors import TLSParameterError
+
+        # A wrong TLS setting is said when the engine is made (docker-py reads it), as before.
+        with self.assertRaises(TLSParameterError):
+            DockerEngine(Clock(), environ={"DOCKER_HOST": "tcp://127.0.0.1:2376",
+                                           "DOCKER_CERT_PATH": "/nonexistent/certs",
+                                           "DOCKER_TLS_VERIFY": "1"})
+
+    def test_lazy_module(self) -> None:
+        from llmport_agent.core.lazyimport import LazyModule
+
+        lazy = LazyModule("json")
+        self.assertEqual(lazy.dumps([1]), "[1]")
+        self.assertTrue(lazy.loaded())
+        self.assertIs(lazy.module(), __import__("json"))
+
+
+class InventorySectionDeadlineTests(SynchronousTestCase):
+    """
+    One timer bounds all of a round's inventory sections: each timer the round left behind
+    (cancelled once its section answered) woke the reactor at its time, once a round.
+    """
+
+    def make(self, sections: dict[str, Any]) -> tuple[Clock, Any]:
+        from llmport_agent.inventory.collector import InventoryCollector
+        from llmport_agent.inventory.gpu import NoGPUSource
+        from tests.test_inventory_vllm import SyncRunner
+
+        clock = Clock()
+        state = self.mktemp()
+        os.makedirs(state)
+        collector = InventoryCollector(clock, SyncRunner(), NoGPUSource(), state_dir=state,
+                                       model_store=None, sections=sections, section_timeout=30.0)
+        return clock, collector
+
+    def test_one_deadline_for_all_sections(self) -> None:
+        from twisted.internet.defer import Deferred, succeed
+
+        pending: dict[str, Deferred[Any]] = {n: Deferred() for n in ("a", "b", "c")}
+        clock, collector = self.make({n: (lambda n=n: pending[n]) for n in pending})
+        d = Deferred.fromCoroutine(collector.collect())
+        self.assertEqual([c.getTime() for c in clock.getDelayedCalls()], [30.0])
+        pending["a"].callback(1)
+        pending["b"].callback(2)
+        clock.advance(30)  # "c" never answers: cut off at the round's deadline
+        report = self.successResultOf(d)
+        self.assertEqual((report.inventory.get("a"), report.inventory.get("b")), (1, 2))
+        self.assertNotIn("c", report.inventory)
+        self.assertEqual(clock.getDelayedCalls(), [])
+        # A round whose sections all answer leaves one cancelled timer, not one per section.
+        clock2, collector2 = self.make({n: (lambda: succeed(0)) for n in ("a", "b", "c")})
+        scheduled: list[float] = []
+        real = clock2.callLater
+
+        def counting(delay: float, *a: Any, **kw: Any) -> Any:
+            scheduled.append(delay)
+            return real(delay, *a, **kw)
+
+        clock2.callLater = counting  # type: ignore[method-assign]
+        for _ in range(10):
+            self.successResultOf(Deferred.fromCoroutine(collector2.collect()))
+        self.assertEqual(scheduled.count(30.0), 10)
+
+
+class HeartbeatChangeTimerTests(SynchronousTestCase):
+    """
+    The inventory's report calls the heartbeat's notify_changed; on the minute it comes right
+    after the heartbeat of the same tick. Nothing changed: no timer for the change gap (it woke
+    the reactor once a minute to find nothing to send).
+    """
+
+    def test_no_timer_when_nothing_changed(self) -> None:
+        clock, session = Clock(), FakeSession()
+        fields: dict[str, Any] = {"status": "healthy", "capabilities": {}}
+        hb = HeartbeatReporter(clock, session, 15, lambda: dict(fields), min_change_gap=1.0)
+        hb.startService()
+        self.addCleanup(hb.stopService)
+        hb.session_opened()
+        loop_only = len(clock.getDelayedCalls())
+        for _ in range(60):  # an hour of inventories right after a heartbeat
+            clock.advance(60)
+            hb.notify_changed()
+            self.assertEqual(len(clock.getDelayedCalls()), loop_only)
+        fields["status"] = "degraded"  # a real change within the gap still goes at its end
+        hb.notify_changed()
+        self.assertEqual(len(clock.getDelayedCalls()), loop_only + 1)
+        clock.advance(1)
+        self.assertEqual(session.of_type("heartbeat")[-1]["status"], "degraded")

@@ -16,8 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from attrs import frozen
-from twisted.internet.defer import Deferred
-from twisted.internet.defer import TimeoutError as DeferTimeout
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -247,11 +246,12 @@ class InventoryCollector:
             caps["paths"] = dict(self._paths)
         return caps
 
-    async def _section(self, name: str, read: Callable[[], Awaitable[Any]]) -> Any:
-        """One extra section's value, or C{None} when it failed or ran out of time."""
+    async def _section(self, name: str, d: Deferred[Any], late: set[str]) -> Any:
+        """
+        One extra section's value, or C{None} when it failed or ran out of time (the round's
+        one section deadline cancelled it and put its name in C{late}).
+        """
         try:
-            d: Deferred[Any] = Deferred.fromCoroutine(_awaited(read))
-            d.addTimeout(self._section_timeout, self._reactor)
             value = await d
         except Exception as e:
             if name not in self._section_failing:
@@ -259,8 +259,8 @@ class InventoryCollector:
                 self.log.warn(
                     "Reading the inventory's {section} failed ({why}); it is left out of the "
                     "inventory until it works again",
-                    section=name, why=describe_error(e) if not isinstance(e, DeferTimeout)
-                    else f"no answer within {self._section_timeout:g} s",
+                    section=name, why=f"no answer within {self._section_timeout:g} s"
+                    if name in late and isinstance(e, CancelledError) else describe_error(e),
                 )
             return None
         if name in self._section_failing:
@@ -321,10 +321,37 @@ class InventoryCollector:
     async def _collect(self) -> InventoryReport:
         static = await self._static_facts()
         gpu_d = Deferred.fromCoroutine(self._gpu_snapshot())  # never fails
-        section_ds = {
-            name: Deferred.fromCoroutine(self._section(name, read))  # never fail
-            for name, read in self._sections.items()
+        # One deadline for all sections of the round (they start together), not a timer each:
+        # a timer cancelled early still wakes the reactor at its time (Twisted leaves it in its
+        # heap), so each one the inventory scheduled cost a wake-up a minute at idle.
+        reads: dict[str, Deferred[Any]] = {
+            name: Deferred.fromCoroutine(_awaited(read)) for name, read in self._sections.items()
         }
+        late: set[str] = set()
+
+        def _cut_off() -> None:
+            for name, rd in reads.items():
+                if not rd.called:
+                    late.add(name)
+                    rd.cancel()
+
+        deadline = self._reactor.callLater(self._section_timeout, _cut_off) if reads else None
+        section_ds = {
+            name: Deferred.fromCoroutine(self._section(name, rd, late))  # never fail
+            for name, rd in reads.items()
+        }
+        try:
+            return await self._assemble(static, gpu_d, section_ds)
+        finally:
+            if deadline is not None and deadline.active():
+                deadline.cancel()
+            for sd in section_ds.values():  # the whole round was cancelled: so are they
+                if not sd.called:
+                    sd.cancel()
+
+    async def _assemble(
+        self, static: dict[str, str], gpu_d: Deferred[GPUSnapshot], section_ds: dict[str, Deferred[Any]]
+    ) -> InventoryReport:
         host: HostFacts = await self._runner.run(
             collect_host_facts, self._state_dir, self._model_store
         )

@@ -20,18 +20,20 @@ The functions taking a C{client} are thread functions for L{DockerEngine.call}.
 from __future__ import annotations
 
 import os
-from typing import Any
-
-import docker
-from docker.errors import NotFound
-from docker.types import DeviceRequest, Ulimit
+from typing import TYPE_CHECKING, Any
 
 from llmport_agent.core import safefs
+from llmport_agent.core.lazyimport import LazyModule
 
 from ..commands.base import POLICY_VIOLATION, RUNTIME_ERROR, CommandFailed
 from ..workloads.containers import start_created
 from ..workloads.spec import LABEL_AGENT_ID, LABEL_IMAGE
 from .bundle import RuntimeBundle
+
+if TYPE_CHECKING:
+    import docker
+else:
+    docker = LazyModule("docker")  # docker-py: imported at its first use
 
 LABEL_RAY = "io.llmport.ray-runtime"
 RAY_VALUE = "llmport-agent"
@@ -126,7 +128,7 @@ def find(client: docker.DockerClient, name: str) -> dict[str, Any] | None:
     """Thread function: the container named exactly C{name}, or C{None}."""
     try:
         info = client.api.inspect_container(name)
-    except NotFound:
+    except docker.errors.NotFound:
         return None
     snap = snapshot(info)
     if snap["name"] != name:  # inspect also matches ids and id prefixes
@@ -181,11 +183,11 @@ def _gpu_args(bundle: RuntimeBundle) -> tuple[list[Any], list[str]]:
     if bundle.accelerator_vendor == "amd":
         return [], ["/dev/kfd", "/dev/dri"]
     if bundle.gpus == "all":
-        return [DeviceRequest(count=-1, capabilities=[["gpu"]])], []
+        return [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])], []
     if bundle.gpus.startswith("device="):
         ids = [d for d in bundle.gpus[len("device=") :].split(",") if d]
-        return [DeviceRequest(device_ids=ids, capabilities=[["gpu"]])], []
-    return [DeviceRequest(count=int(bundle.gpus), capabilities=[["gpu"]])], []
+        return [docker.types.DeviceRequest(device_ids=ids, capabilities=[["gpu"]])], []
+    return [docker.types.DeviceRequest(count=int(bundle.gpus), capabilities=[["gpu"]])], []
 
 
 def create_args(
@@ -236,7 +238,7 @@ def create_and_start(client: docker.DockerClient, args: dict[str, Any]) -> dict[
         devices=args["devices"] or None,
         cap_add=args["cap_add"] or None,
         shm_size=args["shm_size"],
-        ulimits=[Ulimit(name=n, soft=s, hard=h) for n, s, h in args["ulimits"]] or None,
+        ulimits=[docker.types.Ulimit(name=n, soft=s, hard=h) for n, s, h in args["ulimits"]] or None,
         restart_policy={"Name": RESTART_POLICY},
         device_requests=args["device_requests"] or None,
         # An init as PID 1 (the engine's docker-init/tini, Podman's catatonit): it reaps the Ray
@@ -273,7 +275,7 @@ def remove(client: docker.DockerClient, ident: str) -> bool:
     """Thread function: force-remove; C{False} when it was already gone."""
     try:
         client.api.remove_container(ident, force=True)
-    except NotFound:
+    except docker.errors.NotFound:
         return False
     return True
 

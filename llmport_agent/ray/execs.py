@@ -13,13 +13,19 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import docker
 from attrs import frozen
+
+from llmport_agent.core.lazyimport import LazyModule
 
 from ..workloads import dockerapi
 from ..workloads.engine import StreamControl
+
+if TYPE_CHECKING:
+    import docker
+else:
+    docker = LazyModule("docker")  # docker-py: imported at its first use
 
 #: Bytes of stdout (and of stderr) kept from one exec.
 OUTPUT_LIMIT = 1024 * 1024

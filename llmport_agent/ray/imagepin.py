@@ -16,12 +16,18 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import docker
 from attrs import frozen
 
+from llmport_agent.core.lazyimport import LazyModule
+
 from ..commands.base import CommandFailed
+
+if TYPE_CHECKING:
+    import docker
+else:
+    docker = LazyModule("docker")  # docker-py: imported at its first use
 
 RUNTIME_IMAGE_MISSING = "runtime_image_missing"
 RUNTIME_IMAGE_MISMATCH = "runtime_image_mismatch"

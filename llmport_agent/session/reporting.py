@@ -138,6 +138,8 @@ class HeartbeatReporter(_PerConnectionLoop):
             return  # one is already due; it will carry the newest fields
         now = self._reactor.seconds()
         wait = 0.0 if self._last_sent_at is None else self._last_sent_at + self.min_change_gap - now
+        if wait > 0 and self._fields() == self._last_fields:
+            return  # nothing changed (the inventory after a heartbeat of the same tick): no timer
         if wait > 0:
             self._change_call = self._reactor.callLater(wait, self._send_if_changed)
         else:

@@ -32,16 +32,22 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import docker
 from attrs import define, field, frozen
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
+from llmport_agent.core.lazyimport import LazyModule
+
 from . import containers as ops
 from .policy import PolicyError, check_container_name, check_runtime_id
 from .spec import LABEL_AGENT_ID, LABEL_MANAGED, MANAGED_VALUE
+
+if TYPE_CHECKING:
+    import docker
+else:
+    docker = LazyModule("docker")  # docker-py: imported at its first use
 
 #: A recorded container id: the engine's short (12) or full (64) hex id, or anything between.
 _ID_RE = re.compile(r"\A[0-9a-fA-F]{12,64}\Z")

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import docker
-from docker.errors import NotFound
+from llmport_agent.core.lazyimport import LazyModule
 
 from .spec import (
     LABEL_AGENT_ID,
@@ -23,6 +22,11 @@ from .spec import (
     LABEL_RUNTIME_ID,
     MANAGED_VALUE,
 )
+
+if TYPE_CHECKING:
+    import docker
+else:
+    docker = LazyModule("docker")  # docker-py: imported at its first use
 
 _EXITED_RE = re.compile(r"\((-?\d+)\)")
 
@@ -38,7 +42,7 @@ def read_logs(client: docker.DockerClient, ident: str, max_bytes: int, **kwargs:
     """
     A container's logs (C{docker logs} options in C{kwargs}), read as a stream: at most the
     last C{max_bytes} are held, and reading stops after L{LOG_READ_CAP} bytes. Raises
-    C{NotFound} when the container is gone.
+    C{docker.errors.NotFound} when the container is gone.
     """
     stream = client.api.logs(ident, stream=True, follow=False, **kwargs)
     if isinstance(stream, (bytes, bytearray)):  # a stand-in engine answering whole
@@ -153,7 +157,7 @@ def inspect(client: docker.DockerClient, ident: str) -> dict[str, Any] | None:
     """
     try:
         return snapshot(client.api.inspect_container(ident))
-    except NotFound:
+    except docker.errors.NotFound:
         return None
 
 
@@ -370,7 +374,7 @@ def stop(client: docker.DockerClient, ident: str, grace: int) -> bool:
     """
     try:
         client.api.stop(ident, timeout=grace)
-    except NotFound:
+    except docker.errors.NotFound:
         return False
     return True
 
@@ -379,7 +383,7 @@ def remove(client: docker.DockerClient, ident: str) -> bool:
     """Remove (forcefully). Returns C{False} when it did not exist."""
     try:
         client.api.remove_container(ident, force=True)
-    except NotFound:
+    except docker.errors.NotFound:
         return False
     except docker.errors.APIError as exc:
         if exc.status_code == 409 and "already in progress" in str(exc.explanation or ""):
@@ -397,7 +401,7 @@ def logs(client: docker.DockerClient, ident: str, tail: int) -> bytes | None:
     """The last C{tail} lines (stdout and stderr, with timestamps), or C{None} if gone."""
     try:
         return read_logs(client, ident, RAW_LOGS_MAX, stdout=True, stderr=True, timestamps=True, tail=tail)
-    except NotFound:
+    except docker.errors.NotFound:
         return None
 
 
@@ -405,7 +409,7 @@ def log_tail(client: docker.DockerClient, ident: str, tail: int, max_bytes: int 
     """The last C{tail} lines (stdout and stderr, no timestamps) as text, at most C{max_bytes}."""
     try:
         raw = read_logs(client, ident, max_bytes, stdout=True, stderr=True, timestamps=False, tail=tail)
-    except NotFound:
+    except docker.errors.NotFound:
         return ""
     return raw.decode("utf-8", "replace")
 
@@ -423,7 +427,7 @@ def exit_info(client: docker.DockerClient, ident: str, tail: int = 20) -> dict[s
     text = b""
     try:
         text = read_logs(client, ident, 16 * 1024, stdout=True, stderr=True, timestamps=False, tail=tail)
-    except NotFound:
+    except docker.errors.NotFound:
         pass
     return {
         "status": snap["status"],

@@ -6,9 +6,9 @@ images they use. Objects, not JSON strings.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import docker
+from llmport_agent.core.lazyimport import LazyModule
 
 from . import containers as ops
 from .engine import DockerEngine, EngineError
@@ -18,6 +18,11 @@ from .spec import (
     LABEL_PROVIDER,
     LABEL_RUNTIME_ID,
 )
+
+if TYPE_CHECKING:
+    import docker
+else:
+    docker = LazyModule("docker")  # docker-py: imported at its first use
 
 
 def _collect(client: docker.DockerClient, agent_id: str, adopted: dict[str, str] | None = None) -> dict[str, Any]:

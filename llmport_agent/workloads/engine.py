@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import docker
-import requests
-from docker.constants import MINIMUM_DOCKER_API_VERSION
-from docker.errors import APIError, DockerException
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.logger import Logger
@@ -38,6 +35,9 @@ from llmport_agent.core.config import mask_url
 from llmport_agent.core.threads import PoolService
 
 from ..commands.base import RUNTIME_ERROR, CommandFailed
+
+if TYPE_CHECKING:
+    import docker
 
 T = TypeVar("T")
 
@@ -135,6 +135,46 @@ def _close_quietly(closeable: Any) -> None:
         pass
 
 
+def _tls_configured(env: Mapping[str, str]) -> bool:
+    """Whether C{DOCKER_CERT_PATH} or C{DOCKER_TLS_VERIFY} asks for TLS (as docker-py reads them)."""
+    verify = env.get("DOCKER_TLS_VERIFY")
+    return bool(env.get("DOCKER_CERT_PATH")) or (verify is not None and verify != "")
+
+
+def _kwargs_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """docker-py's client arguments from the environment (imports docker-py)."""
+    import docker.utils
+
+    return dict(docker.utils.kwargs_from_env(environment=env))
+
+
+def _docker_client(**kwargs: Any) -> docker.DockerClient:
+    """A docker-py client; docker-py (with requests, ~7 MiB) is imported at the first one."""
+    import docker
+
+    return docker.DockerClient(**kwargs)
+
+
+class _NotLoaded(Exception):
+    """Stands for an exception class of a module not imported: nothing is an instance of it."""
+
+
+def _loaded_errors() -> tuple[Any, Any, Any, Any]:
+    """
+    docker-py's C{APIError} and C{DockerException}, requests' C{Timeout} and
+    C{ConnectionError}; L{_NotLoaded} for those of a module not imported yet (then no
+    exception can be one of them: translating an error never imports docker-py).
+    """
+    errors = sys.modules.get("docker.errors")
+    rexc = sys.modules.get("requests.exceptions")
+    return (
+        getattr(errors, "APIError", _NotLoaded),
+        getattr(errors, "DockerException", _NotLoaded),
+        getattr(rexc, "Timeout", _NotLoaded),
+        getattr(rexc, "ConnectionError", _NotLoaded),
+    )
+
+
 def _find_cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
     seen: set[int] = set()
     cur: BaseException | None = exc
@@ -148,6 +188,7 @@ def _find_cause(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> b
 
 def _short_cause(exc: BaseException) -> str:
     """A one-line cause without URLs (which may carry query strings) or tracebacks."""
+    APIError = _loaded_errors()[0]  # noqa: N806
     if isinstance(exc, APIError):
         text = str(exc.explanation or "") or f"HTTP {exc.status_code}"
     else:
@@ -171,6 +212,7 @@ def _short_cause(exc: BaseException) -> str:
 
 def translate_error(what: str, address: str, exc: BaseException, timeout: float | None) -> EngineError:
     """Turn a docker-py / requests exception into an L{EngineError} a person can read."""
+    APIError, DockerException, Timeout, RequestsConnectionError = _loaded_errors()  # noqa: N806
     if isinstance(exc, APIError):
         explanation = " ".join(str(exc.explanation or "").split())[:1000]
         return EngineError(
@@ -179,13 +221,13 @@ def translate_error(what: str, address: str, exc: BaseException, timeout: float 
             status_code=exc.status_code,
             explanation=explanation,
         )
-    if _find_cause(exc, (requests.exceptions.Timeout,)):
+    if _find_cause(exc, (Timeout,)):
         return EngineError(
             f"{what} failed: Docker engine at {address} did not answer within "
             f"{timeout if timeout is not None else '?'} s"
         )
     if _find_cause(
-        exc, (requests.exceptions.ConnectionError, ConnectionError, FileNotFoundError)
+        exc, (RequestsConnectionError, ConnectionError, FileNotFoundError)
     ) or (isinstance(exc, DockerException) and "fetching server API version" in str(exc)):
         return EngineError(
             f"{what} failed: Docker engine at {address} is unreachable: {_short_cause(exc)}",
@@ -230,13 +272,18 @@ class DockerEngine(Service):
         self.setName("docker-engine")
         self._reactor = reactor
         env = dict(os.environ if environ is None else environ)
-        self._client_kwargs: dict[str, Any] = docker.utils.kwargs_from_env(environment=env)
+        if not env:
+            env = dict(os.environ)  # docker-py reads an empty environment as os.environ
+        # docker-py (with requests, ~7 MiB and ~0.1 s of imports) is imported when the first
+        # client is made, on a pool thread: a node without an engine never imports it. TLS
+        # settings are read now (a wrong one is said at start, as before).
+        self._env = env
+        self._client_kwargs: dict[str, Any] | None = _kwargs_from_env(env) if _tls_configured(env) else None
+        self._host = str(env.get("DOCKER_HOST") or "")
         # For messages and diagnostics: a password in DOCKER_HOST is masked (the client gets
-        # the address as configured, through _client_kwargs). Without DOCKER_HOST: Docker's
-        # socket, or Podman's when only that one exists.
-        self.address: str = mask_url(
-            str(self._client_kwargs.get("base_url") or default_address(socket_exists))
-        )
+        # the address as configured). Without DOCKER_HOST: Docker's socket, or Podman's when
+        # only that one exists.
+        self.address: str = mask_url(self._host or default_address(socket_exists))
         self._socket_exists = socket_exists
         self.call_timeout = call_timeout
         self.stream_timeout = stream_timeout
@@ -246,7 +293,7 @@ class DockerEngine(Service):
         self._streams = PoolService(reactor, "docker-stream", self._stream_threads)
         self._clients: dict[str, docker.DockerClient] = {}
         self._client_lock = threading.Lock()
-        self._client_factory = client_factory or docker.DockerClient
+        self._client_factory = client_factory or _docker_client
         self._controls: set[StreamControl] = set()
         self._counter = itertools.count(1)
         self._calls = 0
@@ -350,11 +397,12 @@ class DockerEngine(Service):
         self._probe_call = None
         if self._probing is not None or not self.running:
             return
-        path = self._socket_path()
-        if path and not self._socket_exists(path):
+        try:
             # No socket, no engine: said without a thread (the probe of a node without
             # dockerd wakes nothing but this timer).
-            d: Deferred[dict[str, Any]] = fail(FileNotFoundError(2, "No such file or directory", path))
+            self._checkSocket()
+        except FileNotFoundError as exc:
+            d: Deferred[dict[str, Any]] = fail(exc)
         else:
             d = self._short.run(self._probeFacts)
         self._probing = d
@@ -394,8 +442,26 @@ class DockerEngine(Service):
 
     def _socket_path(self) -> str:
         """The engine's socket file for a C{unix://} address, else ""."""
-        base = str(self._client_kwargs.get("base_url") or self.address)
+        base = self._host or self.address
         return base[len("unix://"):] if base.startswith("unix://") else ""
+
+    def _checkSocket(self, label: str = "") -> None:
+        """
+        Raise an unreachable L{EngineError} (C{FileNotFoundError} for the probe, no C{label})
+        when the engine's socket file is missing: a call then fails as docker-py's would,
+        without a pool thread or importing docker-py. The node's engine error reads as the
+        probe's would (no call named in it).
+        """
+        path = self._socket_path()
+        if not path or self._socket_exists(path):
+            return
+        exc = FileNotFoundError(2, "No such file or directory", path)
+        if not label:
+            raise exc
+        err = translate_error(label, self.address, exc, self.call_timeout)
+        self._setAvailable(False, err.error_message.removeprefix(f"{label} failed: "))
+        self._scheduleProbe(self._probe_delay)
+        raise err
 
     def checkNow(self) -> None:
         """Ping the engine soon (e.g. after a call failed to connect)."""
@@ -436,9 +502,13 @@ class DockerEngine(Service):
             client = self._clients.get(kind)
             if client is not None:
                 return client
+        if self._client_kwargs is None:
+            self._client_kwargs = _kwargs_from_env(self._env)
         kwargs = dict(self._client_kwargs)
         kwargs.setdefault("base_url", self.address)
         if kind == "probe":
+            from docker.constants import MINIMUM_DOCKER_API_VERSION
+
             # Made once, even while the engine is down: a fixed version needs no answer (a
             # version of "auto" asks the engine, and fails, at every attempt). It only makes
             # the unversioned version call, which every engine answers.
@@ -507,6 +577,7 @@ class DockerEngine(Service):
         operation = getattr(fn, "__name__", "call")
         started = self._reactor.seconds()
         try:
+            self._checkSocket(label)
             result = await self._short.run(self._invoke, "short", fn, args)
         except CancelledError:
             raise
@@ -540,6 +611,7 @@ class DockerEngine(Service):
             raise EngineError(f"{label} failed: the Docker executor is not running")
         self._controls.add(control)
         try:
+            self._checkSocket(label)
             return await self._streams.run(self._invoke, "stream", fn, (control, *args))
         except CancelledError:
             control.close("cancelled")

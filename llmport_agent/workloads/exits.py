@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import docker
-from docker.errors import APIError, NotFound
+from llmport_agent.core.lazyimport import LazyModule
 
 from .containers import read_logs, snapshot
+
+if TYPE_CHECKING:
+    import docker
+else:
+    docker = LazyModule("docker")  # docker-py: imported at its first use
 
 #: Exit code reported when the engine no longer knows it (the container ran again and its
 #: C{die} event has left the engine's event buffer).
@@ -56,7 +60,7 @@ def last_die(client: docker.DockerClient, container_id: str, since: float | None
             filters={"type": "container", "container": container_id, "event": ["die", "died"]},
             decode=True,
         )
-    except APIError:
+    except docker.errors.APIError:
         return None
     found: dict[str, Any] | None = None
     try:
@@ -90,7 +94,7 @@ def exit_info(client: docker.DockerClient, ident: str, tail: int = 20) -> dict[s
     """
     try:
         info = client.api.inspect_container(ident)
-    except NotFound:
+    except docker.errors.NotFound:
         return {
             "status": "missing",
             "exit_code": UNKNOWN_EXIT,
@@ -121,14 +125,14 @@ def exit_info(client: docker.DockerClient, ident: str, tail: int = 20) -> dict[s
         text = read_logs(client, snap["id"], 16 * 1024, **kwargs)
         if until is not None:
             text = b"\n".join(text.splitlines()[-tail:]) if tail > 0 else b""
-    except NotFound:
+    except docker.errors.NotFound:
         pass
-    except (APIError, docker.errors.InvalidVersion):
+    except (docker.errors.APIError, docker.errors.InvalidVersion):
         # An engine older than API 1.35 has no `until`: the newest lines, then.
         try:
             text = read_logs(client, snap["id"], 16 * 1024, stdout=True, stderr=True, timestamps=False,
                              tail=tail)
-        except NotFound:
+        except docker.errors.NotFound:
             pass
     return {
         "status": snap["status"],

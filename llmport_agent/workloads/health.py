@@ -22,19 +22,25 @@ when it breaks; at idle the only engine call is the reconcile's one listing per 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import docker
 from attrs import define, field
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from llmport_agent.core.lazyimport import LazyModule
+
 from . import containers as ops
 from .engine import DockerEngine, EngineError, StreamClosed, StreamControl
 from .settings import WorkloadSettings
 from .spec import LABEL_MANAGED, LABEL_NAME, LABEL_RUNTIME_ID, MANAGED_VALUE, endpoint_url
+
+if TYPE_CHECKING:
+    import docker
+else:
+    docker = LazyModule("docker")  # docker-py: imported at its first use
 
 #: emit(event_type, payload, severity)
 Emit = Callable[[str, dict[str, Any], str], None]

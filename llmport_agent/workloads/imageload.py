@@ -18,18 +18,20 @@ import json
 import queue
 import socket
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import docker
-from docker.transport import UnixHTTPAdapter
-from docker.types import CancellableStream
-from docker.utils.json_stream import json_stream
+from llmport_agent.core.lazyimport import LazyModule
 
 from ..commands.base import CommandFailed
 from . import dockerapi
 from .engine import StreamControl
 from .tarfilter import ImageTarFilter, TarRejected
+
+if TYPE_CHECKING:
+    import docker
+else:
+    docker = LazyModule("docker")  # docker-py: imported at its first use
 
 TRANSFER_FAILED = "image_transfer_failed"
 
@@ -123,7 +125,7 @@ def _raw_connection(api: Any) -> http.client.HTTPConnection | None:
     """A plain connection to the engine, or C{None} where docker-py must do the transport."""
     adapter = dockerapi.custom_adapter(api)
     timeout = getattr(api, "timeout", None)
-    if isinstance(adapter, UnixHTTPAdapter):
+    if isinstance(adapter, docker.transport.UnixHTTPAdapter):
         return _UnixConnection(adapter.socket_path, timeout)
     base = str(getattr(api, "base_url", ""))
     if base.startswith("http://"):
@@ -252,7 +254,7 @@ def _read_response(
             pass
         raise docker.errors.APIError(f"HTTP {response.status}", explanation=explanation.strip())
     chunks = iter(lambda: response.read1(64 * 1024), b"")
-    outcome = _messages(json_stream(c.decode("utf-8", "replace") for c in chunks))
+    outcome = _messages(docker.utils.json_stream.json_stream(c.decode("utf-8", "replace") for c in chunks))
     control.check()
     if sending_failed and not outcome["error"]:
         outcome["error"] = "the engine stopped reading the archive before its end"
@@ -302,7 +304,7 @@ def _load_via_docker_py(
         raise
     if rejected:
         raise _rejected(tar, rejected[0])
-    stream = CancellableStream(dockerapi.json_messages(api, response), response)
+    stream = docker.types.CancellableStream(dockerapi.json_messages(api, response), response)
     control.attach(stream)
     dockerapi.raise_for_status(api, response)
     outcome = _messages(iter(stream))

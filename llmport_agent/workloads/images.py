@@ -21,13 +21,13 @@ import base64
 import hashlib
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import docker
-from docker.types import CancellableStream
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+
+from llmport_agent.core.lazyimport import LazyModule
 
 from ..commands.base import INVALID_COMMAND, CommandFailed
 from . import dockerapi
@@ -37,6 +37,11 @@ from .imagetransfer import (
     ImageTransfer,
 )
 from .policy import ImageRef
+
+if TYPE_CHECKING:
+    import docker
+else:
+    docker = LazyModule("docker")  # docker-py: imported at its first use
 
 PULL_FAILED = "pull_failed"
 PULL_STALLED = "pull_stalled"
@@ -176,7 +181,7 @@ def _pull_thread(
         stream=True,
         timeout=None,
     )
-    stream = CancellableStream(dockerapi.json_messages(api, response), response)
+    stream = docker.types.CancellableStream(dockerapi.json_messages(api, response), response)
     control.attach(stream)
     dockerapi.raise_for_status(api, response)
     error = ""

@@ -24,13 +24,18 @@ import re
 import socket
 import struct
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import docker
+from llmport_agent.core.lazyimport import LazyModule
 
 from ..ray.container import is_ours
 from . import dockerapi
 from .containers import by_exact_name
+
+if TYPE_CHECKING:
+    import docker
+else:
+    docker = LazyModule("docker")  # docker-py: imported at its first use
 
 #: The Ray runtime container (protocol 10.6).
 RAY_CONTAINER = "llm-port-ray-runtime"
