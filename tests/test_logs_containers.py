@@ -327,6 +327,29 @@ class SchedulerTests(SynchronousTestCase):
         self.assertEqual(served, set(cids))
         self.assertGreaterEqual(source.describe()["slices"], 3)
 
+    def test_a_container_queued_while_the_engine_is_away_gets_a_stream_when_it_is_back(self) -> None:
+        """
+        A stream that ends while the engine is away (dockerd restarting) queues its container;
+        when the engine answers again that container is opened, even though the list that
+        follows finds it already queued (it waited forever: the real engine-restart test's flake).
+        """
+        self.engine = FakeEngine()
+        cid = self.engine.add("web")
+        source = self.make()
+        _, d = self.streams.follow_of(cid)
+        self.engine.available = False
+        for listener in self.engine.listeners:
+            listener(False)
+        d.callback(FollowResult(1, 0, running=True, tty=False))  # the stream ends: still running
+        self.assertEqual(self.streams.follows(), [])
+        self.assertEqual(source.describe()["waiting_for_a_stream"], 1)
+        self.engine.available = True
+        for listener in self.engine.listeners:
+            listener(True)
+        args, _ = self.streams.follow_of(cid)
+        self.assertEqual(source.describe()["waiting_for_a_stream"], 0)
+        self.assertEqual(source.describe()["streams_opened"], 2)
+
     def test_a_die_event_reads_a_stopped_container_to_its_end_once(self) -> None:
         """A container that died without a stream open is read once more, then left alone."""
         self.engine = FakeEngine()

@@ -481,6 +481,9 @@ class ContainerLogSource(Service):
         for c in self._tracked.values():
             c.failures = 0
         self._start_events()
+        # Containers queued while the engine was away wait in the queue (a pump without the
+        # engine opens nothing, and the list's _want skips a queued container): open them now.
+        self._pump()
         self._reconcile_soon()
 
     def _adopted(self) -> dict[str, str]:
