@@ -56,6 +56,26 @@ class JSONLinesTests(SynchronousTestCase):
         self.assertNotIn(CREDENTIAL, text)
         self.assertNotIn(token, text)
 
+    def test_a_secret_across_the_field_cut_is_not_kept_in_part(self) -> None:
+        """A field (and a traceback) longer than MAX_FIELD_CHARS with a secret across the cut."""
+        from llmport_agent.core.logsetup import MAX_FIELD_CHARS
+
+        token = "tok-" + "Q" * 40
+        head = "a" * (MAX_FIELD_CHARS - 10) + token + "b" * 100
+        line = self.emit(lambda log: log.info("got {v}", v=head), secrets=[token])[0]
+        self.assertNotIn(token[:8], json.dumps(line))
+        self.assertGreater(len(str(line["v"])), MAX_FIELD_CHARS - 200)  # bounded, not emptied
+        self.assertNotIn(CREDENTIAL[:30], str(line["v"]))
+
+        def log_it(log: Logger) -> None:
+            try:
+                raise ValueError(CREDENTIAL[10:] + "x" * MAX_FIELD_CHARS)
+            except ValueError:
+                log.failure("failed {v}", v=("y" * (MAX_FIELD_CHARS - 40)) + CREDENTIAL)
+
+        line = self.emit(log_it)[0]
+        self.assertNotIn(CREDENTIAL[:40], json.dumps(line))
+
     def test_message_text_is_not_mangled(self) -> None:
         """Patterns apply to values, not to the agent's own words ("token: mint a new one")."""
         line = self.emit(lambda log: log.critical("no enrollment token: mint a new one ({why})",
