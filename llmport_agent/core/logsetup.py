@@ -99,7 +99,7 @@ def _plain(value: Any, secrets: Iterable[str], depth: int = 0) -> Any:
     if isinstance(value, float):
         return value if value == value and value not in (float("inf"), float("-inf")) else str(value)
     if isinstance(value, str):
-        return _cut(value, secrets, prose=True)
+        return _cut(value, secrets)  # field values (error texts too) strictly: not the agent's sentence
     if depth < 3 and isinstance(value, dict):
         return {str(k)[:128]: _plain(v, secrets, depth + 1) for k, v in list(value.items())[:64]}
     if depth < 3 and isinstance(value, list | tuple | set | frozenset):
@@ -153,8 +153,9 @@ def flat_event(event: dict[str, Any], secrets: Iterable[str] = ()) -> dict[str, 
 def _format(event: dict[str, Any], fields: dict[str, Any], secrets: Iterable[str]) -> str:
     plain = {k: v for k, v in event.items() if k.startswith("log_")}
     # Legacy keys (format, message, why, ...) take part in formatting: redacted too.
-    plain.update({k: redact(v, secrets, prose=True) if isinstance(v, str) else v for k, v in event.items()
-                  if k in _INTERNAL})
+    # Only the legacy format string is the agent's own sentence (the relaxed prose rule).
+    plain.update({k: redact(v, secrets, prose=k == "format") if isinstance(v, str) else v
+                  for k, v in event.items() if k in _INTERNAL})
     plain.update(fields)
     plain.pop("log_failure", None)
     try:
@@ -164,7 +165,7 @@ def _format(event: dict[str, Any], fields: dict[str, Any], secrets: Iterable[str
     if not text or text.startswith("Unable to format event"):
         # The format string needs the objects themselves ({obj.attr}): format, then redact it all.
         try:
-            text = redact(formatEvent(event), secrets, prose=True)
+            text = redact(formatEvent(event), secrets)
         except Exception:
             text = str(event.get("log_format", ""))
     return text

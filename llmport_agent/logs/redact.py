@@ -11,7 +11,8 @@ header, a traceback showing a request, a container echoing its environment into 
  - the password in C{scheme://user:password@host};
  - the value of C{enrollment_token}, C{credential}, C{password}, C{secret}, C{token},
    C{api_key} written as C{key=value}, C{key: value} or C{"key": "value"}. In the agent's own
-   lines (C{prose=True}: its log output and its lines shipped to Loki) the words of a sentence
+   lines (C{prose=True}: the format text of its log output and of its lines shipped to Loki,
+   never the field values put into it) the words of a sentence
    after a label are not a value: C{key: word more words} (a colon, a space, then a short
    lower-case word followed by more words, as in "no enrollment token: mint a new one with POST
    ...") is left as it is. Lines from elsewhere (the journal, containers, Ray) are masked
