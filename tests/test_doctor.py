@@ -500,6 +500,19 @@ class LogSinkTests(TestCase):
         self.assertEqual(len(findings), 1, [f.line() for f in findings])
         return findings[0]
 
+    async def test_a_backend_that_did_not_issue_the_credential_is_not_asked(self) -> None:
+        """BACKEND_URL from this shell, not the issuer: the sink question (with the credential) is not sent."""
+        url, asked = await self.backend(404)
+        ctx = self.ctx(url)
+        assert ctx.config is not None
+        with open(ctx.config.state_path, "w") as f:
+            json.dump({"credential": self.CREDENTIAL, "backend_url": "https://issuer.example:8443"}, f)
+        f2 = await self.run_loki(ctx)
+        self.assertEqual(f2.status, WARN, f2.line())
+        self.assertIn("issuer.example:8443", f2.detail)
+        self.assertEqual(asked, [])
+        self.assertNotIn(self.CREDENTIAL, f2.line())
+
     async def test_the_backends_sink_is_checked_not_called_off(self) -> None:
         """Before: "ok loki LOKI_URL unset: log shipping off" while the agent shipped to the backend's sink."""
         from twisted.web.server import Site

@@ -407,6 +407,27 @@ class RootsToolsTrustOnlyTheAgentTests(SynchronousTestCase):
         self.assertIn(f"held by another process than the agent (pid {proc.pid}", out)
         self.assertNotIn("zz-fake-node", out)
 
+    def test_an_ipv6_listener_127_0_0_1_does_not_reach_is_not_counted(self) -> None:
+        """
+        The agent on 127.0.0.1:P, another user on [::]:P: the IPv6 socket can only be v6only
+        (a dual-stack one could not bind beside it) and 127.0.0.1 never reaches it; with no IPv4
+        listener, a [::] one still counts (it may be dual-stack).
+        """
+        from llmport_agent.ops.probe import listening_inodes
+
+        proc = self.mktemp()
+        os.makedirs(os.path.join(proc, "net"))
+        head = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+        v4 = "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1\n"
+        v6 = ("   0: 00000000000000000000000000000000:1F90 00000000000000000000000000000000:0000 0A "
+              "00000000:00000000 00:00000000 00000000 65534        0 222 1\n")
+        with open(os.path.join(proc, "net", "tcp6"), "w") as f:
+            f.write(head + v6)
+        self.assertEqual(listening_inodes(8080, proc), {222})
+        with open(os.path.join(proc, "net", "tcp"), "w") as f:
+            f.write(head + v4)
+        self.assertEqual(listening_inodes(8080, proc), {111})
+
     def test_the_agent_itself_is_believed(self) -> None:
         """The lock's holder (this process) owns the listening socket: its answer is shown."""
         from llmport_agent.host.instance import InstanceLock

@@ -830,11 +830,15 @@ class AgentObserverTests(SynchronousTestCase):
         """Its own sentence after "token:" reaches Loki as written (issue 26); values do not."""
         from llmport_agent.session.shared import TOKEN_HELP
 
-        self.log.critical("{reason}", reason=f"no enrollment token: {TOKEN_HELP} and set X")
+        # As AgentService._fatal logs it: the fix hint in the format literal.
+        self.log.critical("{reason}" + TOKEN_HELP + "{reason_rest}", reason="no enrollment token: ",
+                          reason_rest=" and set X")
         self.log.info("password: {p} was set", p="hunter22")
+        self.log.warn("Pull failed: {e}", e="registry login failed: password: letmein now retry")
         text = "\n".join(self.sink.lines())
         self.assertIn("no enrollment token: mint a new one with POST", text)
         self.assertNotIn("hunter22", text)
+        self.assertNotIn("letmein", text)  # a field is text from elsewhere: masked strictly
 
     def test_failure_text_redacted(self) -> None:
         """A secret inside an exception message is masked in the traceback too."""

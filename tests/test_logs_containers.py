@@ -140,6 +140,22 @@ class FrameTests(SynchronousTestCase):
         self.assertEqual(joiner.unparsed, 1)
 
 
+    def test_a_secret_across_the_line_cut_is_not_shipped_in_part(self) -> None:
+        """A line over MAX_LINE_BYTES, a secret straddling the cut: none of it ships."""
+        from llmport_agent.logs.docker_logs import MAX_LINE_BYTES
+        from llmport_agent.logs.redact import Redactor
+
+        secret = "Registry-Passw0rd-" + "Z" * 30
+        piece = ("x " + secret).encode()
+        # Copies of the secret (masked: the line shrinks below MAX_LINE_CHARS), one across the cut.
+        body = piece * (MAX_LINE_BYTES // len(piece)) + b"y" * (MAX_LINE_BYTES % len(piece)) + b"zz"
+        body = body[:MAX_LINE_BYTES - 20] + secret.encode() + b" " * 40000 + b"\n"
+        joiner = _Joiner(Deduper(None), Redactor(lambda: [secret]).snapshot())
+        ((_ts, text),) = joiner.messages([(1, stamp(T0) + body)]).items
+        self.assertIn("x ***", text)
+        self.assertNotIn(secret[:8], text)
+
+
 class DeduperTests(SynchronousTestCase):
     """Exact positions: what a reopened stream repeats is skipped, nothing else."""
 

@@ -56,6 +56,26 @@ class JSONLinesTests(SynchronousTestCase):
         self.assertNotIn(CREDENTIAL, text)
         self.assertNotIn(token, text)
 
+    def test_a_secret_across_the_field_cut_is_not_kept_in_part(self) -> None:
+        """A field (and a traceback) longer than MAX_FIELD_CHARS with a secret across the cut."""
+        from llmport_agent.core.logsetup import MAX_FIELD_CHARS
+
+        token = "tok-" + "Q" * 40
+        head = "a" * (MAX_FIELD_CHARS - 10) + token + "b" * 100
+        line = self.emit(lambda log: log.info("got {v}", v=head), secrets=[token])[0]
+        self.assertNotIn(token[:8], json.dumps(line))
+        self.assertGreater(len(str(line["v"])), MAX_FIELD_CHARS - 200)  # bounded, not emptied
+        self.assertNotIn(CREDENTIAL[:30], str(line["v"]))
+
+        def log_it(log: Logger) -> None:
+            try:
+                raise ValueError(CREDENTIAL[10:] + "x" * MAX_FIELD_CHARS)
+            except ValueError:
+                log.failure("failed {v}", v=("y" * (MAX_FIELD_CHARS - 40)) + CREDENTIAL)
+
+        line = self.emit(log_it)[0]
+        self.assertNotIn(CREDENTIAL[:40], json.dumps(line))
+
     def test_message_text_is_not_mangled(self) -> None:
         """Patterns apply to values, not to the agent's own words ("token: mint a new one")."""
         line = self.emit(lambda log: log.critical("no enrollment token: mint a new one ({why})",
@@ -64,16 +84,31 @@ class JSONLinesTests(SynchronousTestCase):
 
     def test_a_fix_hint_in_a_field_survives(self) -> None:
         """
-        The agent's fatal line carries its text in a field ({reason}), which is redacted: the
-        hint after "token:" must survive it (issue 26: "no enrollment token: *** a new one").
+        The agent's fatal line: its fix hint must survive redaction (issue 26: "no enrollment
+        token: *** a new one"), while fields are redacted strictly (the hint goes into the
+        format literal, see AgentService._fatal).
         """
+        from llmport_agent.agent import service
         from llmport_agent.session.shared import TOKEN_HELP
 
         reason = f"No credential in /var/lib/x and no enrollment token: {TOKEN_HELP} and set Y"
-        line = self.emit(lambda log: log.critical("{reason}", reason=reason))[0]
+
+        def fatal(log: Logger) -> None:
+            fake = type("Fake", (), {"log": log, "exit_status": 0, "_fatal_cb": None})()
+            service.AgentService._fatal(fake, 78, reason)  # type: ignore[arg-type]
+
+        line = self.emit(fatal)[0]
         self.assertEqual(line["message"], reason)
-        self.assertEqual(line["reason"], reason)
         self.assertIn("token: mint a new one with POST", line["message"])
+
+    def test_foreign_text_in_a_field_is_masked_strictly(self) -> None:
+        """The relaxed "sentence" rule is for the agent's own format text, not field values."""
+        err = "registry login failed: password: letmein now retry"
+        line = self.emit(lambda log: log.warn("Pull failed: {error}", error=err))[0]
+        self.assertNotIn("letmein", json.dumps(line))
+        self.assertEqual(line["message"], "Pull failed: registry login failed: password: *** now retry")
+        line = self.emit(lambda log: log.warn("no enrollment token: mint one ({e})", e="x"))[0]
+        self.assertEqual(line["message"], "no enrollment token: mint one (x)")
 
     def test_level_filter(self) -> None:
         self.assertEqual(self.emit(lambda log: log.debug("hidden"), level="INFO"), [])
@@ -158,7 +193,9 @@ class JournalTests(SynchronousTestCase):
             log.info("Connected to {url} after {n} tries", url="ws://h/x", n=3)
             log.warn("Heartbeat late by {seconds} s", seconds=2.5)
             log.error("Command {id} failed: {why}", id="c1", why="Bearer " + CREDENTIAL)
-            log.critical("{reason}", reason=f"no enrollment token: {TOKEN_HELP} and set X")
+            # As AgentService._fatal logs it: the fix hint in the format literal.
+            log.critical("{reason}" + TOKEN_HELP + "{reason_rest}", reason="no enrollment token: ",
+                         reason_rest=" and set X")
             try:
                 raise ValueError("boom")
             except ValueError:

@@ -51,6 +51,7 @@ from llmport_agent.ops.status import NodeStatus
 from llmport_agent.session.backend_http import BackendHTTP
 from llmport_agent.session.reporting import HeartbeatReporter, InventoryReporter
 from llmport_agent.session.service import SessionService
+from llmport_agent.session.shared import TOKEN_HELP
 
 __all__ = ["AgentService", "make_http_client"]
 
@@ -535,7 +536,14 @@ class AgentService(MultiService):
     def _fatal(self, status: int, message: str) -> None:
         self.exit_status = status
         # Not a "message" field: legacy log observers replace a non-tuple "message" in place.
-        self.log.critical("{reason}", reason=message)
+        # Fields are redacted strictly ("token: mint ..." would lose its words): the agent's own
+        # fix hint goes into the format literal, the text around it stays fields.
+        head, hint, rest = message.partition(TOKEN_HELP)
+        if hint:
+            literal = TOKEN_HELP.replace("{", "{{").replace("}", "}}")
+            self.log.critical("{reason}" + literal + "{reason_rest}", reason=head, reason_rest=rest)
+        else:
+            self.log.critical("{reason}", reason=message)
         if self._fatal_cb is not None:
             self._fatal_cb(status, message)
 

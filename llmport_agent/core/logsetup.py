@@ -44,7 +44,7 @@ from twisted.logger import (
 )
 from zope.interface import implementer
 
-from llmport_agent.logs.redact import redact
+from llmport_agent.logs.redact import margin_for, redact, redact_cut
 
 LEVELS = {
     "DEBUG": LogLevel.debug,
@@ -99,7 +99,7 @@ def _plain(value: Any, secrets: Iterable[str], depth: int = 0) -> Any:
     if isinstance(value, float):
         return value if value == value and value not in (float("inf"), float("-inf")) else str(value)
     if isinstance(value, str):
-        return redact(value[:MAX_FIELD_CHARS], secrets, prose=True)
+        return _cut(value, secrets)  # field values (error texts too) strictly: not the agent's sentence
     if depth < 3 and isinstance(value, dict):
         return {str(k)[:128]: _plain(v, secrets, depth + 1) for k, v in list(value.items())[:64]}
     if depth < 3 and isinstance(value, list | tuple | set | frozenset):
@@ -108,7 +108,13 @@ def _plain(value: Any, secrets: Iterable[str], depth: int = 0) -> Any:
         text = str(value)
     except Exception:
         text = f"<unprintable {type(value).__name__}>"
-    return redact(text[:MAX_FIELD_CHARS], secrets)
+    return _cut(text, secrets)
+
+
+def _cut(text: str, secrets: Iterable[str], prose: bool = False, tail: bool = False) -> str:
+    """C{text} redacted and cut to L{MAX_FIELD_CHARS}: no part of a secret across the cut."""
+    secrets = list(secrets)
+    return redact_cut(text, MAX_FIELD_CHARS, lambda t: redact(t, secrets, prose=prose), margin_for(secrets), tail)
 
 
 def flat_event(event: dict[str, Any], secrets: Iterable[str] = ()) -> dict[str, Any]:
@@ -137,7 +143,7 @@ def flat_event(event: dict[str, Any], secrets: Iterable[str] = ()) -> dict[str, 
     failure = event.get("log_failure")
     if failure is not None:
         try:
-            out["error"] = redact(failure.getTraceback()[-MAX_FIELD_CHARS:], secrets)
+            out["error"] = _cut(failure.getTraceback(), secrets, tail=True)
             out["error_type"] = getattr(failure.type, "__name__", str(failure.type))
         except Exception:
             out["error"] = "unprintable failure"
@@ -147,8 +153,9 @@ def flat_event(event: dict[str, Any], secrets: Iterable[str] = ()) -> dict[str, 
 def _format(event: dict[str, Any], fields: dict[str, Any], secrets: Iterable[str]) -> str:
     plain = {k: v for k, v in event.items() if k.startswith("log_")}
     # Legacy keys (format, message, why, ...) take part in formatting: redacted too.
-    plain.update({k: redact(v, secrets, prose=True) if isinstance(v, str) else v for k, v in event.items()
-                  if k in _INTERNAL})
+    # Only the legacy format string is the agent's own sentence (the relaxed prose rule).
+    plain.update({k: redact(v, secrets, prose=k == "format") if isinstance(v, str) else v
+                  for k, v in event.items() if k in _INTERNAL})
     plain.update(fields)
     plain.pop("log_failure", None)
     try:
@@ -158,7 +165,7 @@ def _format(event: dict[str, Any], fields: dict[str, Any], secrets: Iterable[str
     if not text or text.startswith("Unable to format event"):
         # The format string needs the objects themselves ({obj.attr}): format, then redact it all.
         try:
-            text = redact(formatEvent(event), secrets, prose=True)
+            text = redact(formatEvent(event), secrets)
         except Exception:
             text = str(event.get("log_format", ""))
     return text

@@ -387,6 +387,13 @@ def _remove_pass(dir_fd: int, name: str, top: int, label: str, hoisted: int) -> 
                     os.rmdir(own_name, dir_fd=parent)
                 except FileNotFoundError:
                     pass
+                except NotADirectoryError:
+                    # A writer swapped the directory for a link (or a file) since it was opened:
+                    # the name goes (the link itself, never what it points at).
+                    try:
+                        os.unlink(own_name, dir_fd=parent)
+                    except FileNotFoundError:
+                        pass
                 except OSError as e:
                     # Not empty: a directory moved up into the top one after its listing passed
                     # it (or a writer added one); the next pass takes it.

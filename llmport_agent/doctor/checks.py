@@ -776,6 +776,16 @@ def check_loki(ctx: Context) -> list[Finding]:
     if not credential:
         return [ok("loki", "LOKI_URL unset: the agent asks the backend for its log sink once it has a "
                    "credential; until then logs are not shipped")]
+    from llmport_agent.host.join import credential_issuer, same_backend
+
+    # As check_credential: the credential goes only to the backend that issued it.
+    issuer = credential_issuer(state, _env_file_url(ctx))
+    if issuer is not None and not same_backend(issuer, c.backend_url):
+        from llmport_agent.core.config import mask_url
+
+        return [warn("loki", f"LOKI_URL unset; the backend's log sink not asked: the credential was issued by "
+                     f"{mask_url(issuer)}, not BACKEND_URL {mask_url(c.backend_url)} (not sent there)",
+                     "see the credential line above")]
     url = c.backend_url.rstrip("/") + LOG_SINK_PATH
     try:
         code, _h, body = _http(ctx, url, headers={"Authorization": f"Bearer {credential}"})

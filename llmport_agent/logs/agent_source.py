@@ -102,6 +102,7 @@ class AgentLogObserver:
         self._sink = shipper
         self._labels_fn = labels_fn
         self._redact = Redactor(secrets, prose=True)  # the agent's own words
+        self._strict = Redactor(secrets)  # field values and tracebacks: text from elsewhere
         self._min = _PRIORITY.get(min_level, 1)
         self._excluded = tuple(exclude_namespaces)
         self._wallclock = wallclock
@@ -133,15 +134,18 @@ class AgentLogObserver:
             priority = _PRIORITY[level]
         if priority < self._min:
             return
-        text = formatEvent(event)
+        # String fields are masked strictly before formatting; the relaxed rule then only
+        # spares words of the agent's own format text.
+        strict = self._strict.snapshot()
+        text = formatEvent({k: strict(v) if isinstance(v, str) and not k.startswith("log_") else v
+                            for k, v in event.items()})
+        line = self._redact(f"[{namespace}] {text}" if namespace else text)
         failure: Any = event.get("log_failure")
         if failure is not None:
             try:
-                text = f"{text}\n{failure.getTraceback()}".rstrip("\n")
+                line = f"{line}\n{strict(failure.getTraceback())}".rstrip("\n")
             except Exception:
-                text = f"{text}\n(traceback unavailable)"
-        line = f"[{namespace}] {text}" if namespace else text
-        line = self._redact(line)
+                line = f"{line}\n(traceback unavailable)"
         when = event.get("log_time")
         if not isinstance(when, (int, float)) or when != when or when < 0:
             when = self._wallclock()

@@ -36,6 +36,7 @@ from typing import Any
 from attrs import define, field, frozen
 
 from llmport_agent.logs.encoding import ENTRY_OVERHEAD
+from llmport_agent.logs.redact import CUT_MARGIN, redact_cut
 from llmport_agent.workloads import dockerapi
 from llmport_agent.workloads.engine import StreamClosed, StreamControl
 
@@ -376,11 +377,17 @@ class _Joiner:
             raw = raw[:-1]
             if raw.endswith(b"\r"):
                 raw = raw[:-1]
-            if len(raw) > MAX_LINE_BYTES:
-                raw = raw[:MAX_LINE_BYTES]
-            if not accept(ts, raw):
+            if not accept(ts, raw[:MAX_LINE_BYTES]):
                 continue
-            text = redact(raw.decode("utf-8", "replace"))
+            # Redacted over a window wider than the cut, then cut: a secret across the cut is
+            # masked whole, never shipped in part (margin: the snapshot's longest secret + 128).
+            margin = getattr(redact, "margin", CUT_MARGIN)
+            window = MAX_LINE_BYTES + 4 * margin
+            text = raw[:window].decode("utf-8", "replace")
+            if len(raw) > window:
+                text = redact_cut(text, len(text) - margin, redact, margin)
+            else:
+                text = redact(text)
             if len(text) > MAX_LINE_CHARS:
                 text = text[:MAX_LINE_CHARS] + " [truncated]"
             out.append((ts, text))

@@ -11,7 +11,8 @@ header, a traceback showing a request, a container echoing its environment into 
  - the password in C{scheme://user:password@host};
  - the value of C{enrollment_token}, C{credential}, C{password}, C{secret}, C{token},
    C{api_key} written as C{key=value}, C{key: value} or C{"key": "value"}. In the agent's own
-   lines (C{prose=True}: its log output and its lines shipped to Loki) the words of a sentence
+   lines (C{prose=True}: the format text of its log output and of its lines shipped to Loki,
+   never the field values put into it) the words of a sentence
    after a label are not a value: C{key: word more words} (a colon, a space, then a short
    lower-case word followed by more words, as in "no enrollment token: mint a new one with POST
    ...") is left as it is. Lines from elsewhere (the journal, containers, Ray) are masked
@@ -25,7 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 
-__all__ = ["MASK", "Redactor", "redact"]
+__all__ = ["MASK", "Redactor", "redact", "redact_cut"]
 
 MASK = "***"
 
@@ -106,6 +107,40 @@ def redact(text: str, secrets: Iterable[str] = (), prose: bool = False) -> str:
     return _redact(text, _ordered(secrets), prose)
 
 
+#: Beyond the longest configured secret, what a cut must leave room for: the longest pattern
+#: that masks nothing unless whole (a node credential, 80 characters).
+CUT_MARGIN = 128
+
+
+def margin_for(secrets: Iterable[str | None]) -> int:
+    """How much wider than a cut to redact (see L{redact_cut}) for C{secrets}."""
+    return max((len(s) for s in secrets if isinstance(s, str)), default=0) + CUT_MARGIN
+
+
+def redact_cut(text: str, limit: int, redact_fn: Callable[[str], str], margin: int, tail: bool = False) -> str:
+    """
+    C{redact_fn(text)} at most C{limit} characters long, its head (C{tail}: its end), with no
+    part of a secret that straddles the cut: a window C{margin} wider than the cut is redacted,
+    then the C{margin} characters at the window's open edge (where a secret the window cut in
+    two stays unmasked) are dropped along with the rest.
+    """
+    if len(text) <= limit:
+        return redact_fn(text)
+    if tail:
+        return redact_fn(text[-(limit + margin):])[margin:][-limit:]
+    done = redact_fn(text[:limit + margin])
+    return done[:max(0, len(done) - margin)][:limit]
+
+
+class _Snapshot:
+    def __init__(self, values: list[str], prose: bool) -> None:
+        self.values, self.prose = values, prose
+        self.margin = margin_for(values)
+
+    def __call__(self, text: str) -> str:
+        return _redact(text, self.values, self.prose)
+
+
 class Redactor:
     """
     L{redact} with the configured secrets read at every call (they change: rotation,
@@ -135,5 +170,4 @@ class Redactor:
         A redacting function with the secrets as they are now, for a batch of lines (reading
         the secrets once per batch instead of once per line). Safe in any thread.
         """
-        values, prose = self._values(), self._prose
-        return lambda text: _redact(text, values, prose)
+        return _Snapshot(self._values(), self._prose)  # its margin: for L{redact_cut}

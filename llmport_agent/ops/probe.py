@@ -104,6 +104,11 @@ def listening_inodes(port: int, proc: str = "/proc") -> set[int]:
     """
     out: set[int] = set()
     for name in ("tcp", "tcp6"):
+        if name == "tcp6" and out:
+            # An IPv4 listener reaching 127.0.0.1 takes that connection; beside it a [::] one
+            # can only be v6only (a dual-stack one could not bind): 127.0.0.1 never reaches it.
+            # A v4-mapped 127.0.0.1 one cannot bind beside it either.
+            break
         try:
             with open(os.path.join(proc, "net", name), encoding="ascii", errors="replace") as f:
                 for n, line in enumerate(f):

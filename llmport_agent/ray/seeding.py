@@ -663,7 +663,18 @@ class _SeedSite(BoundedSite):
     def _evict(self, channel: Any) -> None:
         self._unauthenticated.pop(channel, None)
         self.evicted += 1
-        channel.transport.abortConnection()
+        # It no longer counts now (its connectionLost comes later, after this accept batch;
+        # release is idempotent): else the open count runs ahead and room gets made below.
+        self.release(channel)
+        channel.evict()
+
+    def _make_room(self) -> bool:
+        """Room for a new connection is made only by closing an unauthenticated one."""
+        ranked = [(rank, c) for c in self._unauthenticated if (rank := c.eviction_rank()) is not None]
+        if not ranked:
+            return False
+        self._evict(min(ranked, key=lambda r: r[0])[1])
+        return True
 
     def promote(self, channel: Any) -> bool:
         """C{channel} presented the token: it no longer counts as unauthenticated."""

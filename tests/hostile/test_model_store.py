@@ -429,6 +429,28 @@ class SafeFsTests(SynchronousTestCase):
         safefs.remove_tree(self.fd, "t2")
         self.assertEqual(os.listdir(self.dir), [])
 
+    def test_remove_tree_a_directory_swapped_for_a_link_before_its_rmdir(self) -> None:
+        """
+        A writer swaps an emptied directory for a link just before its rmdir (fault-injected:
+        the real rmdir then fails ENOTDIR): the link goes, the removal finishes, the target stays.
+        """
+        top = os.path.join(self.dir, "t")
+        os.makedirs(os.path.join(top, "a", "b"))
+        real_rmdir = os.rmdir
+        swapped: list[str] = []
+
+        def rmdir(name: str, *, dir_fd: int | None = None) -> None:
+            if name == "b" and not swapped:
+                real_rmdir(name, dir_fd=dir_fd)
+                os.symlink(os.path.join(self.sentinel, "tmpdir"), name, dir_fd=dir_fd)
+                swapped.append(name)
+            real_rmdir(name, dir_fd=dir_fd)
+
+        self.patch(safefs.os, "rmdir", rmdir)
+        safefs.remove_tree(self.fd, "t")
+        self.assertEqual(swapped, ["b"])
+        self.assertEqual(os.listdir(self.dir), [])
+
     def test_remove_tree_depth_cannot_stop_it(self) -> None:
         """
         Issue 29 #7: a tree far deeper than the descriptors held (a chain of 1000, a file and a

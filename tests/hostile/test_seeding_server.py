@@ -186,6 +186,56 @@ class SeedingServerTests(SynchronousTestCase):
         _proto, transport = self.get("10.0.3.1", b"Range: bytes=0-0\r\n")
         self.assertTrue(transport.value().startswith(b"HTTP/1.1 206"), transport.value()[:100])
 
+    def test_a_paused_download_survives_a_burst_of_bare_connections(self) -> None:
+        """
+        A token holder's download whose output is paused (a slow reader), then a burst of bare
+        connections from one address accepted in one batch (their aborts not yet lost, as with
+        the reactor): the evicted ones no longer count, and room is never made by closing an
+        authenticated connection.
+        """
+        reads: list[Deferred[bytes]] = []
+
+        class SlowPool:
+            def run(self, fn: Any, *args: Any) -> Deferred[bytes]:
+                d: Deferred[bytes] = Deferred()
+                reads.append(d)
+                return d
+
+        self.state.pool = SlowPool()
+        proto, transport = self.get("10.0.0.2")
+        self.assertIn(proto, self.site.authenticated)
+        proto.pauseProducing()  # the transport's output is over its bound
+        burst: list[StringTransport] = []
+        for i in range(3 * self.site.max_connections):
+            addr = IPv4Address("TCP", "10.0.0.66", 1000 + i)
+            bare = self.site.buildProtocol(addr)
+            t = StringTransport(peerAddress=addr)  # an abort is not lost within the batch
+            if bare is not None:
+                bare.makeConnection(t)
+                burst.append(t)
+        self.assertFalse(transport.disconnecting)
+        self.assertIn(proto, self.site.channels)
+        still_open = [t for t in burst if not t.disconnecting]
+        self.assertEqual(len(still_open), seeding.PRE_AUTH_PER_HOST)
+        self.assertEqual(self.site.open_connections, 1 + len(still_open))
+        self.assertEqual(self.site.unauthenticated, len(still_open))
+
+    def test_room_is_made_only_from_unauthenticated_connections(self) -> None:
+        """Every slot taken, the unauthenticated ones all answering: a newcomer is refused."""
+        self.site.max_connections = 2
+        proto, transport = self.get("10.0.0.2", b"Range: bytes=0-0\r\n")
+        proto.pauseProducing()
+        self.assertIn(proto, self.site.authenticated)
+        bare, bare_t = self.connect("10.0.0.3")
+        newcomer, newcomer_t = self.connect("10.0.0.4")  # the bare one goes for it
+        self.assertTrue(bare_t.disconnecting)
+        self.assertFalse(transport.disconnecting)
+        newcomer_t.abortConnection()
+        self.assertEqual(self.site.open_connections, 1)
+        self.site.max_connections = 1
+        self.assertIsNone(self.site.buildProtocol(IPv4Address("TCP", "10.0.0.5", 1)))
+        self.assertFalse(transport.disconnecting)
+
     def test_503_while_exporting(self) -> None:
         """The holder listens before its docker save is written: token holders are told to retry."""
         self.state.fd = None
