@@ -180,6 +180,18 @@ def client(cfg: dict[str, Any]) -> None:
 
     reactor: Any = _reactor
     out: dict[str, Any] = {}
+    trace: list[str] = []
+    if cfg.get("trace"):
+        from twisted.logger import formatEvent, globalLogPublisher
+
+        t_start = time.perf_counter()
+
+        def scaler_events(event: dict[str, Any]) -> None:
+            fmt = event.get("log_format") or ""
+            if "connections" in fmt and "last window" in fmt:
+                trace.append(f"{time.perf_counter() - t_start:6.2f}s {formatEvent(event)}")
+
+        globalLogPublisher.addObserver(scaler_events)  # type: ignore[arg-type]
 
     async def main(reactor: Any) -> None:
         concurrency = cfg["concurrency"]
@@ -249,6 +261,7 @@ def client(cfg: dict[str, Any]) -> None:
             probemax=max(late["probe"]),
             cpu_reactor=reactor_cpu,
             cpu_workers=workers,
+            trace=trace,
         )
         started = time.perf_counter()
         again = await Deferred.fromCoroutine(
@@ -405,7 +418,7 @@ class Bench:
         cfg = {
             "tree": tree, "url": self.url, "token": self.token, "model_id": model_id,
             "store": store, "concurrency": self.args.concurrency, "connections": connections,
-            "segment_size": self.args.segment_mb * 1024 * 1024,
+            "segment_size": self.args.segment_mb * 1024 * 1024, "trace": self.args.trace,
         }
         cpu0 = self.server_cpu()
         load0 = os.getloadavg()[0]
@@ -444,6 +457,8 @@ def report_model(b: Bench, model_id: str, label: str, trees: list[tuple[str, str
             runs[name].append(r)
             line += (f", {name} {r['bytes'] / r['seconds'] / 1e6:.0f} MB/s"
                      f" [{r.get('connections_used', 1)} conn]")
+            for event in r.get("trace", []):
+                line += f"\n      {name}: {event}"
         print(line + f" (load {os.getloadavg()[0]:.1f})", flush=True)
     limit = [min(c, s) if c == c else s for c, s in zip(curl, sha, strict=True)]
     print(f"\n{label}: {size / 1e6:.0f} MB in {len(b.blobs[model_id])} blobs, "
@@ -504,6 +519,10 @@ def main() -> None:
     parser.add_argument("--segment-mb", type=int, default=32, help="MiB per ranged request")
     parser.add_argument("--rate-mbps", type=float, default=0,
                         help="limit each server response to this many MB/s (0 = none)")
+    parser.add_argument("--trace", action="store_true",
+                        help="print the connection scaler's decisions of each sync (the rate, "
+                             "this process's busy CPUs and the host's idle CPUs of the window "
+                             "behind each)")
     parser.add_argument("--baseline-tree", default=None,
                         help="another checkout of the agent (e.g. a git worktree of main) to "
                              "measure in the same run")

@@ -138,6 +138,20 @@ def _good_manifest() -> dict[str, Any]:
     return repo.add_model(MODEL_ID, REPO_ID, {"config.json": b"{}", "a/b/w.bin": b"x" * 10})
 
 
+def _idle_host() -> Any:
+    """CPU counters of a host with both CPUs idle (this process busy with nothing)."""
+    from llmport_agent.models.transfer import CpuSample
+
+    return CpuSample(0.0, 2 * reactor.seconds(), 2)
+
+
+def _busy_host() -> Any:
+    """CPU counters of a 2-CPU host where this process keeps 1.5 CPUs busy, none idle."""
+    from llmport_agent.models.transfer import CpuSample
+
+    return CpuSample(1.5 * reactor.seconds(), 0.0, 2)
+
+
 class ManifestValidationTests(SynchronousTestCase):
     """Every name and path of a manifest is checked before anything touches the disk."""
 
@@ -464,6 +478,85 @@ class WriteBatchTests(SynchronousTestCase):
         with open(path, "rb") as f:
             f.seek(4096)
             self.assertEqual(f.read(), data)
+
+
+class DropBehindTests(SynchronousTestCase):
+    """
+    L{_fs.drop_behind}: a part file's written bytes leave the page cache once they are more
+    than C{DROP_BEHIND} behind its latest write, after their writeback is done.
+    """
+
+    def _part(self) -> Any:
+        path = self.mktemp()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.addCleanup(os.close, fd)
+        return _fs.PartFile(cast(Any, None), cast(Any, None), fd, False, [])
+
+    def _record(self, result: int = 0, err: int = 0) -> list[tuple[str, int, int, int]]:
+        import ctypes
+
+        calls: list[tuple[str, int, int, int]] = []
+
+        def sfr(fd: int, offset: int, length: int, flags: int) -> int:
+            calls.append(("sync", offset, length, flags))
+            if result:
+                ctypes.set_errno(err)
+            return result
+
+        def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+            calls.append(("drop", offset, length, advice))
+
+        self.patch(_fs, "_sync_file_range", sfr)
+        self.patch(os, "posix_fadvise", fadvise)
+        self.patch(_fs, "DROP_BEHIND", 1000)
+        return calls
+
+    def test_oldest_settled_then_dropped(self) -> None:
+        """
+        Beyond the lag, the oldest ranges (in write order, wherever they are in the file)
+        are waited for and then dropped; the latest C{DROP_BEHIND} bytes stay.
+        """
+        calls = self._record()
+        part = self._part()
+        wait = 1 | 2 | 4
+        for offset in (4000, 0, 400):
+            _fs.write_batch(part, offset, [b"x" * 400])
+        self.assertEqual(calls[-2:], [("sync", 4000, 400, wait),
+                                      ("drop", 4000, 400, os.POSIX_FADV_DONTNEED)])
+        del calls[:]
+        _fs.write_batch(part, 800, [b"y" * 700])
+        self.assertEqual(
+            [c for c in calls if c[3] != 2],  # the writeback starts (flag 2) aside
+            [("sync", 0, 400, wait), ("drop", 0, 400, os.POSIX_FADV_DONTNEED),
+             ("sync", 400, 400, wait), ("drop", 400, 400, os.POSIX_FADV_DONTNEED)],
+        )
+        self.assertEqual((list(part.behind), part.behind_bytes), ([(800, 700)], 700))
+
+    def test_write_error_fails_the_write(self) -> None:
+        """
+        A failed writeback (EIO) fails the batch: the waiting call consumed the error, so
+        the fsync at the end would not report it.
+        """
+        import errno
+
+        self._record(-1, errno.EIO)
+        part = self._part()
+        _fs.write_batch(part, 0, [b"x" * 800])
+        e = self.assertRaises(OSError, _fs.write_batch, part, 800, [b"x" * 800])
+        self.assertEqual(e.errno, errno.EIO)
+
+    def test_unsupported_still_drops(self) -> None:
+        """Where the file system refuses C{sync_file_range}, the pages are still dropped."""
+        import errno
+
+        calls = self._record(-1, errno.EINVAL)
+        part = self._part()
+        _fs.write_batch(part, 0, [b"x" * 800])
+        _fs.write_batch(part, 800, [b"x" * 800])
+        self.assertIs(_fs._sync_file_range, False)
+        self.assertIn(("drop", 0, 800, os.POSIX_FADV_DONTNEED), calls)
+        with open(os.readlink(f"/proc/self/fd/{part.fd}"), "rb") as f:
+            self.assertEqual(f.read(), b"x" * 1600)
 
 
 class RangesTests(SynchronousTestCase):
@@ -1388,11 +1481,35 @@ class RangedLoopbackSyncTests(_LoopbackSync, TestCase):
         files = {"model.safetensors": data}
         manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
         self.repo.faults.rate_limit = 16_000_000
-        result = await self.syncer(connections=0, segment_size=4 * 1024 * 1024).sync(
-            manifest, lambda *a, **k: None
-        )
+        result = await self.syncer(connections=0, segment_size=4 * 1024 * 1024,
+                                   cpu=_idle_host).sync(manifest, lambda *a, **k: None)
         self.assertValidCache(manifest, files)
         self.assertGreater(result["connections_used"], 1)
+
+    async def test_adaptive_stays_at_one_stream_where_the_cpu_is_the_limit(self) -> None:
+        """
+        The same link on a host without idle CPU: no second connection, and once that is
+        settled, the rest of the blob comes as one open-ended stream (no more bounded
+        requests, each a round trip and a drained pipeline).
+        """
+        # Two windows of at least 0.5 s and two segments each come first (about 20 MiB: the
+        # stand-in sends the first MiB of each response at once, the rest at its limit);
+        # the stream brings the rest.
+        data = random.Random(17).randbytes(40 * 1024 * 1024)
+        files = {"model.safetensors": data}
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
+        big = manifest["blobs"][0]["hash"]
+        self.repo.faults.rate_limit = 16_000_000
+        result = await self.syncer(connections=0, segment_size=4 * 1024 * 1024,
+                                   cpu=_busy_host).sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, files)
+        self.assertEqual(result["connections_used"], 1)
+        headers = [r.range_header for r in self.repo.blob_requests(big)]
+        bounded = [h for h in headers if h and not h.endswith("-")]
+        self.assertTrue(bounded, headers)
+        self.assertEqual(headers[:len(bounded)], bounded)  # bounded first, then the stream
+        self.assertEqual(len(headers), len(bounded) + 1, headers)
+        self.assertRegex(headers[-1], r"^bytes=[1-9][0-9]*-$")
 
     async def test_many_blobs_bounded_by_bytes_in_flight(self) -> None:
         """
@@ -1511,3 +1628,121 @@ class ConnectionScalerTests(SynchronousTestCase):
             steps.append(scaler.observe(now, total))
         self.assertEqual([s for s in steps if s is not None], [2, 1])
         self.assertEqual(scaler.allowed, 1)
+
+
+class _FakeCpu:
+    """CPU counters that grow at set rates as the test's time moves (L{advance})."""
+
+    def __init__(self, busy: float, idle: float | None, cpus: int = 2) -> None:
+        self.busy, self.idle, self.cpus = busy, idle, cpus
+        self.process = 0.0
+        self.idle_total = 0.0
+        self.reads = 0
+
+    def advance(self, dt: float) -> None:
+        self.process += self.busy * dt
+        self.idle_total += (self.idle or 0.0) * dt
+
+    def __call__(self) -> Any:
+        from llmport_agent.models.transfer import CpuSample
+
+        self.reads += 1
+        return CpuSample(self.process, None if self.idle is None else self.idle_total, self.cpus)
+
+
+class ConnectionScalerCpuTests(SynchronousTestCase):
+    """
+    The scaler adds a connection only while the host has idle CPU for it: where the CPU is
+    the limit, more connections only add work.
+    """
+
+    def feed(self, scaler: Any, cpu: _FakeCpu, rates: dict[int, float],
+             busy: dict[int, float] | None = None, idle: dict[int, float] | None = None,
+             seconds: float = 10.0) -> list[int]:
+        """One-second windows at the rates (and CPU use) of each connection count; the steps."""
+        steps = []
+        now, total = 0.0, 0
+        scaler.observe(now, total)
+        while now < seconds and not scaler.settled:
+            if busy is not None:
+                cpu.busy = busy[scaler.allowed]
+            if idle is not None:
+                cpu.idle = idle[scaler.allowed]
+            now += 1.0
+            cpu.advance(1.0)
+            total += int(rates[scaler.allowed])
+            change = scaler.observe(now, total)
+            if change is not None:
+                steps.append(change)
+        return steps
+
+    def scaler(self, cpu: _FakeCpu, maximum: int = 4) -> Any:
+        from llmport_agent.models.transfer import ConnectionScaler
+
+        return ConnectionScaler(maximum, 1000, cpu=cpu)
+
+    def test_cpu_bound_host_keeps_one(self) -> None:
+        """
+        This process keeps 1.2 of 2 CPUs busy and the host has 0.3 idle: no second
+        connection, even though the rates would have it pay.
+        """
+        cpu = _FakeCpu(busy=1.2, idle=0.3)
+        scaler = self.scaler(cpu)
+        self.assertEqual(self.feed(scaler, cpu, {1: 1e6, 2: 2e6, 4: 4e6}), [])
+        self.assertEqual((scaler.allowed, scaler.settled), (1, True))
+        self.assertEqual(scaler.reason, "the CPU is the limit")
+        rate, busy, idle = scaler.last
+        self.assertEqual((rate, round(busy, 2), round(idle, 2)), (1e6, 1.2, 0.3))
+
+    def test_link_limited_host_adds(self) -> None:
+        """Each connection held to a rate, the CPUs mostly idle: doubled while it pays."""
+        cpu = _FakeCpu(busy=0.05, idle=1.9)
+        scaler = self.scaler(cpu)
+        self.assertEqual(self.feed(scaler, cpu, {1: 1e6, 2: 2e6, 4: 4e6}), [2, 4])
+        self.assertEqual((scaler.allowed, scaler.reason), (4, "the maximum"))
+
+    def test_stops_where_the_cpu_runs_out(self) -> None:
+        """
+        Two connections pay, and use what was idle (1.2 busy, 0.4 idle): no four, and the
+        two are kept.
+        """
+        cpu = _FakeCpu(busy=0.6, idle=1.3)
+        scaler = self.scaler(cpu)
+        steps = self.feed(scaler, cpu, {1: 1e6, 2: 2e6, 4: 4e6},
+                          busy={1: 0.6, 2: 1.2}, idle={1: 1.3, 2: 0.4})
+        self.assertEqual(steps, [2])
+        self.assertEqual((scaler.allowed, scaler.reason), (2, "the CPU is the limit"))
+
+    def test_drops_back_when_a_step_does_not_pay_with_idle_cpu(self) -> None:
+        """Idle CPU allows the try; the rate decides: two bring 5 % more, back to one."""
+        cpu = _FakeCpu(busy=0.3, idle=1.5)
+        scaler = self.scaler(cpu)
+        self.assertEqual(self.feed(scaler, cpu, {1: 1e6, 2: 1.05e6, 4: 1.1e6}), [2, 1])
+        self.assertEqual((scaler.allowed, scaler.reason), (1, "the last step did not pay"))
+
+    def test_without_host_counters_assumes_alone(self) -> None:
+        """
+        No C{/proc/stat}: the host's idle CPU is what this process leaves of its CPUs
+        (1.9 of 2 busy: none to spare; 0.1 of 2: plenty).
+        """
+        cpu = _FakeCpu(busy=1.9, idle=None)
+        scaler = self.scaler(cpu)
+        self.assertEqual(self.feed(scaler, cpu, {1: 1e6, 2: 2e6, 4: 4e6}), [])
+        cpu = _FakeCpu(busy=0.1, idle=None)
+        scaler = self.scaler(cpu)
+        self.assertEqual(self.feed(scaler, cpu, {1: 1e6, 2: 2e6, 4: 4e6}), [2, 4])
+
+    def test_counters_read_at_window_edges_only(self) -> None:
+        """Batches inside a window do not read the counters (one read per window)."""
+        from llmport_agent.models.transfer import ConnectionScaler
+
+        cpu = _FakeCpu(busy=0.1, idle=1.8)
+        scaler = ConnectionScaler(4, 10_000, min_seconds=0.5, cpu=cpu)
+        scaler.observe(0.0, 0)
+        for i in range(1, 10):  # nine batches of one window
+            cpu.advance(0.1)
+            scaler.observe(0.1 * i, 1000 * i)
+        self.assertEqual(cpu.reads, 1)
+        cpu.advance(0.1)
+        scaler.observe(1.0, 10_000)
+        self.assertEqual(cpu.reads, 2)

@@ -32,6 +32,7 @@ import json
 import os
 import secrets
 import stat
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -491,6 +492,10 @@ class PartFile:
     done: list[tuple[int, int]]
     hasher: Any = None
     read_fd: int | None = None
+    #: Written ranges whose pages may still be in the page cache, oldest first, and their
+    #: bytes (writer jobs only: L{drop_behind}).
+    behind: deque[tuple[int, int]] = field(factory=deque)
+    behind_bytes: int = 0
 
     @property
     def resumed_bytes(self) -> int:
@@ -518,11 +523,30 @@ def _fallocate(fd: int, size: int) -> bool:
     return False
 
 
-#: C{sync_file_range(2)} flag: start writing the range's dirty pages back, without waiting.
+#: C{sync_file_range(2)} flags: wait for writeback already under way, start writing the
+#: range's dirty pages back, wait for that writeback.
+_SYNC_FILE_RANGE_WAIT_BEFORE = 1
 _SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WAIT_AFTER = 4
 #: The libc function once looked up: C{None} until then, C{False} where there is none (or the
 #: file system refused it once: no later file is asked again).
 _sync_file_range: Any = None
+#: Errors that say "this file system (or libc) has no sync_file_range": never ask again.
+_UNSUPPORTED = (errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP)
+
+
+def _lookup_sync_file_range() -> Any:
+    global _sync_file_range
+    fn = _sync_file_range
+    if fn is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = False
+        _sync_file_range = fn
+    return fn
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:
@@ -538,21 +562,69 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     catches any write error).
     """
     global _sync_file_range
-    fn = _sync_file_range
-    if fn is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-            fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            fn = False
-        _sync_file_range = fn
+    fn = _lookup_sync_file_range()
     if fn is False or length <= 0:
         return
-    if fn(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0 and ctypes.get_errno() in (
-        errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP
-    ):
+    if fn(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0 and ctypes.get_errno() in _UNSUPPORTED:
         _sync_file_range = False
+
+
+#: Bytes of one part file that may stay in the page cache behind its writes (L{drop_behind}).
+DROP_BEHIND = 32 * 1024 * 1024
+
+
+def drop_behind(part: PartFile, offset: int, length: int) -> None:
+    """
+    Record that bytes C{[offset, offset + length)} were just written (their writeback
+    started), and take the oldest written ranges beyond the last L{DROP_BEHIND} bytes out of
+    the page cache: wait until their writeback is done (C{sync_file_range} with both waits),
+    then drop their now clean pages (C{posix_fadvise(DONTNEED)}).
+
+    The hash is fed from the received buffers, so nothing reads these pages again. Kept,
+    they make the page cache grow by the whole blob; on a virtual machine whose free memory
+    went back to its host, each new GiB of page cache cost 1.2-2.6 CPU-s in the kernel here,
+    against 0.17 for writing the same GiB through a page cache kept this small (BENCHMARKS.md).
+    It also bounds the dirty memory of a download, so a disk slower than the network makes
+    the writer wait here instead of the kernel throttling every writer on the host.
+
+    @raise OSError: the writeback of those bytes failed (the blob fails: the C{fsync} at its
+        end would no longer report that error).
+    """
+    if length <= 0:
+        return
+    part.behind.append((offset, length))
+    part.behind_bytes += length
+    fd = part.fd
+    assert fd is not None, "part file is closed"
+    while part.behind_bytes > DROP_BEHIND:
+        a, n = part.behind.popleft()
+        part.behind_bytes -= n
+        _settle(fd, a, n)
+        _drop_cache(fd, a, n)
+
+
+def _settle(fd: int, offset: int, length: int) -> None:
+    """Wait until bytes C{[offset, offset + length)} of C{fd} are on the disk (where possible)."""
+    global _sync_file_range
+    fn = _lookup_sync_file_range()
+    if fn is False:
+        return
+    flags = _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER
+    if fn(fd, offset, length, flags) == 0:
+        return
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        _sync_file_range = False
+        return
+    raise OSError(err, f"could not write a downloaded range to the disk: {os.strerror(err)}")
+
+
+def _drop_cache(fd: int, offset: int, length: int) -> None:
+    """Hint: drop the clean cached pages of C{[offset, offset + length)} (0: to the end)."""
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except (OSError, AttributeError):
+        pass
 
 
 def preallocate(fd: int, size: int) -> None:
@@ -637,6 +709,8 @@ def reset_part(part: PartFile) -> None:
     assert fd is not None, "part file is closed"
     os.ftruncate(fd, 0)
     part.done = []
+    part.behind.clear()
+    part.behind_bytes = 0
     if part.hasher is not None:
         part.hasher = hashlib.sha256()
     if part.tracked:
@@ -655,7 +729,8 @@ WRITE_SIZE = 256 * 1024
 def write_batch(part: PartFile, offset: int, chunks: list[bytes]) -> int:
     """
     Write C{chunks} at C{offset}, in C{pwritev} calls of at most L{WRITE_SIZE} bytes, and
-    start their writeback to the disk (L{start_writeback}).
+    start their writeback to the disk (L{start_writeback}); older writes leave the page
+    cache (L{drop_behind}).
     """
     fd = part.fd
     assert fd is not None, "part file is closed"
@@ -676,6 +751,7 @@ def write_batch(part: PartFile, offset: int, chunks: list[bytes]) -> int:
         pos = _write_all(part, fd, iov, pos)
     total = pos - offset
     start_writeback(fd, offset, total)
+    drop_behind(part, offset, total)
     return total
 
 
@@ -749,6 +825,9 @@ def finish_part(part: PartFile, digest: str | None) -> tuple[bool, str, Stamp | 
         discard_part(part)
         return False, problem, None
     os.fsync(fd)
+    _drop_cache(fd, 0, 0)  # the last L{DROP_BEHIND} bytes, clean now
+    part.behind.clear()
+    part.behind_bytes = 0
     for _ in range(3):
         try:
             os.replace(name, blob.hash, src_dir_fd=model.blobs, dst_dir_fd=model.blobs)

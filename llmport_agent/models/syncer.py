@@ -79,8 +79,10 @@ from llmport_agent.models.manifest import (
 from llmport_agent.models.transfer import (
     BlobSource,
     BlobTransfer,
+    CpuSample,
     RangeSupport,
     TransferSettings,
+    read_cpu,
 )
 
 PHASE = "sync_model"
@@ -304,8 +306,9 @@ class ModelSyncer:
     @param credential: returns the node credential (called per request; never logged).
     @param concurrency: blobs downloaded at once.
     @param connections: connections (bounded C{Range} requests) per large sha256 blob:
-        C{0} = adaptive (start with one, add up to L{AUTO_MAX_CONNECTIONS} while each
-        addition makes the blob arrive faster), C{1} = one stream per blob, C{N} = always N.
+        C{0} = adaptive (start with one, add up to L{AUTO_MAX_CONNECTIONS} while the host
+        has CPU to spare and each addition makes the blob arrive faster), C{1} = one stream
+        per blob, C{N} = always N.
     @param segment_size: bytes per ranged request; blobs smaller than two segments use
         one stream.
     @param buffer_bytes: bytes all downloads together may hold in memory (received, not yet
@@ -313,6 +316,8 @@ class ModelSyncer:
     @param retry_max: consecutive failed attempts (without progress) per blob before giving up.
     @param free_space: C{free_space(path) -> bytes}; defaults to C{statvfs} of the model
         directory. Runs on the runner.
+    @param cpu: CPU counters for the adaptive setting (L{read_cpu}: this process and the
+        host's idle time); it adds connections only while the host has CPU to spare.
     """
 
     log = Logger()
@@ -339,6 +344,7 @@ class ModelSyncer:
         idle_timeout: float = 120.0,
         progress_interval: float = 1.0,
         rng: _random.Random | None = None,
+        cpu: Callable[[], CpuSample | None] | None = None,
     ) -> None:
         if concurrency < 1 or connections < 0:
             raise ValueError("concurrency must be at least 1 and connections at least 0")
@@ -383,6 +389,7 @@ class ModelSyncer:
             refuse=self._refuse,
             pause=self._pause,
             downloaded=self._count_downloaded,
+            cpu=cpu or read_cpu,
         )
 
     # -- public --------------------------------------------------------------------------

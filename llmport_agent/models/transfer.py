@@ -26,6 +26,7 @@ from zero as one stream.
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -108,27 +109,84 @@ class Ranges:
         return None
 
 
+@frozen
+class CpuSample:
+    """Running CPU counters, read at the edges of a L{ConnectionScaler} window."""
+
+    #: CPU-seconds this process has used, all threads together.
+    process: float
+    #: CPU-seconds the host's CPUs have been idle, all together (C{None}: not known).
+    idle: float | None
+    #: CPUs of the host.
+    cpus: int
+
+
+_CLK_TCK: int | None = None
+
+
+def read_cpu() -> CpuSample:
+    """
+    This process's CPU time (C{os.times}) and the host's idle time (the first line of
+    C{/proc/stat}: idle and iowait; a read of a few hundred bytes from procfs, no disk).
+    """
+    global _CLK_TCK
+    t = os.times()
+    idle: float | None = None
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+        if _CLK_TCK is None:
+            _CLK_TCK = os.sysconf("SC_CLK_TCK")
+        if fields[:1] == [b"cpu"] and len(fields) > 5:
+            idle = (int(fields[4]) + int(fields[5])) / _CLK_TCK
+    except (OSError, ValueError):
+        idle = None
+    return CpuSample(t.user + t.system, idle, os.cpu_count() or 1)
+
+
 class ConnectionScaler:
     """
     How many connections one blob should use, learnt while it arrives: start with one,
-    let a first window pass unmeasured (C{warmup}), then double while the last step made the
-    blob arrive at least C{gain} times as fast (over a window of C{window_bytes} and
-    C{min_seconds}), and settle on the best count as soon as a step does not pay (an extra connection only costs where the socket is not the limit,
-    e.g. a server or link already at its speed, or a machine short of CPU).
+    let a first window pass unmeasured (C{warmup}), then double while there is CPU to
+    spare for more and the last step made the blob arrive at least C{gain} times as fast
+    (over a window of C{window_bytes} and C{min_seconds}); settle on the best count as soon
+    as a step does not pay or the CPU is the limit.
 
-    Pure: L{observe} takes the clock and the bytes written so far.
+    An extra connection helps where each connection is held to a rate by something outside
+    this host (a link, a proxy or a server that limits each connection). Where this host's
+    CPU is the limit (the reactor, the hash, the server on the same machine), it only adds
+    work - more requests, bytes held out of order, more wake-ups - and makes the blob slower
+    (4 GiB over loopback on 2 cores: 0.68x of curl with two connections, 0.89x with one).
+    So after each measured window it compares the host's idle CPU with what this process
+    used: doubling the connections would need about as much CPU again; with less than
+    C{cpu_share} of that idle, the CPU and not the link is the limit, and the count stays.
+
+    L{observe} takes the clock and the bytes written so far; the CPU counters come from
+    C{cpu} (L{read_cpu}, or a fake), read only at the edges of a window (without them only
+    the rates decide).
     """
 
     def __init__(self, maximum: int, window_bytes: int, *, min_seconds: float = 0.5,
-                 gain: float = 1.2, start: int = 1, warmup: bool = True) -> None:
+                 gain: float = 1.2, start: int = 1, warmup: bool = True,
+                 cpu: Callable[[], CpuSample | None] | None = None,
+                 cpu_share: float = 0.5, min_idle: float = 0.1) -> None:
         self.maximum = max(1, maximum)
         self.allowed = min(self.maximum, max(1, start))
         self.settled = self.allowed >= self.maximum
+        #: Why it settled (a short phrase for the log), once it has.
+        self.reason = "the maximum" if self.settled else ""
+        #: The last measured window: (bytes per second, this process's CPUs busy, host CPUs
+        #: idle or C{None}).
+        self.last: tuple[float, float | None, float | None] | None = None
         self._window = window_bytes
         self._min_seconds = min_seconds
         self._gain = gain
+        self._cpu = cpu
+        self._cpu_share = cpu_share
+        self._min_idle = min_idle
         self._t0: float | None = None
         self._b0 = 0
+        self._c0: CpuSample | None = None
         self._best: tuple[float, int] | None = None  # (rate, connections)
         # The first window is not measured: it holds the first request, TCP's slow start and
         # the process's first buffers, and made one connection look slower than it is (a
@@ -137,6 +195,24 @@ class ConnectionScaler:
 
     def restart_window(self, now: float, total: int) -> None:
         self._t0, self._b0 = now, total
+        self._c0 = self._cpu() if self._cpu is not None else None
+
+    def _cpu_room(self, elapsed: float, cpu: CpuSample | None) -> tuple[bool, float | None,
+                                                                         float | None]:
+        """Whether the host has the CPU for twice the connections; (room, busy, idle)."""
+        c0 = self._c0
+        if cpu is None or c0 is None or elapsed <= 0:
+            return True, None, None
+        busy = max(0.0, (cpu.process - c0.process) / elapsed)
+        if cpu.idle is not None and c0.idle is not None:
+            idle = max(0.0, (cpu.idle - c0.idle) / elapsed)
+        else:  # nothing known of the others: assume this process is alone
+            idle = max(0.0, cpu.cpus - busy)
+        return idle >= max(self._min_idle, self._cpu_share * busy), busy, idle
+
+    def _settle(self, reason: str) -> None:
+        self.settled = True
+        self.reason = reason
 
     def observe(self, now: float, total: int) -> int | None:
         """@return: the new number of connections, when it changes."""
@@ -149,18 +225,24 @@ class ConnectionScaler:
         if got < self._window or elapsed < self._min_seconds:
             return None
         rate = got / elapsed
-        self.restart_window(now, total)
+        sample = self._cpu() if self._cpu is not None else None
+        room, busy, idle = self._cpu_room(elapsed, sample)
+        self.last = (rate, busy, idle)
+        self._t0, self._b0, self._c0 = now, total, sample
         if self._warming:
             self._warming = False
             return None
         if self._best is None or rate >= self._best[0] * self._gain:
             self._best = (rate, self.allowed)
             if self.allowed >= self.maximum:
-                self.settled = True
+                self._settle("the maximum")
+                return None
+            if not room:
+                self._settle("the CPU is the limit")
                 return None
             self.allowed = min(self.maximum, self.allowed * 2)
             return self.allowed
-        self.settled = True
+        self._settle("the last step did not pay")
         if self.allowed != self._best[1]:
             self.allowed = self._best[1]
             return self.allowed
@@ -256,6 +338,8 @@ class BlobSource:
     pause: Callable[[int, str, str], Awaitable[None]]
     #: Counts bytes received from the backend (all syncs together).
     downloaded: Callable[[int], None]
+    #: CPU counters for the connection scaler (L{read_cpu}).
+    cpu: Callable[[], CpuSample | None] = read_cpu
 
 
 class BlobTransfer:
@@ -304,6 +388,7 @@ class BlobTransfer:
             settings.connections if settings.adaptive else 1,
             2 * settings.segment_size,
             start=learned or 1,
+            cpu=source.cpu,
         )
         if not settings.adaptive or learned:
             self._scaler.settled = True
@@ -330,7 +415,11 @@ class BlobTransfer:
 
     @property
     def ranged(self) -> bool:
-        """Several bounded requests for this blob (else one open-ended stream)."""
+        """
+        Several bounded requests for this blob (else one open-ended stream). The adaptive
+        setting, once settled on one connection, fetches the rest as one stream: a bounded
+        request per segment costs a round trip and a drained pipeline at each end.
+        """
         s = self._settings
         return (
             self._part.tracked
@@ -338,6 +427,7 @@ class BlobTransfer:
             and self._ranges.bounded is not False
             and self._blob.size >= 2 * s.segment_size
             and not self._stream_only
+            and not (s.adaptive and self._scaler.settled and self._scaler.allowed == 1)
         )
 
     _stream_only = False
@@ -418,12 +508,17 @@ class BlobTransfer:
             self._write_error = failure
 
     def _scale(self, allowed: int | None) -> None:
-        if self._scaler.settled and self._settings.adaptive:
-            self._run.learned_connections = self._scaler.allowed
+        scaler = self._scaler
+        if scaler.settled and self._settings.adaptive:
+            self._run.learned_connections = scaler.allowed
+            self.log.debug("{what}: settled on {n} connections ({reason}; last window "
+                           "{window})", what=self.what, n=scaler.allowed, reason=scaler.reason,
+                           window=_describe(scaler.last))
         if allowed is None:
             return
         self.connections_used = max(self.connections_used, allowed)
-        self.log.debug("{what}: {n} connections", what=self.what, n=allowed)
+        self.log.debug("{what}: {n} connections (last window {window})", what=self.what,
+                       n=allowed, window=_describe(scaler.last))
         self._open_gate()
 
     def _open_gate(self) -> None:
@@ -720,4 +815,15 @@ class _Attempt:
 
 def _noop() -> None:
     return None
+
+
+def _describe(window: tuple[float, float | None, float | None] | None) -> str:
+    """A scaler's last window for the log: its rate and the CPUs busy and idle."""
+    if window is None:
+        return "none"
+    rate, busy, idle = window
+    text = f"{rate / 1e6:.0f} MB/s"
+    if busy is not None and idle is not None:
+        text += f", this process {busy:.2f} CPUs busy, the host {idle:.2f} idle"
+    return text
 
