@@ -253,6 +253,7 @@ class BlobBodyReceiver(Protocol):
         self._paused = False
         self._complete = False  # all wanted bytes received
         self.overrun = False
+        self._shortened = False  # the response goes on past C{length} (L{shorten})
         self._last_data = reactor.seconds()
         self._idle_call: DelayedCall | None = None
         self._ended: Failure | None = None
@@ -300,7 +301,7 @@ class BlobBodyReceiver(Protocol):
         if self._complete:
             self._cancel_idle()
             self._flush()
-            if self.overrun and self.transport is not None:
+            if (self.overrun or self._shortened) and self.transport is not None:
                 self._producer.stopProducing()  # the rest is not ours: drop the connection
             self._maybe_finish()
             return
@@ -334,6 +335,28 @@ class BlobBodyReceiver(Protocol):
         self._last_data = self._reactor.seconds()
         if self.transport is not None:
             self._producer.resumeProducing()
+
+    @property
+    def received(self) -> int:
+        """Bytes of the body received so far (handed on or still pending)."""
+        return self._received
+
+    def shorten(self, length: int) -> bool:
+        """
+        Want only the first C{length} bytes of this body (more than have arrived): at that
+        byte the body is complete and the connection is dropped, as for a server that sent
+        more than was asked. Used to cut an open-ended stream where ranged requests take over.
+
+        @return: whether the body was shortened (not when C{length} bytes have arrived, it
+            already ended, or C{length} is not shorter).
+        """
+        if (length <= self._received or length >= self.length or self._complete
+                or self._ended is not None or self._error is not None):
+            return False
+        self.length = length
+        self._at_eof = False
+        self._shortened = True
+        return True
 
     def release_hold(self) -> None:
         """

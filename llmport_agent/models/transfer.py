@@ -377,6 +377,7 @@ class BlobTransfer:
         self._write_error: Failure | None = None
         self._active = 0
         self._streamer: int | None = None
+        self._stream: tuple[_Attempt, BlobBodyReceiver] | None = None  # the open-ended one
         self._gate: list[Deferred[None]] = []
         self._waiting = 0
         self.found = ""
@@ -414,12 +415,8 @@ class BlobTransfer:
         self._drain()
 
     @property
-    def ranged(self) -> bool:
-        """
-        Several bounded requests for this blob (else one open-ended stream). The adaptive
-        setting, once settled on one connection, fetches the rest as one stream: a bounded
-        request per segment costs a round trip and a drained pipeline at each end.
-        """
+    def _rangeable(self) -> bool:
+        """Whether this blob may be fetched with several bounded requests."""
         s = self._settings
         return (
             self._part.tracked
@@ -427,8 +424,22 @@ class BlobTransfer:
             and self._ranges.bounded is not False
             and self._blob.size >= 2 * s.segment_size
             and not self._stream_only
-            and not (s.adaptive and self._scaler.settled and self._scaler.allowed == 1)
         )
+
+    @property
+    def ranged(self) -> bool:
+        """
+        Several bounded requests for this blob (else one open-ended stream). The adaptive
+        setting fetches as one stream while it allows one connection (a bounded request per
+        segment costs a round trip and a drained pipeline at each end); when it adds one,
+        the stream is cut at a segment boundary and ranged requests take the rest.
+        """
+        return self._rangeable and not (self._settings.adaptive and self._scaler.allowed == 1)
+
+    @property
+    def _may_grow(self) -> bool:
+        """Whether the adaptive setting may still add connections to this blob."""
+        return self._settings.adaptive and not self._scaler.settled and self._rangeable
 
     _stream_only = False
 
@@ -479,7 +490,7 @@ class BlobTransfer:
         self.done.add(batch.offset, batch.offset + batch.n)
         self._source.downloaded(batch.n)
         self._run.progress.add(batch.n)
-        if not self._scaler.settled and self.ranged:
+        if not self._scaler.settled and self._rangeable:
             self._scale(self._scaler.observe(self._reactor.seconds(), self.done.total))
         batch.receiver.written(batch.n)
         self._since_checkpoint += batch.n
@@ -519,7 +530,25 @@ class BlobTransfer:
         self.connections_used = max(self.connections_used, allowed)
         self.log.debug("{what}: {n} connections (last window {window})", what=self.what,
                        n=allowed, window=_describe(scaler.last))
+        if allowed > 1:
+            self._cut_stream()
         self._open_gate()
+
+    def _cut_stream(self) -> None:
+        """
+        End the open-ended stream at the first segment boundary beyond what it has received
+        (and one batch more); the bytes after it go back to be fetched as ranges.
+        """
+        if self._stream is None:
+            return
+        attempt, receiver = self._stream
+        seg = self._settings.segment_size
+        here = receiver.offset + receiver.received + self._settings.batch_size
+        cut = -(-here // seg) * seg
+        if cut < attempt.end and receiver.shorten(cut - receiver.offset):
+            self._missing.add(cut, attempt.end)
+            attempt.end = attempt.end_asked = cut
+            self._stream = None
 
     def _open_gate(self) -> None:
         gate, self._gate = self._gate, []
@@ -603,7 +632,7 @@ class BlobTransfer:
         """Run the workers until nothing is missing (or one fails)."""
         while self._missing:
             workers = 1
-            if self.ranged:
+            if self._rangeable:  # the adaptive stream's workers wait until they are wanted
                 segments = -(-self._missing.total // self._settings.segment_size)
                 workers = max(1, min(self._settings.connections, segments))
             self._active = workers
@@ -611,7 +640,7 @@ class BlobTransfer:
                 self.connections_used = max(self.connections_used,
                                             min(workers, self._connections_now()))
             self._streamer = None
-            if self.ranged and self._settings.adaptive:
+            if self._may_grow:
                 self._scaler.restart_window(self._reactor.seconds(), self.done.total)
             await run_together(self._worker(i) for i in range(workers))
             # Bytes may still be missing: put back by a worker after the others had stopped
@@ -631,10 +660,11 @@ class BlobTransfer:
         failures = 0
         try:
             while True:
-                if self.ranged and worker >= self._connections_now():
+                if worker >= self._connections_now():
                     # Not needed (yet): wait until the scaler wants more connections, or
-                    # until the others are done.
-                    if not self._missing or self._fetching() == 0:
+                    # until the others are done (nobody else fetching: the outer loop
+                    # starts again for whatever is still missing).
+                    if self._fetching() <= 1 or (not self._missing and not self._may_grow):
                         return
                     d: Deferred[None] = Deferred()
                     self._gate.append(d)
@@ -745,7 +775,7 @@ class BlobTransfer:
         if in_place:
             attempt.start = attempt.next = a = 0
             attempt.end = attempt.end_asked = b = blob.size
-        if a > 0 or self._active > 1 or self.done:
+        if a > 0 or self._fetching() > 1 or self.done:
             self.spliced = True
         receiver = BlobBodyReceiver(
             self._reactor,
@@ -762,6 +792,8 @@ class BlobTransfer:
             hold=in_place,
         )
         response.deliverBody(receiver)
+        if not bounded:
+            self._stream = (attempt, receiver)
         try:
             if in_place:
                 await self._restart_in_place()
@@ -781,6 +813,8 @@ class BlobTransfer:
             raise
         finally:
             attempt.next = receiver.next_offset
+            if self._stream is not None and self._stream[1] is receiver:
+                self._stream = None
 
     async def _restart_in_place(self) -> None:
         """Start over with a response that holds the whole blob (it waits, paused)."""
