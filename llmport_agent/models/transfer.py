@@ -5,8 +5,8 @@ The pipeline keeps the socket, the disk and the hash busy at the same time. The 
 only collects the buffers the transport delivers and hands them on in batches; each batch
 is written with one C{pwritev} at its offset (a serial job of the blob's writer) and fed to
 the running sha256 (a serial job of the blob's hasher, in offset order) - the same buffer
-objects, no copy, and the file is never read back. The part file is fsynced once, at the
-end.
+objects, no copy, and the file is never read back (its written pages leave the page cache
+32 MiB behind the writes). The part file is fsynced once, at the end.
 
 Ranged mode (a large sha256 blob, C{connections > 1}): the blob's missing bytes are cut into
 segments of C{segment_size} bytes, fetched with bounded C{Range: bytes=s-e} requests by up to
@@ -14,7 +14,9 @@ C{connections} workers. Segments are handed out in order, so the workers stay cl
 hash's frontier: bytes ahead of it wait in memory (bounded by the syncer's L{FlowBudget};
 a receiver ahead of the frontier pauses while the budget is spent, the one at the frontier
 never does) until the hash reaches them. Progress per range is kept in C{<hash>.progress},
-so an interrupted range - in this run or after a restart - resumes where it stopped.
+so an interrupted range - in this run or after a restart - resumes where it stopped. The
+adaptive setting (L{ConnectionScaler}) starts as one open-ended stream; when it adds a
+connection, the stream is cut at a segment boundary and ranged requests take the rest.
 
 Fallbacks: a server that answers a bounded range with more than was asked (it ignored the
 end) gets exactly the wanted bytes read and the connection dropped, and from then on one
