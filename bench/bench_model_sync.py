@@ -31,6 +31,7 @@ Usage::
     python3 bench/bench_model_sync.py                                  # 1 GiB and 4 GiB, 5 runs
     python3 bench/bench_model_sync.py --sizes 1024 --shards 0 --connections 0   # the issue's figure
     python3 bench/bench_model_sync.py --write-sizes 2048,1024,512,256 --repeat 8  # page-cache writes
+    python3 bench/bench_model_sync.py --page-cache 4 --repeat 3   # pages dropped behind or kept
     git worktree add --detach /tmp/main-tree main
     python3 bench/bench_model_sync.py --baseline-tree /tmp/main-tree --sizes 1024
     python3 bench/bench_model_sync.py --sizes 1024 --rate-mbps 200 --connections 1,4
@@ -319,6 +320,56 @@ def write_sizes(work: str, repeat: int, sizes_kib: list[int]) -> None:
     print(f"  (the agent writes {_fs.WRITE_SIZE // 1024} KiB at a time)", flush=True)
 
 
+def page_cache(work: str, gib: int, repeat: int) -> None:
+    """
+    CPU seconds for each GiB of one C{gib} GiB part file written as the agent's writer does
+    it (L{_fs.write_batch}: 256 KiB writes, writeback started per 2 MiB batch), with the
+    written pages dropped 32 MiB behind the writes (the agent) and kept (as before): the cost
+    of a page cache that grows by the whole blob. Alternating runs.
+    """
+    sys.path.insert(0, HERE)
+    from llmport_agent.models import _fs
+
+    batch = [os.urandom(1024 * 1024), os.urandom(1024 * 1024)]
+    size = sum(len(c) for c in batch)
+    path = os.path.join(work, "page-cache.bin")
+    kept_limit = 1 << 62
+    per_gib: dict[str, list[list[float]]] = {"dropped behind": [], "kept": []}
+    walls: dict[str, list[float]] = {k: [] for k in per_gib}
+    for _ in range(repeat):
+        for label in per_gib:
+            saved = _fs.DROP_BEHIND
+            _fs.DROP_BEHIND = saved if label == "dropped behind" else kept_limit
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                part = _fs.PartFile(None, None, fd, True, [])  # type: ignore[arg-type]
+                os.posix_fallocate(fd, 0, gib << 30)
+                cpu: list[float] = []
+                t0 = os.times()
+                w0 = time.perf_counter()
+                for off in range(0, gib << 30, size):
+                    _fs.write_batch(part, off, batch)
+                    if (off + size) % (1 << 30) == 0:
+                        t1 = os.times()
+                        cpu.append(t1.user - t0.user + t1.system - t0.system)
+                        t0 = t1
+                os.fsync(fd)
+                walls[label].append(time.perf_counter() - w0)
+            finally:
+                _fs.DROP_BEHIND = saved
+                os.close(fd)
+                os.unlink(path)
+            per_gib[label].append(cpu)
+            time.sleep(3)  # let the freed pages go back to the host, as between syncs
+    print(f"one {gib} GiB part file written as the agent's writer does, {repeat} runs each: "
+          "CPU s per GiB written, GiB by GiB (median of the runs), and wall seconds")
+    for label, runs in per_gib.items():
+        cols = [statistics.median(r[i] for r in runs) for i in range(gib)]
+        print(f"  {'pages ' + label:<30}" + " ".join(f"{c:6.2f}" for c in cols)
+              + f"   total {sum(cols):.2f} CPU-s, {statistics.median(walls[label]):.2f} s")
+    print(flush=True)
+
+
 # --- measuring ----------------------------------------------------------------------------
 
 
@@ -530,6 +581,9 @@ def main() -> None:
     parser.add_argument("--write-sizes", default=None, metavar="KIB,...",
                         help="instead: CPU per GiB of page-cache writes by write size in KiB "
                              "(e.g. 2048,1024,512,256), --repeat runs each")
+    parser.add_argument("--page-cache", type=int, default=None, metavar="GIB",
+                        help="instead: CPU per GiB of one GIB GiB part file written with its "
+                             "pages dropped behind the writes and kept, --repeat runs each")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--client", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -543,6 +597,13 @@ def main() -> None:
         work = tempfile.mkdtemp(prefix="bench-write-sizes-", dir=args.workdir)
         try:
             write_sizes(work, args.repeat, [int(x) for x in args.write_sizes.split(",")])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
+    if args.page_cache:
+        work = tempfile.mkdtemp(prefix="bench-page-cache-", dir=args.workdir)
+        try:
+            page_cache(work, args.page_cache, args.repeat)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         return
