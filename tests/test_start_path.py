@@ -2,7 +2,7 @@
 The path from the process start to the first connect (issue 27: start to connected <= the
 original agent's): what is imported before the connect, the garbage collector held off until
 it (L{llmport_agent.core.startgc.StartGC}), and packages registered without their
-C{__init__} (L{llmport_agent.core.lazyimport.defer_package_init}). No timing asserts: the
+C{__init__} (L{llmport_agent.core.lazypackage.defer_package_init}). No timing asserts: the
 figures are bench/bench_idle.py's.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from llmport_agent.core.lazyimport import defer_package_init
+from llmport_agent.core.lazypackage import defer_package_init
 from llmport_agent.core.startgc import StartGC
 from tests.agentharness import AnomalyGuard, agent_env
 
@@ -219,7 +219,7 @@ class DeferPackageInitTests(SynchronousTestCase):
         # The first name only __init__ defines runs it, once.
         self.assertEqual(pkg.HEAVY, "heavy")
         self.assertEqual(pkg.inits, 1)
-        self.assertEqual(getattr(importlib.import_module(name), "VALUE"), 42)
+        self.assertEqual(importlib.import_module(name).VALUE, 42)
         self.assertEqual(pkg.inits, 1)
         with self.assertRaises(AttributeError):
             pkg.missing  # noqa: B018
