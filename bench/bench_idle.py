@@ -45,6 +45,7 @@ Targets (issue 27): wake-ups <= 20 a minute, 0 threads started, CPU <= 0.5x the 
 RSS <= 60 MiB, start to connected <= the original's.
 
 Usage: python3 bench/bench_idle.py [--minutes 10 (0: starts only)] [--warmup 30] [--starts 3] [--original 0.1.13]
+       [--baseline-tree DIR (another tree of this agent in the start rotation)]
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def make_agent(kind: str, backend: DevBackendProcess, root: str, n: int, exes: d
         "LLM_PORT_NODE_AGENT_STATE_PATH": os.path.join(d, "state.json"),
         "LLM_PORT_NODE_AGENT_MODEL_STORE": os.path.join(d, "models"),
     })
-    if kind == "this":
+    if kind != "original":
         env["LLM_PORT_NODE_AGENT_OPS_PORT"] = str(free_port())
         env["LLM_PORT_NODE_AGENT_LOG_FORMAT"] = "text"
     argv = [exes[kind], "run"]
@@ -372,6 +373,9 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=30.0, help="seconds after connect before the window")
     p.add_argument("--starts", type=int, default=3, help="start-to-connected runs of each (default 3)")
     p.add_argument("--original", default="0.1.13", help="the original agent's version")
+    p.add_argument("--baseline-tree", default="",
+                   help="another tree of this agent (e.g. main checked out elsewhere), installed the same "
+                        "way and started in the same rotation: start to connected before/after in one run")
     args = p.parse_args()
     # A background run ignores SIGINT: SIGTERM (or ^C) ends it through the cleanup below.
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -379,6 +383,8 @@ def main() -> None:
     if shutil.which("strace") is None:
         sys.exit("bench_idle needs strace (apt-get install strace) to count wake-ups and thread starts")
     exes = {"this": this_exe(), "original": original_exe(args.original)}
+    if args.baseline_tree:
+        exes["baseline"] = this_exe(os.path.abspath(args.baseline_tree))
     print("how each runs: `<venv>/bin/llmport-agent run`, cwd its own state directory, "
           f"PYTHON* cleared for both ({', '.join(cleared()) or 'none were set'}), LLM_PORT_NODE_AGENT_* "
           "set to the stand-in's URL, a fresh token and state paths; this agent also "
@@ -387,14 +393,14 @@ def main() -> None:
         print(f"  {kind}: {exe} run")
     backend = DevBackendProcess()
     root = tempfile.mkdtemp(prefix="bench-idle-")
-    kinds = ("this", "original")
+    kinds = ("this", "baseline", "original") if args.baseline_tree else ("this", "original")
     started: dict[str, list[float]] = {k: [] for k in kinds}
     start_cpu: dict[str, list[float]] = {k: [] for k in kinds}
     live: list[Agent] = []
     try:
         n = 0
         for i in range(args.starts):
-            for kind in (kinds if i % 2 == 0 else kinds[::-1]):
+            for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:  # each goes first in turn
                 n += 1
                 a = make_agent(kind, backend, root, n, exes, trace=False)
                 live.append(a)
@@ -411,6 +417,11 @@ def main() -> None:
                        f"{'':>18} {c_orig:10.3f}   (min: this {min(start_cpu['this']):.3f}, original "
                        f"{min(start_cpu['original']):.3f}; wall min: this {min(started['this']):.3f}, "
                        f"original {min(started['original']):.3f})")
+        if args.baseline_tree:
+            b, cb = statistics.median(started["baseline"]), statistics.median(start_cpu["baseline"])
+            start_line += (f"\n  {'baseline tree: start, CPU s':<32} {b:10.3f} {b / s_orig:6.2f}x "
+                           f"{cb:10.3f} {cb / c_orig:6.2f}x   (wall min {min(started['baseline']):.3f}, "
+                           f"CPU min {min(start_cpu['baseline']):.3f}; {args.baseline_tree})")
         if args.minutes <= 0:
             print(start_line.replace("\n  ", "\n").strip())
             print(f"target: start to connected <= the original's: {'met' if s_this <= s_orig else 'MISSED'}")
