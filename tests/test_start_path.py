@@ -41,9 +41,10 @@ NOT_BEFORE_CONNECT = (
     "llmport_agent.host.installer",
 )
 
-#: The agent as `llmport-agent run` starts it, with a log observer that writes the modules
-#: imported (and whether the collector runs) when the session says it connected: that line is
-#: logged in the session's connection_opened, before any listener hears of the connect.
+#: The agent as `llmport-agent run` starts it, with a log observer that notes the modules
+#: imported (and whether the collector runs) when the session says it connected (that line is
+#: logged in the session's connection_opened, before any listener hears of the connect), and
+#: writes them out a second later with whether the collector runs then.
 PROBE = textwrap.dedent(
     """
     import gc, json, sys
@@ -55,10 +56,17 @@ PROBE = textwrap.dedent(
     def at_connect(event):
         if seen or not str(event.get("log_format", "")).startswith("Connected to the backend stream"):
             return
-        seen.append(1)
-        with open(out + ".tmp", "w") as f:
-            json.dump({"modules": sorted(sys.modules), "gc_enabled": gc.isenabled()}, f)
+        seen.append({"modules": sorted(sys.modules), "gc_enabled": gc.isenabled()})
+        from twisted.internet import reactor
+
+        # Well after the connect's turn (the collector is back on in the next one).
+        reactor.callLater(1.0, later)
+
+    def later():
         import os
+        seen[0]["gc_enabled_after"] = gc.isenabled()
+        with open(out + ".tmp", "w") as f:
+            json.dump(seen[0], f)
         os.rename(out + ".tmp", out)
 
     globalLogPublisher.addObserver(at_connect)
@@ -108,8 +116,10 @@ class StartPathImportsTests(AnomalyGuard, TestCase):
         self.assertIn("llmport_agent.session.service", modules)
         self.assertIn("autobahn.twisted.websocket", modules)
         self.assertEqual(sorted(modules & set(NOT_BEFORE_CONNECT)), [])
-        # The collector is held off until the connect, and the process still stops cleanly.
+        # The collector is held off until the connect, on again after it, and the process
+        # still stops cleanly.
         self.assertFalse(seen["gc_enabled"])
+        self.assertTrue(seen["gc_enabled_after"])
         self.assertEqual(proc.returncode, 0, output[-3000:])
 
 
