@@ -231,16 +231,10 @@ def _show_config(config: AgentConfig, as_json: bool) -> int:
     return 0
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     """The main command line (run, config, start, join, stop, status); doctor, demo and devbackend
     have their own parsers (L{llmport_agent.doctor.run.build_parser}, L{llmport_agent.demo.run.build_parser},
-    L{llmport_agent.devbackend.cli.build_parser}). The CLI reference in docs/ is generated from them.
-
-    @param command: the command being run, when known: the sixty setting options are then added
-        to its parser only (about 3 ms of every start), not to the other commands' that take them."""
-
-    def settings_for(name: str) -> bool:
-        return command is None or command == name
+    L{llmport_agent.devbackend.cli.build_parser}). The CLI reference in docs/ is generated from them."""
     parser = argparse.ArgumentParser(prog="llmport-agent", description="llm-port node agent")
     parser.add_argument("--version", action="version", version=f"llmport-agent {VERSION}")
     sub = parser.add_subparsers(dest="command")
@@ -248,8 +242,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p_run.add_argument("--json-logs", action="store_true",
                        help="log JSON lines on stdout (one flat object per line; the default when stdout is neither a "
                             "terminal nor the journal)")
-    if settings_for("run"):
-        _add_setting_options(p_run)
+    _add_setting_options(p_run)
     p_cfg = sub.add_parser(
         "config", help="show the resolved configuration (secrets masked)",
         usage="llmport-agent config [show] [--json] [--set NAME=VALUE ...] [--unset NAME ...] [setting options]",
@@ -265,8 +258,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                        help="set a variable in /etc/llmport-agent.env (validated; repeatable)")
     p_cfg.add_argument("--unset", action="append", default=[], metavar="NAME",
                        help="remove a variable from /etc/llmport-agent.env (repeatable)")
-    if settings_for("config"):
-        _add_setting_options(p_cfg, listed=False)
+    _add_setting_options(p_cfg, listed=False)
     p_start = sub.add_parser(
         "start", help="install (or update) and start the systemd unit (root)",
         description="Install (or update) the llmport-agent systemd unit and /etc/llmport-agent.env from "
@@ -300,8 +292,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         epilog=SETTINGS_EPILOG)
     p_status.add_argument("--user", action="store_true", dest="user_mode",
                           help="your own systemd --user service (installed by `start --user`)")
-    if settings_for("status"):
-        _add_setting_options(p_status, listed=False)
+    _add_setting_options(p_status, listed=False)
     sub.add_parser("doctor", help="check this node and say what to fix (read-only; --json)")
     sub.add_parser("demo", help="run the end-to-end demo against the stand-in backend")
     sub.add_parser("devbackend", help="run the local stand-in backend")
@@ -326,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(argv[1:])
 
-    parser = build_parser(argv[0] if argv and argv[0] in commands else None)
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command not in commands:
         parser.print_help()
