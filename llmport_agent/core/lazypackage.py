@@ -5,8 +5,13 @@ what the agent uses, when it uses it).
 L{defer_package_init} registers a package so that its submodules import without running the
 package's own C{__init__} first. Autobahn's C{autobahn.twisted} package imports its WAMP
 modules (and with them cryptography's backends), which the WebSocket client never uses: about
-15 ms of every start (L{llmport_agent.session}). For single modules imported at their first
+3 ms of every start with the garbage collector held off (L{llmport_agent.core.startgc}), some
+15 ms with it running (L{llmport_agent.session}). For single modules imported at their first
 use, see L{llmport_agent.core.lazyimport}.
+
+Import time and the reactor thread: C{__init__} runs in whichever thread first reads a name
+only it defines, without the import lock; two threads racing for that first read could see
+the second one's read fail while the first runs it.
 """
 
 from __future__ import annotations
