@@ -51,6 +51,7 @@ Usage: python3 bench/bench_idle.py [--minutes 10 (0: starts only)] [--warmup 30]
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
 import re
@@ -134,9 +135,17 @@ def this_exe(root: str = ROOT) -> str:
     done = os.path.join(venv, "installed")  # written last: a half-made venv is made again
     if os.path.exists(done) and os.access(exe, os.X_OK):
         return exe
+    os.makedirs(base, exist_ok=True)
+    with open(venv + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs at once: one installs, the other waits
+        if not (os.path.exists(done) and os.access(exe, os.X_OK)):
+            _install(root, files, base, venv, done)
+    return exe
+
+
+def _install(root: str, files: list[str], base: str, venv: str, done: str) -> None:
     print(f"installing this tree into {venv} ...", flush=True)
     shutil.rmtree(venv, ignore_errors=True)
-    os.makedirs(base, exist_ok=True)
     work = tempfile.mkdtemp(prefix="tree-", dir=base)
     try:
         src = os.path.join(work, "src")
@@ -150,7 +159,6 @@ def this_exe(root: str = ROOT) -> str:
         shutil.rmtree(work, ignore_errors=True)
     with open(done, "w") as f:
         f.write(root + "\n")
-    return exe
 
 
 class Agent:
