@@ -1,9 +1,9 @@
 """
 The path from the process start to the first connect (issue 27: start to connected <= the
-original agent's): what is imported before the connect, the garbage collector held off until
-it (L{llmport_agent.core.startgc.StartGC}), and packages registered without their
-C{__init__} (L{llmport_agent.core.lazypackage.defer_package_init}). No timing asserts: the
-figures are bench/bench_idle.py's.
+original agent's): what is imported before the connect, the garbage collector's older
+generations held off until it (L{llmport_agent.core.startgc.StartGC}), and packages registered
+without their C{__init__} (L{llmport_agent.core.lazypackage.defer_package_init}). No timing
+asserts: the figures are bench/bench_idle.py's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmport_agent.core.lazypackage import defer_package_init
-from llmport_agent.core.startgc import StartGC
+from llmport_agent.core.startgc import OUT_OF_REACH, StartGC
 from tests.agentharness import AnomalyGuard, agent_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,9 +42,9 @@ NOT_BEFORE_CONNECT = (
 )
 
 #: The agent as `llmport-agent run` starts it, with a log observer that notes the modules
-#: imported (and whether the collector runs) when the session says it connected (that line is
+#: imported (and the collector's thresholds) when the session says it connected (that line is
 #: logged in the session's connection_opened, before any listener hears of the connect), and
-#: writes them out a second later with whether the collector runs then.
+#: writes them out a second later with the thresholds then.
 PROBE = textwrap.dedent(
     """
     import gc, json, sys
@@ -56,7 +56,7 @@ PROBE = textwrap.dedent(
     def at_connect(event):
         if seen or not str(event.get("log_format", "")).startswith("Connected to the backend stream"):
             return
-        seen.append({"modules": sorted(sys.modules), "gc_enabled": gc.isenabled()})
+        seen.append({"modules": sorted(sys.modules), "gc_threshold": gc.get_threshold()})
         from twisted.internet import reactor
 
         # Well after the connect's turn (the collector is back on in the next one).
@@ -64,7 +64,7 @@ PROBE = textwrap.dedent(
 
     def later():
         import os
-        seen[0]["gc_enabled_after"] = gc.isenabled()
+        seen[0]["gc_threshold_after"] = gc.get_threshold()
         with open(out + ".tmp", "w") as f:
             json.dump(seen[0], f)
         os.rename(out + ".tmp", out)
@@ -116,32 +116,39 @@ class StartPathImportsTests(AnomalyGuard, TestCase):
         self.assertIn("llmport_agent.session.service", modules)
         self.assertIn("autobahn.twisted.websocket", modules)
         self.assertEqual(sorted(modules & set(NOT_BEFORE_CONNECT)), [])
-        # The collector is held off until the connect, on again after it, and the process
-        # still stops cleanly.
-        self.assertFalse(seen["gc_enabled"])
-        self.assertTrue(seen["gc_enabled_after"])
+        # The older generations are held off until the connect, as before after it, and the
+        # process still stops cleanly.
+        import gc
+
+        default = list(gc.get_threshold())  # this process's: StartGC never ran here
+        self.assertEqual(seen["gc_threshold"], [default[0], OUT_OF_REACH, OUT_OF_REACH])
+        self.assertEqual(seen["gc_threshold_after"], default)
         self.assertEqual(proc.returncode, 0, output[-3000:])
 
 
 class FakeGC:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
+        self.thresholds = (700, 10, 10)
         self.calls: list[str] = []
 
     def isenabled(self) -> bool:
         return self.enabled
 
-    def disable(self) -> None:
-        self.calls.append("disable")
-        self.enabled = False
+    def get_threshold(self) -> tuple[int, int, int]:
+        return self.thresholds
 
-    def enable(self) -> None:
-        self.calls.append("enable")
-        self.enabled = True
+    def set_threshold(self, *t: int) -> None:
+        self.calls.append(f"threshold {' '.join(map(str, t))}")
+        self.thresholds = t  # type: ignore[assignment]
 
     def collect(self) -> int:
         self.calls.append("collect")
         return 0
+
+
+HOLD = "threshold 700 1000000000 1000000000"
+BACK = "threshold 700 10 10"
 
 
 class StartGCTests(SynchronousTestCase):
@@ -153,21 +160,24 @@ class StartGCTests(SynchronousTestCase):
         return start, gc, clock
 
     def test_held_until_the_first_connect(self) -> None:
-        """Off from begin; at the connect (after that turn): one collection, then on again."""
+        """
+        Older generations held from begin (the young one as it was); at the connect (after
+        that turn): one collection, then the thresholds back.
+        """
         start, gc, clock = self.make()
-        self.assertEqual(gc.calls, ["disable"])
+        self.assertEqual(gc.calls, [HOLD])
         self.assertTrue(start.held)
         start.session_opened()
-        self.assertEqual(gc.calls, ["disable"])  # not in the connect's own turn
+        self.assertEqual(gc.calls, [HOLD])  # not in the connect's own turn
         clock.advance(0)
-        self.assertEqual(gc.calls, ["disable", "collect", "enable"])
+        self.assertEqual(gc.calls, [HOLD, "collect", BACK])
         self.assertFalse(start.held)
         # The window's timer went with it; a later connect changes nothing.
         self.assertEqual(clock.getDelayedCalls(), [])
         start.session_closed()
         start.session_opened()
         clock.advance(20)
-        self.assertEqual(gc.calls, ["disable", "collect", "enable"])
+        self.assertEqual(gc.calls, [HOLD, "collect", BACK])
 
     def test_window_without_a_connect(self) -> None:
         """A backend that never answers: the collector is back after the window."""
@@ -175,7 +185,7 @@ class StartGCTests(SynchronousTestCase):
         clock.advance(9.9)
         self.assertTrue(start.held)
         clock.advance(0.1)
-        self.assertEqual(gc.calls, ["disable", "collect", "enable"])
+        self.assertEqual(gc.calls, [HOLD, "collect", BACK])
         self.assertFalse(start.held)
 
     def test_collector_already_off_is_left_alone(self) -> None:
@@ -185,7 +195,6 @@ class StartGCTests(SynchronousTestCase):
         clock.advance(20)
         start.end()
         self.assertEqual(gc.calls, [])
-        self.assertFalse(gc.enabled)
 
 
 PACKAGE_INIT = """
