@@ -3,10 +3,15 @@ Idle cost of this agent next to the original agent (0.1.13), side by side, again
 stand-in backend on loopback (issue 27).
 
 Both agents run at their default settings (this agent's ops endpoint on, on a free loopback
-port), no container engine (DOCKER_HOST names a socket that is not there), no GPU. The
-original runs from its own virtualenv, installed once from the package index under
+port), no container engine (DOCKER_HOST names a socket that is not there), no GPU. Both run as
+operators run them: each agent's console script (`llmport-agent run`) from its own virtualenv,
+its modules compiled to bytecode at install, with the same environment (every PYTHON* variable
+cleared, so neither is compiled from source at each start nor runs this machine's site
+.pth files). The original is installed once from the package index under
 $TMPDIR/llmport-original-agents/<version> (the same place tests/test_adoption.py uses; never
-installed for users).
+installed for users); this tree is installed (`pip install`, not editable) under
+$TMPDIR/llmport-bench-venvs/<hash of the tree's package files>, reused while the hash matches.
+The script prints how each was run.
 
 What it prints, for each agent and as the ratio this / original:
 
@@ -18,8 +23,10 @@ node that ever got a command from a current backend; the mode is kept in the sta
 The original gets the same command (it never polls).
 
  - start to connected: seconds from the process start to the backend counting the node's
-   first stream connect (GET /dev/nodes/<id>/costs), median of --starts runs of each,
-   alternating, untraced, before the idle window;
+   first stream connect (GET /dev/nodes/<id>/costs, polled every 10 ms), median of --starts
+   runs of each, alternating, untraced, before the idle window; beside it the CPU seconds the
+   process had used when the connect was seen (less sensitive to a busy machine than the
+   wall-clock figure), and the minimum of each;
  - over the idle window (after --warmup seconds): RSS and PSS at the end, CPU seconds with
    children (user + system, of the process and of the children it waited for), threads and
    open fds at the end, wake-ups per minute, threads started, frames per minute sent to the
@@ -37,12 +44,15 @@ switches of the threads alive at both ends of the window (/proc/<pid>/task/*/sta
 Targets (issue 27): wake-ups <= 20 a minute, 0 threads started, CPU <= 0.5x the original,
 RSS <= 60 MiB, start to connected <= the original's.
 
-Usage: python3 bench/bench_idle.py [--minutes 10] [--warmup 30] [--starts 3] [--original 0.1.13]
+Usage: python3 bench/bench_idle.py [--minutes 10 (0: starts only)] [--warmup 30] [--starts 3] [--original 0.1.13]
+       [--baseline-tree DIR (another tree of this agent in the start rotation)]
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import os
 import re
 import shutil
@@ -69,18 +79,86 @@ TRACED = ",".join(WAITS + SLEEPS + ("futex", "clone", "clone3"))
 LINE = re.compile(r"^(\d+)\s+(\d+\.\d+)\s+(?:<\.\.\. (\w+) resumed>|(\w+)\()")
 
 
+def clean_env() -> dict[str, str]:
+    """This environment without any PYTHON* variable (the same hygiene for both agents)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+
+
+def cleared() -> list[str]:
+    return sorted(k for k in os.environ if k.startswith("PYTHON"))
+
+
 def original_exe(version: str) -> str:
     """The original agent's console script in its own venv (installed once)."""
     venv = os.path.join(os.environ.get("TMPDIR") or tempfile.gettempdir(), "llmport-original-agents", version)
     exe = os.path.join(venv, "bin", "llmport-agent")
     if os.access(exe, os.X_OK):
         return exe
-    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     print(f"installing the original agent {version} into {venv} ...", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True, env=clean)
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True, env=clean_env())
     subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", f"llmport-agent=={version}"],
-                   check=True, env=clean)
+                   check=True, env=clean_env())
     return exe
+
+
+# What `pip install <tree>` packs: the hash of these names what the venv holds.
+PACKAGED = ("pyproject.toml", "README.md", "llmport_agent", os.path.join("twisted", "plugins"))
+
+
+def tree_files(root: str) -> list[str]:
+    """The tree's packaged files (relative paths, sorted), without caches or test leftovers."""
+    out: list[str] = []
+    for top in PACKAGED:
+        path = os.path.join(root, top)
+        if os.path.isfile(path):
+            out.append(top)
+            continue
+        for d, dirs, files in os.walk(path):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__" and not x.startswith("_trial_temp"))
+            out += [os.path.relpath(os.path.join(d, f), root) for f in sorted(files)
+                    if not f.endswith((".pyc", ".pyo")) and f != "dropin.cache"]
+    return out
+
+
+def this_exe(root: str = ROOT) -> str:
+    """This tree's console script in its own venv, `pip install`ed (bytecode compiled) from a
+    copy of the tree's packaged files; reused while their hash matches."""
+    files = tree_files(root)
+    h = hashlib.sha256(sys.version.encode())
+    for rel in files:
+        h.update(rel.encode() + b"\0")
+        with open(os.path.join(root, rel), "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    base = os.path.join(os.environ.get("TMPDIR") or tempfile.gettempdir(), "llmport-bench-venvs")
+    venv = os.path.join(base, h.hexdigest()[:16])
+    exe = os.path.join(venv, "bin", "llmport-agent")
+    done = os.path.join(venv, "installed")  # written last: a half-made venv is made again
+    if os.path.exists(done) and os.access(exe, os.X_OK):
+        return exe
+    os.makedirs(base, exist_ok=True)
+    with open(venv + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs at once: one installs, the other waits
+        if not (os.path.exists(done) and os.access(exe, os.X_OK)):
+            _install(root, files, base, venv, done)
+    return exe
+
+
+def _install(root: str, files: list[str], base: str, venv: str, done: str) -> None:
+    print(f"installing this tree into {venv} ...", flush=True)
+    shutil.rmtree(venv, ignore_errors=True)
+    work = tempfile.mkdtemp(prefix="tree-", dir=base)
+    try:
+        src = os.path.join(work, "src")
+        for rel in files:  # a copy: an in-tree build would leave build/ (stale modules) behind
+            os.makedirs(os.path.dirname(os.path.join(src, rel)), exist_ok=True)
+            shutil.copy2(os.path.join(root, rel), os.path.join(src, rel))
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True, env=clean_env())
+        subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-qq", src],
+                       check=True, env=clean_env(), cwd=work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    with open(done, "w") as f:
+        f.write(root + "\n")
 
 
 class Agent:
@@ -99,6 +177,8 @@ class Agent:
         self.started = time.monotonic()
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=state_dir)
         self._pid = 0
+        #: CPU seconds (with children) when wait_connected saw the connect.
+        self.cpu_at_connect = 0.0
 
     @property
     def pid(self) -> int:
@@ -132,13 +212,12 @@ class Agent:
         self.log.close()
 
 
-def make_agent(kind: str, backend: DevBackendProcess, root: str, n: int, exe: str, trace: bool,
-               name: str = "") -> Agent:
+def make_agent(kind: str, backend: DevBackendProcess, root: str, n: int, exes: dict[str, str],
+               trace: bool, name: str = "") -> Agent:
     d = os.path.join(root, f"{kind}-{n}")
     os.makedirs(d)
     agent_id = f"idle-{kind}-{n}"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("LLM_PORT_NODE_AGENT_") and k not in ("PYTHONPATH", "PYTHONHOME")}
+    env = {k: v for k, v in clean_env().items() if not k.startswith("LLM_PORT_NODE_AGENT_")}
     env.update({
         "HOME": d,
         "DOCKER_HOST": NO_ENGINE,
@@ -150,13 +229,10 @@ def make_agent(kind: str, backend: DevBackendProcess, root: str, n: int, exe: st
         "LLM_PORT_NODE_AGENT_STATE_PATH": os.path.join(d, "state.json"),
         "LLM_PORT_NODE_AGENT_MODEL_STORE": os.path.join(d, "models"),
     })
-    if kind == "this":
-        env["PYTHONPATH"] = ROOT
+    if kind != "original":
         env["LLM_PORT_NODE_AGENT_OPS_PORT"] = str(free_port())
         env["LLM_PORT_NODE_AGENT_LOG_FORMAT"] = "text"
-        argv = [sys.executable, "-m", "llmport_agent.cli", "run"]
-    else:
-        argv = [exe, "run"]
+    argv = [exes[kind], "run"]
     agent = Agent(kind, argv, env, d, agent_id, trace)
     agent.name = name or kind
     return agent
@@ -182,7 +258,9 @@ def wait_connected(backend: DevBackendProcess, agent: Agent, timeout: float = 12
         try:
             node = node_of(backend, agent.agent_id)
             if node is not None and costs(backend, node)["connects"] >= 1:
-                return node, time.monotonic() - agent.started
+                took = time.monotonic() - agent.started
+                agent.cpu_at_connect = tree_cpu(agent.pid)
+                return node, took
         except (OSError, urllib.error.HTTPError):
             pass
         time.sleep(0.01)
@@ -298,35 +376,67 @@ def prove_push(backend: DevBackendProcess, agent: Agent, node_id: str, tries: in
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--minutes", type=float, default=10.0, help="idle window (default 10)")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="idle window (default 10; 0: only the start-to-connected runs)")
     p.add_argument("--warmup", type=float, default=30.0, help="seconds after connect before the window")
     p.add_argument("--starts", type=int, default=3, help="start-to-connected runs of each (default 3)")
     p.add_argument("--original", default="0.1.13", help="the original agent's version")
+    p.add_argument("--baseline-tree", default="",
+                   help="another tree of this agent (e.g. main checked out elsewhere), installed the same "
+                        "way and started in the same rotation: start to connected before/after in one run")
     args = p.parse_args()
     # A background run ignores SIGINT: SIGTERM (or ^C) ends it through the cleanup below.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: sys.exit("bench_idle: stopped"))
     if shutil.which("strace") is None:
         sys.exit("bench_idle needs strace (apt-get install strace) to count wake-ups and thread starts")
-    exe = original_exe(args.original)
+    exes = {"this": this_exe(), "original": original_exe(args.original)}
+    if args.baseline_tree:
+        exes["baseline"] = this_exe(os.path.abspath(args.baseline_tree))
+    print("how each runs: `<venv>/bin/llmport-agent run`, cwd its own state directory, "
+          f"PYTHON* cleared for both ({', '.join(cleared()) or 'none were set'}), LLM_PORT_NODE_AGENT_* "
+          "set to the stand-in's URL, a fresh token and state paths; this agent also "
+          "OPS_PORT=<free port> LOG_FORMAT=text")
+    for kind, exe in exes.items():
+        print(f"  {kind}: {exe} run")
     backend = DevBackendProcess()
     root = tempfile.mkdtemp(prefix="bench-idle-")
-    kinds = ("this", "original")
+    kinds = ("this", "baseline", "original") if args.baseline_tree else ("this", "original")
     started: dict[str, list[float]] = {k: [] for k in kinds}
+    start_cpu: dict[str, list[float]] = {k: [] for k in kinds}
     live: list[Agent] = []
     try:
         n = 0
         for i in range(args.starts):
-            for kind in (kinds if i % 2 == 0 else kinds[::-1]):
+            for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:  # each goes first in turn
                 n += 1
-                a = make_agent(kind, backend, root, n, exe, trace=False)
+                a = make_agent(kind, backend, root, n, exes, trace=False)
                 live.append(a)
                 started[kind].append(wait_connected(backend, a)[1])
+                start_cpu[kind].append(a.cpu_at_connect)
                 a.stop()
                 live.remove(a)
-        agents = [make_agent("this", backend, root, 100, exe, trace=True),
-                  make_agent("this", backend, root, 101, exe, trace=True, name="this, push"),
-                  make_agent("original", backend, root, 102, exe, trace=True)]
+        s_this, s_orig = statistics.median(started["this"]), statistics.median(started["original"])
+        start_line = (f"  {'start to connected (s, median)':<32} {s_this:10.3f} {s_this / s_orig:6.2f}x "
+                      f"{'':>18} {s_orig:10.3f}   (this {', '.join(f'{v:.3f}' for v in started['this'])}; "
+                      f"original {', '.join(f'{v:.3f}' for v in started['original'])})")
+        c_this, c_orig = statistics.median(start_cpu["this"]), statistics.median(start_cpu["original"])
+        start_line += (f"\n  {'CPU s to connected (median)':<32} {c_this:10.3f} {c_this / c_orig:6.2f}x "
+                       f"{'':>18} {c_orig:10.3f}   (min: this {min(start_cpu['this']):.3f}, original "
+                       f"{min(start_cpu['original']):.3f}; wall min: this {min(started['this']):.3f}, "
+                       f"original {min(started['original']):.3f})")
+        if args.baseline_tree:
+            b, cb = statistics.median(started["baseline"]), statistics.median(start_cpu["baseline"])
+            start_line += (f"\n  {'baseline tree: start, CPU s':<32} {b:10.3f} {b / s_orig:6.2f}x "
+                           f"{cb:10.3f} {cb / c_orig:6.2f}x   (wall min {min(started['baseline']):.3f}, "
+                           f"CPU min {min(start_cpu['baseline']):.3f}; {args.baseline_tree})")
+        if args.minutes <= 0:
+            print(start_line.replace("\n  ", "\n").strip())
+            print(f"target: start to connected <= the original's: {'met' if s_this <= s_orig else 'MISSED'}")
+            return
+        agents = [make_agent("this", backend, root, 100, exes, trace=True),
+                  make_agent("this", backend, root, 101, exes, trace=True, name="this, push"),
+                  make_agent("original", backend, root, 102, exes, trace=True)]
         live += agents
         nodes = {a.name: wait_connected(backend, a)[0] for a in agents}
         pushed = prove_push(backend, agents[1], nodes["this, push"])
@@ -347,16 +457,13 @@ def main() -> None:
                 cells.append(f"{a:{fmt}} {ratio:>7}")
             print(f"  {label:<32} " + " ".join(f"{c:>18}" for c in cells) + f" {orig[key]:{fmt}}")
 
-        s_this, s_orig = statistics.median(started["this"]), statistics.median(started["original"])
         print(f"idle, side by side, {args.minutes:g} min window after {args.warmup:g} s warm-up; "
               f"stand-in backend (current generation), default settings, no engine, no GPU")
         if not pushed:
             print("  (the push-proven node did not see a push: its column polls like a fresh node)")
         print(f"  {'':<32} " + " ".join(f"{n + ' (ratio)':>18}" for n in names[:-1])
               + f" {args.original:>10}")
-        print(f"  {'start to connected (s, median)':<32} {s_this:10.3f} {s_this / s_orig:6.2f}x "
-              f"{'':>18} {s_orig:10.3f}   (this {', '.join(f'{v:.3f}' for v in started['this'])}; "
-              f"original {', '.join(f'{v:.3f}' for v in started['original'])})")
+        print(start_line)
         row("RSS at end (MiB)", "rss", "10.1f")
         row("PSS at end (MiB)", "pss", "10.1f")
         row("CPU with children (s)", "cpu", "10.2f")

@@ -55,6 +55,11 @@ def run_agent(config: AgentConfig, json_logs: bool = False) -> int:
     Run the agent in the foreground until SIGTERM/SIGINT (the first drains, a second stops at
     once). Returns the exit status.
     """
+    from llmport_agent.core.startgc import StartGC
+
+    # Before Twisted's and the agent's imports: they are most of the path to the first connect.
+    start_gc = StartGC()
+    start_gc.begin()
     from twisted.internet import reactor
 
     from llmport_agent.agent.drain import install_stop_signals
@@ -74,6 +79,8 @@ def run_agent(config: AgentConfig, json_logs: bool = False) -> int:
 
     agent = AgentService(reactor, config, fatal=fatal)
     secrets.provider = agent.secrets.values
+    start_gc.arm(reactor)
+    agent.session.subscribe(start_gc)
     reactor.callWhenRunning(install_stop_signals, reactor, agent.drain.stop_requested)  # type: ignore[attr-defined]
     reactor.callWhenRunning(agent.startService)  # type: ignore[attr-defined]
     reactor.addSystemEventTrigger("before", "shutdown", agent.stopService)  # type: ignore[attr-defined]
