@@ -567,3 +567,176 @@ class HeartbeatChangeTimerTests(SynchronousTestCase):
         self.assertEqual(len(clock.getDelayedCalls()), loop_only + 1)
         clock.advance(1)
         self.assertEqual(session.of_type("heartbeat")[-1]["status"], "degraded")
+
+
+class WakeRecorder:
+    """
+    Records the time of every timer scheduled on a Clock, cancelled or not: the real reactor
+    keeps a cancelled call in its heap and wakes at its time all the same.
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self.times: set[float] = set()
+        real = clock.callLater
+
+        def recording(delay: float, *a: Any, **kw: Any) -> Any:
+            call = real(delay, *a, **kw)
+            self.times.add(round(call.getTime(), 6))
+            return call
+
+        clock.callLater = recording  # type: ignore[method-assign]
+
+    def between(self, start: float, end: float) -> list[float]:
+        return sorted(t for t in self.times if start < t <= end)
+
+
+class _Link:
+    """A connection as the keep-alive sees it: a pong adds bytes while the peer answers."""
+
+    def __init__(self) -> None:
+        self.bytes_received = 0
+        self.answering = True
+        self.pings = 0
+        self.dropped: list[str] = []
+
+    def send_keepalive_ping(self) -> bool:
+        if self.dropped:
+            return False
+        self.pings += 1
+        if self.answering:
+            self.bytes_received += 19
+        return True
+
+    def drop_unanswered(self, reason: str) -> None:
+        self.dropped.append(reason)
+
+
+class KeepAliveTickTests(SynchronousTestCase):
+    """
+    The stream's keep-alive rides the heartbeat's tick: no ping timer and no pong timeout of its
+    own (Autobahn's 20 s auto-ping woke the reactor 6 times a minute: its ping, and its pong
+    timeout, cancelled but still in the heap), and a dead link is still dropped within 30 s.
+    """
+
+    def make(self, interval: float = 15, build: Any = None) -> tuple[Clock, WakeRecorder, Any, _Link, FakeSession]:
+        from llmport_agent.session.keepalive import KeepAlive
+
+        clock, session, link = Clock(), FakeSession(), _Link()
+        wakes = WakeRecorder(clock)
+        keepalive = KeepAlive(clock)
+        keepalive.opened(link)
+        hb = HeartbeatReporter(clock, session, interval, build or (lambda: {"status": "healthy"}),
+                               on_tick=keepalive.tick)
+        hb.startService()
+        self.addCleanup(hb.stopService)
+        hb.session_opened()
+        return clock, wakes, keepalive, link, session
+
+    def test_no_wake_up_of_its_own(self) -> None:
+        clock, wakes, keepalive, link, session = self.make()
+        advance(clock, HOUR, step=1)
+        ticks = [15.0 * n for n in range(1, 241)]
+        self.assertEqual(wakes.between(0, HOUR), ticks)  # the heartbeat's ticks, nothing else
+        self.assertEqual(link.pings, 241)  # one per heartbeat, the one at the connect included
+        self.assertEqual(len(session.of_type("heartbeat")), 241)
+        self.assertEqual((link.dropped, keepalive.dropped), ([], 0))
+
+    def test_dead_link_dropped_within_two_ticks(self) -> None:
+        clock, wakes, keepalive, link, session = self.make()
+        advance(clock, 100, step=1)
+        link.answering = False  # the peer is gone silently: a half-open connection
+        died = clock.seconds()
+        while not link.dropped and clock.seconds() < died + 120:
+            clock.advance(1)
+        self.assertEqual(len(link.dropped), 1)
+        self.assertLessEqual(clock.seconds() - died, 30)
+        self.assertIn("keep-alive ping not answered in 15 s", link.dropped[0])
+        self.assertEqual(keepalive.dropped, 1)
+
+    def test_any_byte_received_is_an_answer(self) -> None:
+        clock, wakes, keepalive, link, session = self.make()
+        link.answering = False
+        for _ in range(40):  # a long frame arriving slowly: bytes, but no pong yet
+            clock.advance(15)
+            link.bytes_received += 1000
+        self.assertEqual(link.dropped, [])
+
+    def test_slow_heartbeat_still_ticks_every_15_s(self) -> None:
+        """HEARTBEAT_INTERVAL_SEC=60: the loop ticks every 15 s, a heartbeat every 4th tick."""
+        clock, wakes, keepalive, link, session = self.make(interval=60)
+        advance(clock, HOUR, step=1)
+        self.assertEqual(wakes.between(0, HOUR), [15.0 * n for n in range(1, 241)])
+        self.assertEqual(len(session.of_type("heartbeat")), 61)
+        link.answering = False
+        died = clock.seconds()
+        while not link.dropped and clock.seconds() < died + 200:
+            clock.advance(1)
+        self.assertLessEqual(clock.seconds() - died, 30)
+
+    def test_tick_goes_on_when_the_heartbeat_is_not_sent(self) -> None:
+        """A heartbeat that fails to build (or a refused send) does not stop the keep-alive."""
+
+        def broken() -> dict[str, Any]:
+            raise RuntimeError("no fields")
+
+        clock, wakes, keepalive, link, session = self.make(build=broken)
+        session.connected = False  # and the session refuses frames
+        advance(clock, 60, step=1)
+        self.assertEqual(link.pings, 5)
+        link.answering = False
+        advance(clock, 30, step=1)
+        self.assertEqual(len(link.dropped), 1)
+        self.flushLoggedErrors(RuntimeError)
+
+    def test_a_failing_tick_listener_does_not_stop_the_loop(self) -> None:
+        clock, session = Clock(), FakeSession()
+
+        def boom() -> None:
+            raise RuntimeError("tick listener")
+
+        hb = HeartbeatReporter(clock, session, 15, lambda: {"status": "healthy"}, on_tick=boom,
+                               on_lateness=lambda late: boom())
+        hb.startService()
+        self.addCleanup(hb.stopService)
+        hb.session_opened()
+        advance(clock, 150, step=1)
+        self.assertEqual(len(session.of_type("heartbeat")), 11)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 21)
+
+    def test_session_turns_autobahn_auto_ping_off(self) -> None:
+        """The stream's factory is built without Autobahn's auto-ping (and its pong timeout)."""
+        from twisted.internet.defer import succeed
+        from twisted.internet.endpoints import TCP4ClientEndpoint
+
+        from llmport_agent.core.config import load_config
+        from llmport_agent.core.state import StateStore
+        from llmport_agent.session import service as session_service
+        from llmport_agent.session.protocol import AgentClientFactory
+        from tests.test_session import CRED, FakeBackend
+
+        options: list[dict[str, Any]] = []
+
+        class Recording(AgentClientFactory):
+            def setProtocolOptions(self, **kw: Any) -> None:  # type: ignore[override]
+                options.append(kw)
+                super().setProtocolOptions(**kw)
+
+        self.patch(session_service, "AgentClientFactory", Recording)
+        reactor = MemoryReactorClock()
+        config = load_config({"LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:8000"}, {})
+        d = self.mktemp()
+        os.makedirs(d)
+        state = StateStore(SynchronousRunner(), os.path.join(d, "state.json"))
+        self.successResultOf(state.load())
+        self.successResultOf(state.update(credential=CRED, node_id="n1"))
+        svc = session_service.SessionService(
+            reactor, config, state, FakeBackend(),  # type: ignore[arg-type]
+            lambda: succeed({}), lambda code, msg: None, version="0.1.0",
+            endpoint_factory=lambda host, port, tls: TCP4ClientEndpoint(reactor, host, port),
+        )
+        svc.startService()
+        self.addCleanup(svc.stopService)
+        self.assertEqual(len(reactor.tcpClients), 1)
+        self.assertEqual(len(options), 1)
+        self.assertEqual(options[0].get("autoPingInterval", 0), 0)
+        self.assertEqual(options[0].get("autoPingTimeout", 0), 0)

@@ -36,8 +36,6 @@ from llmport_agent.demo.testing import FakeSession, SynchronousRunner
 from llmport_agent.devbackend import _http as dev_http
 from llmport_agent.devbackend import _stream as dev_stream
 from llmport_agent.events.outbox import EventOutbox
-from llmport_agent.session import service as session_service
-from llmport_agent.session.protocol import AgentClientFactory
 from llmport_agent.session.rotation import ROTATION_INTERVAL
 from llmport_agent.session.service import SessionService
 from llmport_agent.session.stop import CRITICAL_STOP_GRACE
@@ -397,13 +395,6 @@ class DeafStream(dev_stream.StreamProtocol):
             super().onPing(payload)
 
 
-class FastPingFactory(AgentClientFactory):
-    def setProtocolOptions(self, **kw: Any) -> None:  # type: ignore[override]
-        if "autoPingInterval" in kw:
-            kw.update(autoPingInterval=1.0, autoPingTimeout=1.0)
-        super().setProtocolOptions(**kw)
-
-
 class HostileBackendTests(AgentTestCase):
     async def test_garbage_hello_and_commands_before_hello(self) -> None:
         """
@@ -513,9 +504,9 @@ class HostileBackendTests(AgentTestCase):
                              "no pong ever confirms the delivery: the result is sent again after each "
                              "reconnect (the documented at-least-once window)")
         self.patch(dev_stream.StreamFactory, "protocol", DeafStream)
-        self.patch(session_service, "AgentClientFactory", FastPingFactory)
         backend = await self.start_backend()
-        agent = self.start_agent(backend)
+        # The keep-alive pings on each heartbeat tick: a 1 s heartbeat finds the link dead in 2 s.
+        agent = self.start_agent(backend, HEARTBEAT_INTERVAL_SEC="1")
         node_id = await self.wait_connected(backend, agent)
         cmd = backend.issue_command(node_id, "collect_diagnostics", {})
         await backend.wait_for(lambda: backend.command(cmd["id"])["status"] == "succeeded", 15)
