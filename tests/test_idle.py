@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import threading
 from typing import Any
+from unittest import SkipTest
 
-from twisted.internet.defer import ensureDeferred
+from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmport_agent.demo.testing import FakeSession, SynchronousRunner
 from llmport_agent.events.outbox import EventOutbox
@@ -740,3 +741,125 @@ class KeepAliveTickTests(SynchronousTestCase):
         self.assertEqual(len(options), 1)
         self.assertEqual(options[0].get("autoPingInterval", 0), 0)
         self.assertEqual(options[0].get("autoPingTimeout", 0), 0)
+
+
+class _FakeWatch:
+    def __init__(self, path: str, appeared: Any) -> None:
+        self.path, self.appeared, self.active = path, appeared, True
+
+    def stop(self) -> None:
+        self.active = False
+
+
+class EngineSocketWatchTests(SynchronousTestCase):
+    """
+    No engine socket: the agent is told when it appears (inotify on its directory) instead of
+    probing every 30 s; the probe goes on at a slow back-off (up to 10 minutes) as a safety net.
+    """
+
+    def make(self, watches: list[_FakeWatch] | None, exists: list[bool]) -> tuple[Clock, WakeRecorder, Any, Any]:
+        from tests.test_workloads_engine import ADDR, FakeDocker, SyncPool
+
+        clock, fake = Clock(), FakeDocker()
+        wakes = WakeRecorder(clock)
+
+        def watch(path: str, appeared: Any) -> _FakeWatch | None:
+            if watches is None:
+                return None  # no inotify here
+            w = _FakeWatch(path, appeared)
+            watches.append(w)
+            return w
+
+        engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake,
+                              socket_exists=lambda path: exists[0], watch_socket=watch)
+        pool = SyncPool()
+        engine._short = pool  # type: ignore[assignment]
+        engine._streams = SyncPool()  # type: ignore[assignment]
+        engine.startService()
+        self.addCleanup(engine.stopService)
+        return clock, wakes, engine, pool
+
+    def test_watched_not_probed_every_30_s(self) -> None:
+        watches: list[_FakeWatch] = []
+        exists = [False]
+        clock, wakes, engine, pool = self.make(watches, exists)
+        advance(clock, HOUR, step=1)
+        self.assertEqual([w.path for w in watches], ["/run/test/docker.sock"])  # one watch, kept
+        self.assertTrue(watches[0].active)
+        # 1, 2, 4 ... 512 s, then every 600 s: 15 probes in the first hour (at 30 s: 130).
+        self.assertLessEqual(len(wakes.between(0, HOUR)), 16)
+        self.assertFalse(engine.available)
+        exists[0] = True  # dockerd made its socket: inotify says so
+        watches[0].appeared()
+        clock.advance(0)
+        self.assertTrue(engine.available)
+        self.assertEqual(pool.calls, 1)
+
+    def test_without_inotify_the_old_back_off(self) -> None:
+        clock, wakes, engine, pool = self.make(None, [False])
+        advance(clock, HOUR, step=1)
+        self.assertGreater(len(wakes.between(0, HOUR)), 100)  # every 30 s at most: found within 30 s
+
+    def test_engine_that_went_away_with_its_socket_left_is_probed(self) -> None:
+        """The socket file is there but nobody answers (dockerd restarting): the old back-off, no watch."""
+        from tests.test_workloads_engine import ADDR, FakeDocker, SyncPool
+
+        clock, fake = Clock(), FakeDocker()
+        watches: list[Any] = []
+        engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake,
+                              socket_exists=lambda path: True,
+                              watch_socket=lambda path, cb: watches.append(path))
+        engine._short = SyncPool()  # type: ignore[assignment]
+        engine._streams = SyncPool()  # type: ignore[assignment]
+        engine.startService()
+        self.addCleanup(engine.stopService)
+        clock.advance(0)
+        self.assertTrue(engine.available)
+        fake.down = True
+        engine.checkNow()
+        clock.advance(0)
+        self.assertFalse(engine.available)
+        fake.down = False
+        advance(clock, 31, step=1)
+        self.assertTrue(engine.available)
+        self.assertEqual(watches, [])
+
+
+class RealSocketWatchTests(TestCase):
+    """inotify on the nearest existing directory, moving down as the path is made."""
+
+    timeout = 30
+
+    def test_socket_made_under_missing_directories(self) -> None:
+        import shutil
+        import socket
+        import tempfile
+
+        from twisted.internet import reactor
+
+        from llmport_agent.workloads.socketwatch import watch_socket
+
+        root = tempfile.mkdtemp(prefix="sockwatch-")  # short: a socket path has 107 bytes at most
+        self.addCleanup(shutil.rmtree, root, True)
+        path = os.path.join(root, "a", "b", "docker.sock")
+        seen: list[bool] = []
+        done: Deferred[None] = Deferred()
+
+        def appeared() -> None:
+            seen.append(os.path.exists(path))
+            done.callback(None)
+
+        watch = watch_socket(reactor, path, appeared)
+        if watch is None:
+            raise SkipTest("no inotify here")
+        self.addCleanup(watch.stop)
+        self.assertEqual(watch.watched, root)
+
+        def make() -> None:
+            os.makedirs(os.path.dirname(path))
+            sock = socket.socket(socket.AF_UNIX)
+            self.addCleanup(sock.close)
+            sock.bind(path)
+
+        reactor.callLater(0, make)  # type: ignore[attr-defined]
+        return done.addCallback(lambda _: self.assertEqual((seen, watch.active), ([True], False)))
