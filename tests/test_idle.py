@@ -855,11 +855,25 @@ class RealSocketWatchTests(TestCase):
         self.addCleanup(watch.stop)
         self.assertEqual(watch.watched, root)
 
-        def make() -> None:
-            os.makedirs(os.path.dirname(path))
+        async def steps() -> None:
+            from twisted.internet.task import deferLater
+
+            async def until(check: Any) -> None:
+                for _ in range(1000):
+                    if check():
+                        return
+                    await deferLater(reactor, 0.01, lambda: None)
+                self.fail("the watch did not move")
+
+            os.mkdir(os.path.join(root, "a"))  # the watch moves down, one directory at a time
+            await until(lambda: watch.watched == os.path.join(root, "a"))
+            os.mkdir(os.path.join(root, "a", "b"))
+            await until(lambda: watch.watched == os.path.dirname(path))
+            self.assertEqual(seen, [])
             sock = socket.socket(socket.AF_UNIX)
             self.addCleanup(sock.close)
-            sock.bind(path)
+            sock.bind(path)  # dockerd made its socket
+            await done
 
-        reactor.callLater(0, make)  # type: ignore[attr-defined]
-        return done.addCallback(lambda _: self.assertEqual((seen, watch.active), ([True], False)))
+        d = Deferred.fromCoroutine(steps())
+        return d.addCallback(lambda _: self.assertEqual((seen, watch.active), ([True], False)))
