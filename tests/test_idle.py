@@ -877,3 +877,52 @@ class RealSocketWatchTests(TestCase):
 
         d = Deferred.fromCoroutine(steps())
         return d.addCallback(lambda _: self.assertEqual((seen, watch.active), ([True], False)))
+
+
+class HealthReconcileLoopTests(SynchronousTestCase):
+    """
+    The workload health watcher reconciles every 60 s only while the engine answers: without
+    one there is nothing to reconcile (its timer woke the agent once a minute for nothing).
+    """
+
+    def test_no_loop_without_an_engine(self) -> None:
+        from llmport_agent.workloads.health import HealthWatcher
+        from llmport_agent.workloads.settings import WorkloadSettings
+        from tests.test_workloads_engine import ADDR, FakeDocker, SyncPool
+
+        clock, fake = Clock(), FakeDocker()
+        exists = [False]
+        engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake,
+                              socket_exists=lambda path: exists[0], watch_socket=lambda path, cb: None,
+                              probe_max=600.0)
+        engine._short = SyncPool()  # type: ignore[assignment]
+        engine._streams = SyncPool()  # type: ignore[assignment]
+        watcher = HealthWatcher(clock, engine, WorkloadSettings(agent_id="n"), lambda *a: None)
+        reconciles: list[float] = []
+
+        async def reconcile() -> None:
+            reconciles.append(clock.seconds())
+
+        watcher.reconcile = reconcile  # type: ignore[method-assign]
+        engine.startService()
+        watcher.startService()
+        self.addCleanup(engine.stopService)
+        self.addCleanup(watcher.stopService)
+        wakes = WakeRecorder(clock)
+        advance(clock, HOUR, step=1)
+        self.assertFalse(engine.available)
+        self.assertEqual(reconciles, [])
+        # The engine's own probe back-off (to 10 minutes here) is all that is scheduled.
+        self.assertLessEqual(len(wakes.between(0, HOUR)), 16)
+        exists[0] = True  # the engine answers: reconciled at once, then every 60 s
+        engine.checkNow()
+        advance(clock, 130, step=1)
+        self.assertTrue(engine.available)
+        self.assertEqual(len(reconciles), 3)
+        fake.down = True  # and gone again: the loop stops
+        engine.checkNow()
+        clock.advance(0)
+        self.assertFalse(engine.available)
+        count = len(reconciles)
+        advance(clock, 600, step=1)
+        self.assertEqual(len(reconciles), count)
