@@ -904,11 +904,11 @@ class HealthReconcileLoopTests(SynchronousTestCase):
             reconciles.append(clock.seconds())
 
         watcher.reconcile = reconcile  # type: ignore[method-assign]
+        wakes = WakeRecorder(clock)
         engine.startService()
         watcher.startService()
         self.addCleanup(engine.stopService)
         self.addCleanup(watcher.stopService)
-        wakes = WakeRecorder(clock)
         advance(clock, HOUR, step=1)
         self.assertFalse(engine.available)
         self.assertEqual(reconciles, [])
