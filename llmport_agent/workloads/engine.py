@@ -451,6 +451,9 @@ class DockerEngine(Service):
                 self._unwatch()
             err = translate_error("ping", self.address, failure.value, self.call_timeout)
             self._setAvailable(False, err.error_message.removeprefix("ping failed: "))
+            if watched:
+                # Told when the socket appears: the probe is only a safety net (slow at once).
+                self._probe_delay = self._recheck_max()
             delay = self._probe_delay
             self._probe_delay = min(self._probe_delay * 2, self._recheck_max())
             self._scheduleProbe(delay)
