@@ -928,3 +928,44 @@ class HealthReconcileLoopTests(SynchronousTestCase):
         count = len(reconciles)
         advance(clock, 600, step=1)
         self.assertEqual(len(reconciles), count)
+
+
+class InventoryRoundTimerTests(SynchronousTestCase):
+    """
+    One timer per inventory round (the collector's section deadline): the reporter's own 30 s
+    timeout is gone (cancelled, it still woke the reactor at its time); a hung round is
+    abandoned at the loop's next tick instead.
+    """
+
+    def test_one_timer_per_round(self) -> None:
+        from twisted.internet.defer import succeed
+
+        from llmport_agent.inventory.collector import InventoryCollector
+        from llmport_agent.inventory.gpu import NoGPUSource
+        from llmport_agent.session.reporting import InventoryReporter
+        from tests.test_inventory_vllm import SyncRunner
+
+        clock, session = Clock(), FakeSession()
+        state = self.mktemp()
+        os.makedirs(state)
+        collector = InventoryCollector(clock, SyncRunner(), NoGPUSource(), state_dir=state, model_store=None,
+                                       sections={"a": lambda: succeed(1)}, section_timeout=30.0)
+        scheduled: list[float] = []
+        real = clock.callLater
+
+        def counting(delay: float, *a: Any, **kw: Any) -> Any:
+            scheduled.append(delay)
+            return real(delay, *a, **kw)
+
+        clock.callLater = counting  # type: ignore[method-assign]
+        rep = InventoryReporter(clock, session, 60, collector)
+        rep.startService()
+        self.addCleanup(rep.stopService)
+        rep.session_opened()
+        advance(clock, HOUR, step=1)
+        rounds = len(session.of_type("inventory"))
+        self.assertEqual(rounds, 61)
+        # Per round: the loop's next tick and the section deadline, nothing else.
+        self.assertEqual(sorted(set(scheduled)), [30.0, 60.0])
+        self.assertEqual(scheduled.count(30.0), rounds)
+        self.assertEqual(len(scheduled), 2 * rounds)

@@ -6,8 +6,10 @@ once when a field changes, see L{HeartbeatReporter.notify_changed}) and the inve
 C{INVENTORY_INTERVAL_SEC}. The heartbeat's loop is also the connection's keep-alive tick
 (L{llmport_agent.session.keepalive}): it ticks at least every C{KEEPALIVE_MAX_SEC}, a longer
 heartbeat interval going out every n-th tick. Collection (psutil, NVML) runs off the reactor thread
-in the inventory collector; an iteration never overlaps the previous one and is bounded by a
-timeout, so a hung NVML call cannot stop the loop.
+in the inventory collector; an iteration never overlaps the previous one, and one still running
+at a later tick after C{INVENTORY_TIMEOUT} (a hung NVML call, a stuck mount) is abandoned there,
+so it cannot stop the loop. That check rides the loop's own tick: no timeout timer per round
+(a cancelled timer stays in the reactor's heap and wakes it at its time all the same).
 """
 
 from __future__ import annotations
@@ -244,12 +246,29 @@ class InventoryReporter(_PerConnectionLoop):
         self.interval = interval
         self.collector = collector
         self._inflight: Deferred[bool] | None = None
+        self._inflight_since = 0.0
+        #: Seconds the round being abandoned ran (set while it is cancelled).
+        self._abandoning: float | None = None
         self.sent = 0
+        self.abandoned = 0
         self.last_error: str = ""
 
-    def _tick(self) -> Deferred[None]:
-        # Returned so iterations never overlap; never fails (a failure would stop the loop).
-        return self.report_now().addCallback(lambda _: None)
+    def _tick(self) -> None:
+        # Not returned to the loop, which keeps its period: a round still running since
+        # INVENTORY_TIMEOUT is abandoned here, at a tick that comes anyway; a younger one
+        # (a refresh_inventory's) stands for this tick.
+        inflight = self._inflight
+        if inflight is not None:
+            age = self._reactor.seconds() - self._inflight_since
+            if age < INVENTORY_TIMEOUT:
+                return
+            self._abandoning = age
+            try:
+                inflight.cancel()
+            finally:
+                self._abandoning = None
+        if self._inflight is None:
+            self.report_now()
 
     def report_now(self) -> Deferred[bool]:
         """Collect and send one inventory frame. Fires True once it was sent."""
@@ -258,9 +277,15 @@ class InventoryReporter(_PerConnectionLoop):
             prev = self._inflight
             return prev.addCallback(lambda _: None).addCallback(lambda _: self.report_now())
         d = Deferred.fromCoroutine(self._collect_and_send())
-        d.addTimeout(INVENTORY_TIMEOUT, self._reactor)
+        self._inflight_since = self._reactor.seconds()
 
         def failed(f: Any) -> bool:
+            if f.check(CancelledError) and self._abandoning is not None:
+                self.abandoned += 1
+                self.last_error = f"the collection did not finish in {self._abandoning:.0f} s"
+                self.log.warn("Inventory collection did not finish in {seconds:.0f} s (a hung GPU or "
+                              "disk reading?); abandoned, collecting again", seconds=self._abandoning)
+                return False
             if f.check(CancelledError) and not self.running:
                 return False
             self.last_error = f.getErrorMessage() or f.type.__name__
