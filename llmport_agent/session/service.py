@@ -18,6 +18,7 @@ This module holds the connection (ClientService, the endpoint, the connection ev
 and composes the collaborators, each a class that owns its state and is told what happens
 through its methods: L{Enrollment}, L{Refusals} (refused upgrades, whoami, revoked), L{Polling}
 (polls and the dispatch mode), L{Rotation}, L{StopGate} (what a stop waits for or cancels),
+L{KeepAlive} (dead-link detection, ticked by the heartbeat loop through L{keepalive_tick}),
 and L{Link}, the connection lifecycle as an Automat machine (the C{phase} reported). They get
 what they need from the session as callbacks at construction and never import this module;
 the values they share live in L{llmport_agent.session.shared}.
