@@ -662,6 +662,28 @@ class KeepAliveTickTests(SynchronousTestCase):
             link.bytes_received += 1000
         self.assertEqual(link.dropped, [])
 
+    def test_a_pong_waiting_behind_a_late_tick_is_an_answer(self) -> None:
+        """
+        The reactor was busy past a tick: the tick runs before the socket is read, with the
+        pong waiting there. The verdict waits for one more pass over the sockets.
+        """
+        from llmport_agent.session.keepalive import KeepAlive
+
+        clock, link = Clock(), _Link()
+        keepalive = KeepAlive(clock)
+        keepalive.opened(link)
+        link.answering = False
+        keepalive.tick()  # the ping
+        clock.advance(40)
+        keepalive.tick()  # late: nothing read yet
+        self.assertEqual(link.dropped, [])
+        link.bytes_received += 19  # the reads of that pass: the pong was there
+        clock.advance(0)
+        self.assertEqual((link.dropped, link.pings), ([], 2))  # and the next ping went
+        keepalive.tick()
+        clock.advance(0)  # nothing came this time: dropped
+        self.assertEqual(len(link.dropped), 1)
+
     def test_slow_heartbeat_still_ticks_every_15_s(self) -> None:
         """HEARTBEAT_INTERVAL_SEC=60: the loop ticks every 15 s, a heartbeat every 4th tick."""
         clock, wakes, keepalive, link, session = self.make(interval=60)
