@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import threading
 from typing import Any
+from unittest import SkipTest
 
-from twisted.internet.defer import ensureDeferred
+from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmport_agent.demo.testing import FakeSession, SynchronousRunner
 from llmport_agent.events.outbox import EventOutbox
@@ -567,3 +568,426 @@ class HeartbeatChangeTimerTests(SynchronousTestCase):
         self.assertEqual(len(clock.getDelayedCalls()), loop_only + 1)
         clock.advance(1)
         self.assertEqual(session.of_type("heartbeat")[-1]["status"], "degraded")
+
+
+class WakeRecorder:
+    """
+    Records the time of every timer scheduled on a Clock, cancelled or not: the real reactor
+    keeps a cancelled call in its heap and wakes at its time all the same.
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self.times: set[float] = set()
+        real = clock.callLater
+
+        def recording(delay: float, *a: Any, **kw: Any) -> Any:
+            call = real(delay, *a, **kw)
+            self.times.add(round(call.getTime(), 6))
+            return call
+
+        clock.callLater = recording  # type: ignore[method-assign]
+
+    def between(self, start: float, end: float) -> list[float]:
+        return sorted(t for t in self.times if start < t <= end)
+
+
+class _Link:
+    """A connection as the keep-alive sees it: a pong adds bytes while the peer answers."""
+
+    def __init__(self) -> None:
+        self.bytes_received = 0
+        self.answering = True
+        self.pings = 0
+        self.dropped: list[str] = []
+
+    def send_keepalive_ping(self) -> bool:
+        if self.dropped:
+            return False
+        self.pings += 1
+        if self.answering:
+            self.bytes_received += 19
+        return True
+
+    def drop_unanswered(self, reason: str) -> None:
+        self.dropped.append(reason)
+
+
+class KeepAliveTickTests(SynchronousTestCase):
+    """
+    The stream's keep-alive rides the heartbeat's tick: no ping timer and no pong timeout of its
+    own (Autobahn's 20 s auto-ping woke the reactor 6 times a minute: its ping, and its pong
+    timeout, cancelled but still in the heap), and a dead link is still dropped within 30 s.
+    """
+
+    def make(self, interval: float = 15, build: Any = None) -> tuple[Clock, WakeRecorder, Any, _Link, FakeSession]:
+        from llmport_agent.session.keepalive import KeepAlive
+
+        clock, session, link = Clock(), FakeSession(), _Link()
+        wakes = WakeRecorder(clock)
+        keepalive = KeepAlive(clock)
+        keepalive.opened(link)
+        hb = HeartbeatReporter(clock, session, interval, build or (lambda: {"status": "healthy"}),
+                               on_tick=keepalive.tick)
+        hb.startService()
+        self.addCleanup(hb.stopService)
+        hb.session_opened()
+        return clock, wakes, keepalive, link, session
+
+    def test_no_wake_up_of_its_own(self) -> None:
+        clock, wakes, keepalive, link, session = self.make()
+        advance(clock, HOUR, step=1)
+        ticks = [15.0 * n for n in range(1, 241)]
+        self.assertEqual(wakes.between(0, HOUR), ticks)  # the heartbeat's ticks, nothing else
+        self.assertEqual(link.pings, 241)  # one per heartbeat, the one at the connect included
+        self.assertEqual(len(session.of_type("heartbeat")), 241)
+        self.assertEqual((link.dropped, keepalive.dropped), ([], 0))
+
+    def test_dead_link_dropped_within_two_ticks(self) -> None:
+        clock, wakes, keepalive, link, session = self.make()
+        advance(clock, 100, step=1)
+        link.answering = False  # the peer is gone silently: a half-open connection
+        died = clock.seconds()
+        while not link.dropped and clock.seconds() < died + 120:
+            clock.advance(1)
+        self.assertEqual(len(link.dropped), 1)
+        self.assertLessEqual(clock.seconds() - died, 30)
+        self.assertIn("keep-alive ping not answered in 15 s", link.dropped[0])
+        self.assertEqual(keepalive.dropped, 1)
+
+    def test_any_byte_received_is_an_answer(self) -> None:
+        clock, wakes, keepalive, link, session = self.make()
+        link.answering = False
+        for _ in range(40):  # a long frame arriving slowly: bytes, but no pong yet
+            clock.advance(15)
+            link.bytes_received += 1000
+        self.assertEqual(link.dropped, [])
+
+    def test_a_pong_waiting_behind_a_late_tick_is_an_answer(self) -> None:
+        """
+        The reactor was busy past a tick: the tick runs before the socket is read, with the
+        pong waiting there. The verdict waits for one more pass over the sockets.
+        """
+        from llmport_agent.session.keepalive import KeepAlive
+
+        clock, link = Clock(), _Link()
+        keepalive = KeepAlive(clock)
+        keepalive.opened(link)
+        link.answering = False
+        keepalive.tick()  # the ping
+        clock.advance(40)
+        keepalive.tick()  # late: nothing read yet
+        self.assertEqual(link.dropped, [])
+        link.bytes_received += 19  # the reads of that pass: the pong was there
+        clock.advance(0)
+        self.assertEqual((link.dropped, link.pings), ([], 2))  # and the next ping went
+        keepalive.tick()
+        clock.advance(0)  # nothing came this time: dropped
+        self.assertEqual(len(link.dropped), 1)
+
+    def test_slow_heartbeat_still_ticks_every_15_s(self) -> None:
+        """HEARTBEAT_INTERVAL_SEC=60: the loop ticks every 15 s, a heartbeat every 4th tick."""
+        clock, wakes, keepalive, link, session = self.make(interval=60)
+        advance(clock, HOUR, step=1)
+        self.assertEqual(wakes.between(0, HOUR), [15.0 * n for n in range(1, 241)])
+        self.assertEqual(len(session.of_type("heartbeat")), 61)
+        link.answering = False
+        died = clock.seconds()
+        while not link.dropped and clock.seconds() < died + 200:
+            clock.advance(1)
+        self.assertLessEqual(clock.seconds() - died, 30)
+
+    def test_tick_goes_on_when_the_heartbeat_is_not_sent(self) -> None:
+        """A heartbeat that fails to build (or a refused send) does not stop the keep-alive."""
+
+        def broken() -> dict[str, Any]:
+            raise RuntimeError("no fields")
+
+        clock, wakes, keepalive, link, session = self.make(build=broken)
+        session.connected = False  # and the session refuses frames
+        advance(clock, 60, step=1)
+        self.assertEqual(link.pings, 5)
+        link.answering = False
+        advance(clock, 30, step=1)
+        self.assertEqual(len(link.dropped), 1)
+        self.flushLoggedErrors(RuntimeError)
+
+    def test_a_failing_tick_listener_does_not_stop_the_loop(self) -> None:
+        clock, session = Clock(), FakeSession()
+
+        def boom() -> None:
+            raise RuntimeError("tick listener")
+
+        hb = HeartbeatReporter(clock, session, 15, lambda: {"status": "healthy"}, on_tick=boom,
+                               on_lateness=lambda late: boom())
+        hb.startService()
+        self.addCleanup(hb.stopService)
+        hb.session_opened()
+        advance(clock, 150, step=1)
+        self.assertEqual(len(session.of_type("heartbeat")), 11)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 21)
+
+    def test_session_turns_autobahn_auto_ping_off(self) -> None:
+        """The stream's factory is built without Autobahn's auto-ping (and its pong timeout)."""
+        from twisted.internet.defer import succeed
+        from twisted.internet.endpoints import TCP4ClientEndpoint
+
+        from llmport_agent.core.config import load_config
+        from llmport_agent.core.state import StateStore
+        from llmport_agent.session import service as session_service
+        from llmport_agent.session.protocol import AgentClientFactory
+        from tests.test_session import CRED, FakeBackend
+
+        options: list[dict[str, Any]] = []
+
+        class Recording(AgentClientFactory):
+            def setProtocolOptions(self, **kw: Any) -> None:  # type: ignore[override]
+                options.append(kw)
+                super().setProtocolOptions(**kw)
+
+        self.patch(session_service, "AgentClientFactory", Recording)
+        reactor = MemoryReactorClock()
+        config = load_config({"LLM_PORT_NODE_AGENT_BACKEND_URL": "http://127.0.0.1:8000"}, {})
+        d = self.mktemp()
+        os.makedirs(d)
+        state = StateStore(SynchronousRunner(), os.path.join(d, "state.json"))
+        self.successResultOf(state.load())
+        self.successResultOf(state.update(credential=CRED, node_id="n1"))
+        svc = session_service.SessionService(
+            reactor, config, state, FakeBackend(),  # type: ignore[arg-type]
+            lambda: succeed({}), lambda code, msg: None, version="0.1.0",
+            endpoint_factory=lambda host, port, tls: TCP4ClientEndpoint(reactor, host, port),
+        )
+        svc.startService()
+        self.addCleanup(svc.stopService)
+        self.assertEqual(len(reactor.tcpClients), 1)
+        self.assertEqual(len(options), 1)
+        self.assertEqual(options[0].get("autoPingInterval", 0), 0)
+        self.assertEqual(options[0].get("autoPingTimeout", 0), 0)
+
+
+class _FakeWatch:
+    def __init__(self, path: str, appeared: Any) -> None:
+        self.path, self.appeared, self.active = path, appeared, True
+
+    def stop(self) -> None:
+        self.active = False
+
+
+class EngineSocketWatchTests(SynchronousTestCase):
+    """
+    No engine socket: the agent is told when it appears (inotify on its directory) instead of
+    probing every 30 s; the probe goes on at a slow back-off (up to 10 minutes) as a safety net.
+    """
+
+    def make(self, watches: list[_FakeWatch] | None, exists: list[bool]) -> tuple[Clock, WakeRecorder, Any, Any]:
+        from tests.test_workloads_engine import ADDR, FakeDocker, SyncPool
+
+        clock, fake = Clock(), FakeDocker()
+        wakes = WakeRecorder(clock)
+
+        def watch(path: str, appeared: Any) -> _FakeWatch | None:
+            if watches is None:
+                return None  # no inotify here
+            w = _FakeWatch(path, appeared)
+            watches.append(w)
+            return w
+
+        engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake,
+                              socket_exists=lambda path: exists[0], watch_socket=watch)
+        pool = SyncPool()
+        engine._short = pool  # type: ignore[assignment]
+        engine._streams = SyncPool()  # type: ignore[assignment]
+        engine.startService()
+        self.addCleanup(engine.stopService)
+        return clock, wakes, engine, pool
+
+    def test_watched_not_probed_every_30_s(self) -> None:
+        watches: list[_FakeWatch] = []
+        exists = [False]
+        clock, wakes, engine, pool = self.make(watches, exists)
+        advance(clock, HOUR, step=1)
+        self.assertEqual([w.path for w in watches], ["/run/test/docker.sock"])  # one watch, kept
+        self.assertTrue(watches[0].active)
+        # Every 600 s as a safety net (at 30 s: 130 in the first hour).
+        probes = wakes.between(1, HOUR)  # after the first, at the start
+        self.assertEqual(len(probes), 5)
+        self.assertEqual({b - a for a, b in zip([1.0, *probes], probes, strict=False)}, {600.0})
+        self.assertFalse(engine.available)
+        exists[0] = True  # dockerd made its socket: inotify says so
+        watches[0].appeared()
+        clock.advance(0)
+        self.assertTrue(engine.available)
+        self.assertEqual(pool.calls, 1)
+
+    def test_without_inotify_the_old_back_off(self) -> None:
+        clock, wakes, engine, pool = self.make(None, [False])
+        advance(clock, HOUR, step=1)
+        self.assertGreater(len(wakes.between(0, HOUR)), 100)  # every 30 s at most: found within 30 s
+
+    def test_engine_that_went_away_with_its_socket_left_is_probed(self) -> None:
+        """The socket file is there but nobody answers (dockerd restarting): the old back-off, no watch."""
+        from tests.test_workloads_engine import ADDR, FakeDocker, SyncPool
+
+        clock, fake = Clock(), FakeDocker()
+        watches: list[Any] = []
+        engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake,
+                              socket_exists=lambda path: True,
+                              watch_socket=lambda path, cb: watches.append(path))
+        engine._short = SyncPool()  # type: ignore[assignment]
+        engine._streams = SyncPool()  # type: ignore[assignment]
+        engine.startService()
+        self.addCleanup(engine.stopService)
+        clock.advance(0)
+        self.assertTrue(engine.available)
+        fake.down = True
+        engine.checkNow()
+        clock.advance(0)
+        self.assertFalse(engine.available)
+        fake.down = False
+        advance(clock, 31, step=1)
+        self.assertTrue(engine.available)
+        self.assertEqual(watches, [])
+
+
+class RealSocketWatchTests(TestCase):
+    """inotify on the nearest existing directory, moving down as the path is made."""
+
+    timeout = 30
+
+    def test_socket_made_under_missing_directories(self) -> None:
+        import shutil
+        import socket
+        import tempfile
+
+        from twisted.internet import reactor
+
+        from llmport_agent.workloads.socketwatch import watch_socket
+
+        root = tempfile.mkdtemp(prefix="sockwatch-")  # short: a socket path has 107 bytes at most
+        self.addCleanup(shutil.rmtree, root, True)
+        path = os.path.join(root, "a", "b", "docker.sock")
+        seen: list[bool] = []
+        done: Deferred[None] = Deferred()
+
+        def appeared() -> None:
+            seen.append(os.path.exists(path))
+            done.callback(None)
+
+        watch = watch_socket(reactor, path, appeared)
+        if watch is None:
+            raise SkipTest("no inotify here")
+        self.addCleanup(watch.stop)
+        self.assertEqual(watch.watched, root)
+
+        async def steps() -> None:
+            from twisted.internet.task import deferLater
+
+            async def until(check: Any) -> None:
+                for _ in range(1000):
+                    if check():
+                        return
+                    await deferLater(reactor, 0.01, lambda: None)
+                self.fail("the watch did not move")
+
+            os.mkdir(os.path.join(root, "a"))  # the watch moves down, one directory at a time
+            await until(lambda: watch.watched == os.path.join(root, "a"))
+            os.mkdir(os.path.join(root, "a", "b"))
+            await until(lambda: watch.watched == os.path.dirname(path))
+            self.assertEqual(seen, [])
+            sock = socket.socket(socket.AF_UNIX)
+            self.addCleanup(sock.close)
+            sock.bind(path)  # dockerd made its socket
+            await done
+
+        d = Deferred.fromCoroutine(steps())
+        return d.addCallback(lambda _: self.assertEqual((seen, watch.active), ([True], False)))
+
+
+class HealthReconcileLoopTests(SynchronousTestCase):
+    """
+    The workload health watcher reconciles every 60 s only while the engine answers: without
+    one there is nothing to reconcile (its timer woke the agent once a minute for nothing).
+    """
+
+    def test_no_loop_without_an_engine(self) -> None:
+        from llmport_agent.workloads.health import HealthWatcher
+        from llmport_agent.workloads.settings import WorkloadSettings
+        from tests.test_workloads_engine import ADDR, FakeDocker, SyncPool
+
+        clock, fake = Clock(), FakeDocker()
+        exists = [False]
+        engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake,
+                              socket_exists=lambda path: exists[0], watch_socket=lambda path, cb: None,
+                              probe_max=600.0)
+        engine._short = SyncPool()  # type: ignore[assignment]
+        engine._streams = SyncPool()  # type: ignore[assignment]
+        watcher = HealthWatcher(clock, engine, WorkloadSettings(agent_id="n"), lambda *a: None)
+        reconciles: list[float] = []
+
+        async def reconcile() -> None:
+            reconciles.append(clock.seconds())
+
+        watcher.reconcile = reconcile  # type: ignore[method-assign]
+        wakes = WakeRecorder(clock)
+        engine.startService()
+        watcher.startService()
+        self.addCleanup(engine.stopService)
+        self.addCleanup(watcher.stopService)
+        advance(clock, HOUR, step=1)
+        self.assertFalse(engine.available)
+        self.assertEqual(reconciles, [])
+        # The engine's own probe back-off (up to 10 minutes here) is all that is scheduled.
+        self.assertLessEqual(len(wakes.between(0, HOUR)), 16)
+        exists[0] = True  # the engine answers: reconciled at once, then every 60 s
+        engine.checkNow()
+        advance(clock, 130, step=1)
+        self.assertTrue(engine.available)
+        self.assertEqual(len(reconciles), 3)
+        fake.down = True  # and gone again: the loop stops
+        engine.checkNow()
+        clock.advance(0)
+        self.assertFalse(engine.available)
+        count = len(reconciles)
+        advance(clock, 600, step=1)
+        self.assertEqual(len(reconciles), count)
+
+
+class InventoryRoundTimerTests(SynchronousTestCase):
+    """
+    One timer per inventory round (the collector's section deadline): the reporter's own 30 s
+    timeout is gone (cancelled, it still woke the reactor at its time); a hung round is
+    abandoned at the loop's next tick instead.
+    """
+
+    def test_one_timer_per_round(self) -> None:
+        from twisted.internet.defer import succeed
+
+        from llmport_agent.inventory.collector import InventoryCollector
+        from llmport_agent.inventory.gpu import NoGPUSource
+        from llmport_agent.session.reporting import InventoryReporter
+        from tests.test_inventory_vllm import SyncRunner
+
+        clock, session = Clock(), FakeSession()
+        state = self.mktemp()
+        os.makedirs(state)
+        collector = InventoryCollector(clock, SyncRunner(), NoGPUSource(), state_dir=state, model_store=None,
+                                       sections={"a": lambda: succeed(1)}, section_timeout=30.0)
+        scheduled: list[float] = []
+        real = clock.callLater
+
+        def counting(delay: float, *a: Any, **kw: Any) -> Any:
+            scheduled.append(delay)
+            return real(delay, *a, **kw)
+
+        clock.callLater = counting  # type: ignore[method-assign]
+        rep = InventoryReporter(clock, session, 60, collector)
+        rep.startService()
+        self.addCleanup(rep.stopService)
+        rep.session_opened()
+        advance(clock, HOUR, step=1)
+        rounds = len(session.of_type("inventory"))
+        self.assertEqual(rounds, 61)
+        # Per round: the loop's next tick and the section deadline, nothing else.
+        self.assertEqual(sorted(set(scheduled)), [30.0, 60.0])
+        self.assertEqual(scheduled.count(30.0), rounds)
+        self.assertEqual(len(scheduled), 2 * rounds)

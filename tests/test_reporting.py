@@ -185,10 +185,14 @@ class InventoryTests(SynchronousTestCase):
         collector.immediate = False
         rep = InventoryReporter(clock, session, 60, collector)
         rep.session_opened()
-        clock.advance(31)
-        self.flushLoggedErrors()
-        self.assertEqual(rep.last_error != "", True)
+        clock.advance(59)
+        self.assertEqual((rep.last_error, rep.abandoned), ("", 0))
+        clock.advance(1)  # the next tick abandons it (no timer of its own) and collects again
+        self.assertEqual(rep.last_error, "the collection did not finish in 60 s")
+        self.assertEqual(rep.abandoned, 1)
+        self.assertEqual(len(collector.pending), 2)
         collector.immediate = True
         clock.advance(60)
         self.assertEqual(len(session.of_type("inventory")), 1)
+        self.assertEqual(rep.abandoned, 2)
         rep.stopService()

@@ -195,6 +195,8 @@ class AgentService(MultiService):
         self.heartbeat = HeartbeatReporter(
             reactor, self.session, config.heartbeat_interval_sec, lambda: self.status.heartbeat_fields(),
             on_lateness=self.lateness.observe,
+            # The stream's keep-alive ping rides each tick (same wake-up, same write).
+            on_tick=self.session.keepalive_tick,
         )
         # Heartbeat fields that change (engine, modes, capabilities; GPU health too) call
         # heartbeat.notify_changed(): the backend hears of it at once, not an interval later.

@@ -4,7 +4,8 @@ The WebSocket client protocol and factory for the backend stream (protocol 3).
 Per connection: the C{Authorization: Bearer} header is built in C{onConnecting} from the current
 credential; C{seq} starts at 1 and strictly increases; inbound frames are parsed defensively and
 handed to the session as dicts; delivery confirmation uses WebSocket pings: a frame sent before a
-ping whose pong came back has reached the backend's WebSocket stack.
+ping whose pong came back has reached the backend's WebSocket stack. The keep-alive's pings
+(L{llmport_agent.session.keepalive}) are sent from here too; any byte read proves the link.
 
 Nothing here knows about commands; it moves JSON objects.
 """
@@ -92,6 +93,8 @@ class AgentClientProtocol(WebSocketClientProtocol):
         self._ping_counter = 0
         self.frames_sent = 0
         self.frames_received = 0
+        #: Bytes read from the backend on this connection (the keep-alive's proof of life).
+        self.bytes_received = 0
         self.lost_reason: Any = None
 
     # -- handshake -------------------------------------------------------------------------
@@ -115,6 +118,10 @@ class AgentClientProtocol(WebSocketClientProtocol):
         self.factory.session.connection_opened(self)
 
     # -- inbound ---------------------------------------------------------------------------
+
+    def dataReceived(self, data: bytes) -> None:
+        self.bytes_received += len(data)
+        super().dataReceived(data)
 
     def onMessage(self, payload: bytes, isBinary: bool) -> None:
         self.frames_received += 1
@@ -205,6 +212,21 @@ class AgentClientProtocol(WebSocketClientProtocol):
         fire_in_slices(self.factory.clock, waiters)
         if self._unconfirmed and not self._ping_waiters:
             self._send_confirm_ping()
+
+    # -- keep-alive (L{llmport_agent.session.keepalive}) ----------------------------------
+
+    def send_keepalive_ping(self) -> bool:
+        """Send one keep-alive ping (its pong is not matched: any byte back proves the link)."""
+        if not self.can_send:
+            return False
+        self.sendPing(b"llmport-keepalive")
+        return True
+
+    def drop_unanswered(self, reason: str) -> None:
+        """The backend answered nothing since the last keep-alive ping: abort the connection."""
+        self.wasClean = False
+        self.wasNotCleanReason = reason
+        self.dropConnection(abort=True)
 
     # -- close -----------------------------------------------------------------------------
 

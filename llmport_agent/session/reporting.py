@@ -3,13 +3,18 @@ Heartbeat and inventory reports (protocol 5.2, 5.3).
 
 Both go out right after every connect; then the heartbeat every C{HEARTBEAT_INTERVAL_SEC} (and at
 once when a field changes, see L{HeartbeatReporter.notify_changed}) and the inventory every
-C{INVENTORY_INTERVAL_SEC}. Collection (psutil, NVML) runs off the reactor thread
-in the inventory collector; an iteration never overlaps the previous one and is bounded by a
-timeout, so a hung NVML call cannot stop the loop.
+C{INVENTORY_INTERVAL_SEC}. The heartbeat's loop is also the connection's keep-alive tick
+(L{llmport_agent.session.keepalive}): it ticks at least every C{KEEPALIVE_MAX_SEC}, a longer
+heartbeat interval going out every n-th tick. Collection (psutil, NVML) runs off the reactor thread
+in the inventory collector; an iteration never overlaps the previous one, and one still running
+at a later tick after C{INVENTORY_TIMEOUT} (a hung NVML call, a stuck mount) is abandoned there,
+so it cannot stop the loop. That check rides the loop's own tick: no timeout timer per round
+(a cancelled timer stays in the reactor's heap and wakes it at its time all the same).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +23,8 @@ from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+
+from llmport_agent.session.keepalive import KEEPALIVE_MAX_SEC
 
 INVENTORY_TIMEOUT = 30.0
 
@@ -32,11 +39,15 @@ class _PerConnectionLoop(Service):
     def _tick(self) -> Any:
         raise NotImplementedError
 
+    def _period(self) -> float:
+        """Seconds between two ticks of the loop."""
+        return self.interval
+
     def _start_loop(self) -> None:
         self._stop_loop()
         self._loop = LoopingCall(self._tick)
         self._loop.clock = self._reactor
-        self._loop.start(self.interval, now=True)
+        self._loop.start(self._period(), now=True)
 
     def _stop_loop(self) -> None:
         if self._loop is not None and self._loop.running:
@@ -64,6 +75,12 @@ class HeartbeatReporter(_PerConnectionLoop):
     sends it when it differs from the last one sent on this connection, at most one such
     heartbeat per C{min_change_gap} seconds (a burst of changes becomes one frame; the last
     state always goes out).
+
+    The loop is the connection's keep-alive tick too: C{on_tick} (the session's
+    C{keepalive_tick}) runs first in each tick, so its ping leaves in the same reactor turn and
+    write as the heartbeat. The loop ticks every C{interval / n}, n the smallest whole number
+    that makes it at most C{tick_max}, and sends the heartbeat every n-th tick; nothing a tick
+    calls can stop the loop.
     """
 
     log = Logger()
@@ -77,8 +94,15 @@ class HeartbeatReporter(_PerConnectionLoop):
         *,
         min_change_gap: float = 1.0,
         on_lateness: Callable[[float], None] | None = None,
+        on_tick: Callable[[], None] | None = None,
+        tick_max: float = KEEPALIVE_MAX_SEC,
     ) -> None:
         self.setName("heartbeat")
+        #: Called first in each tick of the loop (the session's keep-alive).
+        self.on_tick = on_tick
+        #: Ticks per heartbeat (the loop ticks at least every C{tick_max}).
+        self.ticks_per_beat = max(1, math.ceil(interval / tick_max - 1e-9)) if tick_max > 0 else 1
+        self._ticks = 0
         #: Told how late each tick ran (the reactor lateness probe measures these wake-ups).
         self.on_lateness = on_lateness
         self._reactor = reactor
@@ -99,7 +123,11 @@ class HeartbeatReporter(_PerConnectionLoop):
     def session_opened(self) -> None:
         self._expected = None
         self._last_fields = None
+        self._ticks = 0
         self._start_loop()
+
+    def _period(self) -> float:
+        return self.interval / self.ticks_per_beat
 
     def session_closed(self) -> None:
         self._cancel_change()
@@ -159,6 +187,14 @@ class HeartbeatReporter(_PerConnectionLoop):
             call.cancel()
 
     def _tick(self) -> None:
+        # Nothing raised here may reach the LoopingCall: it would stop the heartbeat and the
+        # keep-alive with it.
+        try:
+            self._beat()
+        except Exception:
+            self.log.failure("A heartbeat tick failed")
+
+    def _beat(self) -> None:
         now = self._reactor.seconds()
         if self._expected is not None:
             late = max(0.0, now - self._expected)
@@ -166,9 +202,20 @@ class HeartbeatReporter(_PerConnectionLoop):
             if len(self.lateness) > 1000:
                 del self.lateness[:500]
             if self.on_lateness is not None:
-                self.on_lateness(late)
-        self._expected = now + self.interval
-        self.send_now()
+                try:
+                    self.on_lateness(late)
+                except Exception:
+                    self.log.failure("The lateness listener failed")
+        self._expected = now + self._period()
+        if self.on_tick is not None:
+            try:
+                self.on_tick()
+            except Exception:
+                self.log.failure("The keep-alive tick failed")
+        beat = self._ticks % self.ticks_per_beat == 0
+        self._ticks += 1
+        if beat:
+            self.send_now()
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
@@ -199,12 +246,29 @@ class InventoryReporter(_PerConnectionLoop):
         self.interval = interval
         self.collector = collector
         self._inflight: Deferred[bool] | None = None
+        self._inflight_since = 0.0
+        #: Seconds the round being abandoned ran (set while it is cancelled).
+        self._abandoning: float | None = None
         self.sent = 0
+        self.abandoned = 0
         self.last_error: str = ""
 
-    def _tick(self) -> Deferred[None]:
-        # Returned so iterations never overlap; never fails (a failure would stop the loop).
-        return self.report_now().addCallback(lambda _: None)
+    def _tick(self) -> None:
+        # Not returned to the loop, which keeps its period: a round still running since
+        # INVENTORY_TIMEOUT is abandoned here, at a tick that comes anyway; a younger one
+        # (a refresh_inventory's) stands for this tick.
+        inflight = self._inflight
+        if inflight is not None:
+            age = self._reactor.seconds() - self._inflight_since
+            if age < INVENTORY_TIMEOUT:
+                return
+            self._abandoning = age
+            try:
+                inflight.cancel()
+            finally:
+                self._abandoning = None
+        if self._inflight is None:
+            self.report_now()
 
     def report_now(self) -> Deferred[bool]:
         """Collect and send one inventory frame. Fires True once it was sent."""
@@ -213,9 +277,15 @@ class InventoryReporter(_PerConnectionLoop):
             prev = self._inflight
             return prev.addCallback(lambda _: None).addCallback(lambda _: self.report_now())
         d = Deferred.fromCoroutine(self._collect_and_send())
-        d.addTimeout(INVENTORY_TIMEOUT, self._reactor)
+        self._inflight_since = self._reactor.seconds()
 
         def failed(f: Any) -> bool:
+            if f.check(CancelledError) and self._abandoning is not None:
+                self.abandoned += 1
+                self.last_error = f"the collection did not finish in {self._abandoning:.0f} s"
+                self.log.warn("Inventory collection did not finish in {seconds:.0f} s (a hung GPU or "
+                              "disk reading?); abandoned, collecting again", seconds=self._abandoning)
+                return False
             if f.check(CancelledError) and not self.running:
                 return False
             self.last_error = f.getErrorMessage() or f.type.__name__

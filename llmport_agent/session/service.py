@@ -18,6 +18,7 @@ This module holds the connection (ClientService, the endpoint, the connection ev
 and composes the collaborators, each a class that owns its state and is told what happens
 through its methods: L{Enrollment}, L{Refusals} (refused upgrades, whoami, revoked), L{Polling}
 (polls and the dispatch mode), L{Rotation}, L{StopGate} (what a stop waits for or cancels),
+L{KeepAlive} (dead-link detection, ticked by the heartbeat loop through L{keepalive_tick}),
 and L{Link}, the connection lifecycle as an Automat machine (the C{phase} reported). They get
 what they need from the session as callbacks at construction and never import this module;
 the values they share live in L{llmport_agent.session.shared}.
@@ -47,6 +48,7 @@ from llmport_agent.core.config import AgentConfig, mask_url
 from llmport_agent.core.state import StateStore, token_fingerprint
 from llmport_agent.session.backend_http import BackendHTTP
 from llmport_agent.session.enrollment import Enrollment
+from llmport_agent.session.keepalive import KeepAlive
 from llmport_agent.session.lifecycle import Link
 from llmport_agent.session.polling import Polling
 from llmport_agent.session.protocol import (
@@ -171,6 +173,8 @@ class SessionService(Service):
         self._retry_note: tuple[LogLevel | None, str, dict[str, Any]] | None = None
         #: The connection lifecycle (stopped, connecting, connected, backing off).
         self.link = Link()
+        #: Dead-link detection, ticked by the heartbeat loop (L{keepalive_tick}).
+        self.keepalive = KeepAlive(reactor)
         self._build_collaborators(capabilities, busy)
 
     def _build_collaborators(
@@ -346,9 +350,10 @@ class SessionService(Service):
             clock=self._reactor,
             useragent=f"llmport-agent/{self.version}",
         )
+        # No Autobahn auto-ping: its ping timer and pong timeout (left in the reactor's heap
+        # when cancelled) woke the reactor 6 times a minute; the keep-alive rides the
+        # heartbeat's tick instead (L{keepalive_tick}).
         factory.setProtocolOptions(
-            autoPingInterval=20,
-            autoPingTimeout=10,
             openHandshakeTimeout=max(5.0, self.config.request_timeout_sec),
             closeHandshakeTimeout=3,
             maxMessagePayloadSize=HARD_MAX_FRAME,
@@ -437,6 +442,7 @@ class SessionService(Service):
             self.log.warn("A second connection opened; closing the older one")
             self.proto.sendClose(1000, "superseded")
         self.proto = proto
+        self.keepalive.opened(proto)
         self.link.opened()
         self.stats.opens += 1
         self.stats.last_open_at = self._wallclock()
@@ -507,6 +513,7 @@ class SessionService(Service):
             "http_status": http_status or 0,
             "opened_for_sec": round(opened_for or 0.0, 1),
         }
+        self.keepalive.closed(proto)
         if proto is self.proto:
             self.proto = None
             self.polling.closed()
@@ -532,6 +539,13 @@ class SessionService(Service):
                 reason=reason or "no reason",
                 seconds=round(opened_for, 1),
             )
+
+    def keepalive_tick(self) -> None:
+        """
+        A tick of the heartbeat loop: judge the last keep-alive ping and send the next one, in
+        the same reactor turn as the heartbeat (L{llmport_agent.session.keepalive}).
+        """
+        self.keepalive.tick()
 
     # -- sending ---------------------------------------------------------------------------
 

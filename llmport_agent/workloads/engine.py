@@ -44,6 +44,9 @@ T = TypeVar("T")
 DEFAULT_ADDRESS = "unix:///var/run/docker.sock"
 #: Where rootful Podman's Docker-compatible socket lives (C{podman.socket}).
 PODMAN_ADDRESS = "unix:///run/podman/podman.sock"
+#: The probe's longest back-off while the missing socket file is watched (inotify tells when
+#: it appears; the probe is only a safety net then).
+WATCHED_PROBE_MAX = 600.0
 
 
 def default_address(exists: Callable[[str], bool] = os.path.exists) -> str:
@@ -268,6 +271,8 @@ class DockerEngine(Service):
         probe_max: float = 30.0,
         client_factory: Callable[..., docker.DockerClient] | None = None,
         socket_exists: Callable[[str], bool] = os.path.exists,
+        watch_socket: Callable[[str, Callable[[], None]], Any] | None = None,
+        watched_probe_max: float = WATCHED_PROBE_MAX,
     ) -> None:
         self.setName("docker-engine")
         self._reactor = reactor
@@ -303,6 +308,10 @@ class DockerEngine(Service):
         self._probe_delay = probe_initial
         self._probe_call: Any = None
         self._probing: Deferred[Any] | None = None
+        #: Watches for the missing socket file to appear (None: not watching, or no inotify).
+        self._watch_socket = watch_socket if watch_socket is not None else self._inotify_watch
+        self._watched_probe_max = max(probe_max, watched_probe_max)
+        self._watch: Any = None
         self.available = False
         #: Whether the engine was ever probed (or called): before that, "not available"
         #: means "not known yet", not "down".
@@ -334,6 +343,7 @@ class DockerEngine(Service):
         if self._probe_call is not None and self._probe_call.active():
             self._probe_call.cancel()
         self._probe_call = None
+        self._unwatch()
         for control in list(self._controls):
             control.close("agent stopping")
         self._controls.clear()
@@ -373,10 +383,11 @@ class DockerEngine(Service):
         else:
             self.log.warn(
                 "{error}. Workload commands fail and the node reports degraded until it "
-                "answers; start dockerd or point DOCKER_HOST at the engine (checked again every "
-                "{every:g} s at most, said here when it answers)",
+                "answers; start dockerd or point DOCKER_HOST at the engine (checked again "
+                "{when}every {every:g} s at most, said here when it answers)",
                 error=error,
-                every=self._probe_max,
+                when="as soon as its socket appears, and " if self._watch is not None else "",
+                every=self._recheck_max(),
             )
         for listener in list(self._listeners):
             try:
@@ -426,19 +437,65 @@ class DockerEngine(Service):
                     )
             self.kind = kind
             self._probe_delay = self._probe_initial
+            self._unwatch()
             self._setAvailable(True)
 
         def _bad(failure: Any) -> None:
             self._probing = None
             if failure.check(CancelledError):
                 return
+            # The socket file is missing: told when it appears (inotify) instead of probing
+            # every probe_max; the probe goes on at a slow back-off as a safety net.
+            watched = failure.check(FileNotFoundError) is not None and self._watchForSocket()
+            if not watched:
+                self._unwatch()
             err = translate_error("ping", self.address, failure.value, self.call_timeout)
             self._setAvailable(False, err.error_message.removeprefix("ping failed: "))
+            if watched:
+                # Told when the socket appears: the probe is only a safety net (slow at once).
+                self._probe_delay = self._recheck_max()
             delay = self._probe_delay
-            self._probe_delay = min(self._probe_delay * 2, self._probe_max)
+            self._probe_delay = min(self._probe_delay * 2, self._recheck_max())
             self._scheduleProbe(delay)
 
         d.addCallbacks(_ok, _bad)
+
+    def _recheck_max(self) -> float:
+        """The longest probe back-off now: slow while the missing socket is watched."""
+        return self._watched_probe_max if self._watch is not None else self._probe_max
+
+    def _inotify_watch(self, path: str, appeared: Callable[[], None]) -> Any:
+        from llmport_agent.workloads.socketwatch import watch_socket
+
+        return watch_socket(self._reactor, path, appeared)
+
+    def _watchForSocket(self) -> bool:
+        """Watch for the missing socket file (once); False where that cannot be done."""
+        if self._watch is not None:
+            return True
+        path = self._socket_path()
+        if not path or not self.running:
+            return False
+        watch = self._watch_socket(path, self._socketAppeared)
+        if watch is None or not getattr(watch, "active", True):
+            # No inotify here (probe on the back-off), or it is there already (probed at once).
+            return False
+        self._watch = watch
+        self.log.debug("Watching for the engine's socket {path} to appear", path=path)
+        return True
+
+    def _unwatch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
+
+    def _socketAppeared(self) -> None:
+        """The engine's socket file appeared: probe now, on the short back-off again."""
+        self._watch = None
+        if not self.running:
+            return
+        self._probe_delay = self._probe_initial
+        self._scheduleProbe(0)
 
     def _socket_path(self) -> str:
         """The engine's socket file for a C{unix://} address, else ""."""

@@ -166,18 +166,31 @@ class HealthWatcher(Service):
         if self.adoption is not None and not self._subscribed:
             self._subscribed = True
             self.adoption.subscribe(self._adoptionChanged)
+        if self._engine.available:
+            self._startLoop()
+        self._startStream()
+
+    def _startLoop(self) -> None:
+        """
+        Reconcile now, then every C{reconcile_interval}; only while the engine answers (without
+        one there is nothing to reconcile, and the timer would wake the agent for nothing).
+        """
+        if self._loop is not None and self._loop.running:
+            return
         self._loop = LoopingCall(self._periodic)
         self._loop.clock = self._reactor
         self._loop.start(self.reconcile_interval, now=True).addErrback(
             lambda f: self.log.failure("reconcile loop died", f)
         )
-        self._startStream()
 
-    def stopService(self) -> Deferred[None]:
-        super().stopService()
+    def _stopLoop(self) -> None:
         if self._loop is not None and self._loop.running:
             self._loop.stop()
         self._loop = None
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        self._stopLoop()
         for timer in list(self._timers) + list(self._pending.values()):
             if timer.active():
                 timer.cancel()
@@ -232,7 +245,10 @@ class HealthWatcher(Service):
     def _engineChanged(self, available: bool) -> None:
         if not self.running:
             return
+        if not available:
+            self._stopLoop()
         if available:
+            self._startLoop()
             self._backoff = self._backoff_initial
             if self._announce_pending:
                 self._track(self.announce_all())

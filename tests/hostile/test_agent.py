@@ -36,8 +36,6 @@ from llmport_agent.demo.testing import FakeSession, SynchronousRunner
 from llmport_agent.devbackend import _http as dev_http
 from llmport_agent.devbackend import _stream as dev_stream
 from llmport_agent.events.outbox import EventOutbox
-from llmport_agent.session import service as session_service
-from llmport_agent.session.protocol import AgentClientFactory
 from llmport_agent.session.rotation import ROTATION_INTERVAL
 from llmport_agent.session.service import SessionService
 from llmport_agent.session.stop import CRITICAL_STOP_GRACE
@@ -397,11 +395,71 @@ class DeafStream(dev_stream.StreamProtocol):
             super().onPing(payload)
 
 
-class FastPingFactory(AgentClientFactory):
-    def setProtocolOptions(self, **kw: Any) -> None:  # type: ignore[override]
-        if "autoPingInterval" in kw:
-            kw.update(autoPingInterval=1.0, autoPingTimeout=1.0)
-        super().setProtocolOptions(**kw)
+class _BlackHole:
+    """
+    A TCP proxy on loopback to the stand-in backend. Once C{swallow()} is called, the
+    connections open at that moment stay open and are read, but nothing is forwarded either
+    way (a middlebox that lost its state, a backend host gone silently): TCP stays healthy,
+    only the keep-alive can tell. Connections opened later are forwarded again.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        from twisted.internet.protocol import ClientFactory, Factory, Protocol
+
+        self.swallowing: set[Any] = set()
+        self.pairs: list[tuple[Any, Any]] = []
+        hole = self
+
+        class Outbound(Protocol):
+            def connectionMade(self) -> None:
+                self.inbound = self.factory.inbound  # type: ignore[attr-defined]
+                self.inbound.outbound = self
+                hole.pairs.append((self.inbound, self))
+                self.inbound.transport.resumeProducing()
+                for data in self.inbound.pending:
+                    self.transport.write(data)
+                self.inbound.pending = []
+
+            def dataReceived(self, data: bytes) -> None:
+                if self.inbound not in hole.swallowing:
+                    self.inbound.transport.write(data)
+
+            def connectionLost(self, reason: Any = None) -> None:
+                self.inbound.transport.loseConnection()
+
+        class Inbound(Protocol):
+            outbound: Any = None
+
+            def connectionMade(self) -> None:
+                self.pending: list[bytes] = []
+                self.transport.pauseProducing()
+                factory = ClientFactory()
+                factory.protocol = Outbound
+                factory.inbound = self  # type: ignore[attr-defined]
+                reactor.connectTCP("127.0.0.1", target_port, factory)  # type: ignore[attr-defined]
+
+            def dataReceived(self, data: bytes) -> None:
+                if self in hole.swallowing:
+                    return
+                if self.outbound is None:
+                    self.pending.append(data)
+                else:
+                    self.outbound.transport.write(data)
+
+            def connectionLost(self, reason: Any = None) -> None:
+                hole.swallowing.discard(self)
+                if self.outbound is not None:
+                    self.outbound.transport.loseConnection()
+
+        self.factory = Factory.forProtocol(Inbound)
+
+    def swallow(self) -> None:
+        self.swallowing = {inbound for inbound, _ in self.pairs if inbound.transport.connected}
+
+    def close_all(self) -> None:
+        for inbound, outbound in self.pairs:
+            inbound.transport.abortConnection()
+            outbound.transport.abortConnection()
 
 
 class HostileBackendTests(AgentTestCase):
@@ -513,9 +571,9 @@ class HostileBackendTests(AgentTestCase):
                              "no pong ever confirms the delivery: the result is sent again after each "
                              "reconnect (the documented at-least-once window)")
         self.patch(dev_stream.StreamFactory, "protocol", DeafStream)
-        self.patch(session_service, "AgentClientFactory", FastPingFactory)
         backend = await self.start_backend()
-        agent = self.start_agent(backend)
+        # The keep-alive pings on each heartbeat tick: a 1 s heartbeat finds the link dead in 2 s.
+        agent = self.start_agent(backend, HEARTBEAT_INTERVAL_SEC="1")
         node_id = await self.wait_connected(backend, agent)
         cmd = backend.issue_command(node_id, "collect_diagnostics", {})
         await backend.wait_for(lambda: backend.command(cmd["id"])["status"] == "succeeded", 15)
@@ -531,6 +589,28 @@ class HostileBackendTests(AgentTestCase):
         opens = agent.session.stats.opens
         await sleep(2.5)
         self.assertEqual(agent.session.stats.opens, opens)
+
+    async def test_black_holed_link_is_dropped(self) -> None:
+        """
+        The link goes silent with TCP still healthy (a proxy that stops forwarding, the backend
+        host gone without a reset): the agent's keep-alive, riding its heartbeat tick, drops
+        the connection within two ticks and the agent reconnects through a fresh connection.
+        """
+        backend = await self.start_backend()
+        hole = _BlackHole(int(backend.url.rsplit(":", 1)[1]))
+        port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(hole.factory)
+        self.addCleanup(port.stopListening)
+        self.addCleanup(hole.close_all)
+        agent = self.start_agent(backend, BACKEND_URL=f"http://127.0.0.1:{port.getHost().port}",
+                                 HEARTBEAT_INTERVAL_SEC="1")
+        await backend.wait_for(lambda: agent.session.connected and agent.session.node_id is not None, 15)
+        await sleep(1.5)  # pings answered through the proxy: nothing dropped
+        self.assertEqual((agent.session.keepalive.dropped, agent.session.stats.opens), (0, 1))
+        self.assertGreaterEqual(agent.session.keepalive.pings, 2)
+        hole.swallow()
+        await backend.wait_for(lambda: agent.session.keepalive.dropped == 1, 10)
+        await backend.wait_for(lambda: agent.session.connected and agent.session.stats.opens == 2, 10)
+        self.assertIn("keep-alive ping not answered", agent.session.stats.last_close["reason"])
 
     async def test_manifest_traversal_through_sync_model(self) -> None:
         """
