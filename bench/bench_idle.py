@@ -41,7 +41,8 @@ idle agent (seccomp-bpf cannot attach with -p), so the start-to-connected runs a
 and untraced. As a second, ptrace-free counter the script prints the voluntary context
 switches of the threads alive at both ends of the window (/proc/<pid>/task/*/status).
 
-Targets (issue 27): wake-ups <= 20 a minute, 0 threads started, CPU <= 0.5x the original,
+Targets (issue 27): event-loop wake-ups <= 20 a minute (the issue's figure: epoll_wait returns of
+the reactor thread; the all-threads count is printed beside it), 0 threads started, CPU <= 0.5x the original,
 RSS <= 60 MiB, start to connected <= the original's.
 
 Usage: python3 bench/bench_idle.py [--minutes 10 (0: starts only)] [--warmup 30] [--starts 3] [--original 0.1.13]
@@ -478,7 +479,7 @@ def main() -> None:
         for name in names[:-1]:
             this = r[name]
             checks = [
-                ("wake-ups <= 20/min", this["wakeups"] <= 20),
+                ("event-loop wake-ups <= 20/min", this["reactor"] <= 20),
                 ("0 threads started", this["started"] == 0),
                 ("CPU <= 0.5x the original", this["cpu"] <= 0.5 * orig["cpu"]),
                 ("RSS <= 60 MiB", this["rss"] <= 60),
