@@ -188,7 +188,7 @@ class AgentService(MultiService):
             busy=lambda: self.pipeline.busy,
         )
         self.outbox = EventOutbox(reactor, self.io_pool, os.path.join(state_dir, "events.jsonl"), self.session)
-        from llmport_agent.ops.metrics import ReactorLatenessProbe
+        from llmport_agent.ops.timing import ReactorLatenessProbe
 
         # Reactor lateness, measured on the heartbeat's ticks (no timer of its own while they run).
         self.lateness = ReactorLatenessProbe(reactor)
