@@ -42,7 +42,7 @@ from llmport_agent.commands.node import PersistentModes, node_handler_specs
 from llmport_agent.commands.pipeline import CommandPipeline
 from llmport_agent.core.config import AgentConfig
 from llmport_agent.core.heap import HeapTrim
-from llmport_agent.core.lazyimport import Later
+from llmport_agent.core.later import Later
 from llmport_agent.core.state import StateStore, resolve_state_path
 from llmport_agent.core.threads import PoolService
 from llmport_agent.events.outbox import EventOutbox

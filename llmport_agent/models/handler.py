@@ -9,7 +9,7 @@ C{node} would make a multi-hour copy block maintenance/drain/profile commands, a
 C{runtime} has no runtime id to key on. C{read} lets it run beside everything else.
 
 This module imports no part of the syncer: the agent builds its table of commands at start
-with a syncer built at the first C{sync_model} (L{llmport_agent.core.lazyimport.Later}).
+with a syncer built at the first C{sync_model} (L{llmport_agent.core.later.Later}).
 """
 
 from __future__ import annotations

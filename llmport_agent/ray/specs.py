@@ -20,7 +20,7 @@ def ray_handler_specs(manager: Any) -> dict[str, HandlerSpec]:
     """
     The Ray command types, for the command pipeline's registry: C{manager} is a
     L{llmport_agent.ray.handlers.RayManager} or anything with its methods (the agent passes
-    L{llmport_agent.core.lazyimport.Later.calls}: the manager is built at the first Ray command).
+    L{llmport_agent.core.later.Later.calls}: the manager is built at the first Ray command).
     """
     m = manager
     return {
@@ -50,7 +50,7 @@ def no_ray_status_spec() -> HandlerSpec:
 
 
 def seeding_handler_specs(seeding: Any) -> dict[str, HandlerSpec]:
-    """C{serve_runtime_image} (L{llmport_agent.ray.seeding.ImageSeeding}, or its L{Later.calls})."""
+    """C{serve_runtime_image} (L{llmport_agent.ray.seeding.ImageSeeding}, or L{llmport_agent.core.later.Later.calls})."""
     return {
         # Not idempotent: the token is scrubbed from the journal, so a restart cannot resume it.
         "serve_runtime_image": HandlerSpec(seeding.serve_runtime_image, "runtime", False, MAX_TIMEOUT_SEC + 1800.0),

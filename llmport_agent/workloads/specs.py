@@ -21,7 +21,7 @@ def workload_handler_specs(manager: Any, settings: WorkloadSettings | None = Non
     """
     The workload command types, for the command pipeline's registry: C{manager} is a
     L{llmport_agent.workloads.handlers.WorkloadManager}, or anything with its methods (the
-    agent passes L{llmport_agent.core.lazyimport.Later.calls}, with C{settings}, so the
+    agent passes L{llmport_agent.core.later.Later.calls}, with C{settings}, so the
     manager is built at the first workload command).
     """
     if settings is None:
