@@ -53,6 +53,8 @@ NOT_AT_IDLE = (
     "prometheus_client",
     "twisted.web.server",
     "llmport_agent.host.installer",
+    "llmport_agent.commands.system_updates",
+    "twisted.internet.utils",
 )
 #: What the first scrape of the ops port imports (the lazy site is real, not just absent).
 AT_FIRST_SCRAPE = ("llmport_agent.ops.site", "llmport_agent.ops.metrics", "prometheus_client",
@@ -183,6 +185,10 @@ class AgentWiringTests(AgentTestCase):
         self.assertFalse(agent._models.built)
         # The syncer is built with the agent's own HTTP client at its first use.
         self.assertIs(agent.models._http, agent.http)
+        # check_system_updates imports its module at its first run, and answers.
+        cmd = backend.issue_command(node_id, "check_system_updates", {})
+        record = await backend.when_terminal(cmd["id"]).addTimeout(60, reactor)
+        self.assertEqual(record["status"], "succeeded", record)
 
 
 class LaterTests(SynchronousTestCase):

@@ -204,16 +204,8 @@ class AgentService(MultiService):
         if self.engine is not None:
             self.engine.onAvailability(lambda _available: self.heartbeat.notify_changed())
         registry: dict[str, HandlerSpec] = {}
-        from llmport_agent.commands.system_updates import check_system_updates, process_runner
-
-        run_process = process_runner(reactor)
         registry.update(
-            node_handler_specs(
-                self.modes,
-                self.refresh.refresh,
-                self.diagnostics,
-                lambda: check_system_updates(run_process),
-            )
+            node_handler_specs(self.modes, self.refresh.refresh, self.diagnostics, self._check_system_updates)
         )
         from llmport_agent.models.handler import sync_model_handler_spec
 
@@ -546,6 +538,12 @@ class AgentService(MultiService):
     def _built_seeding(self) -> Any:
         self._ray.get()
         return self._seeding_built
+
+    def _check_system_updates(self) -> Any:
+        """C{check_system_updates} (its module, with Twisted's process helpers, imported then)."""
+        from llmport_agent.commands.system_updates import check_system_updates, process_runner
+
+        return check_system_updates(process_runner(self.reactor))
 
     def _inventory_reported(self) -> None:
         self.heartbeat.notify_changed()
