@@ -55,6 +55,8 @@ NOT_AT_IDLE = (
     "llmport_agent.host.installer",
     "llmport_agent.commands.system_updates",
     "twisted.internet.utils",
+    "llmport_agent.ray.container",
+    "llmport_agent.ray.bundle",
 )
 #: What the first scrape of the ops port imports (the lazy site is real, not just absent).
 AT_FIRST_SCRAPE = ("llmport_agent.ops.site", "llmport_agent.ops.metrics", "prometheus_client",
