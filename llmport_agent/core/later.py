@@ -54,6 +54,7 @@ class Later(Generic[T]):
 
 class _Calls:
     __slots__ = ("_later",)
+    _later: Later[Any]
 
     def __init__(self, later: Later[Any]) -> None:
         object.__setattr__(self, "_later", later)
