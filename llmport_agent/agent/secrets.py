@@ -15,12 +15,13 @@ class NodeSecrets:
 
     @ivar config: the agent's settings (C{enrollment_token}).
     @ivar state: the state store (the credential, pending and previous credentials).
-    @ivar ray: the Ray manager (its cluster tokens), or C{None} without the Docker executor.
+    @ivar ray_tokens: the Ray cluster tokens (L{llmport_agent.ray.token.ClusterTokens}), or
+        C{None} without the Docker executor.
     """
 
     config: Any
     state: Any
-    ray: Any
+    ray_tokens: Any
 
     def values(self) -> list[str]:
         """Every secret value held now, non-empty strings only."""
@@ -30,6 +31,6 @@ class NodeSecrets:
             self.state.get("pending_credential"),
             self.state.get("previous_credential"),
         ]
-        if self.ray is not None:
-            values += self.ray.tokens.secrets()
+        if self.ray_tokens is not None:
+            values += self.ray_tokens.secrets()
         return [v for v in values if isinstance(v, str) and v]

@@ -41,6 +41,8 @@ from llmport_agent.commands.journal import CommandJournal
 from llmport_agent.commands.node import PersistentModes, node_handler_specs
 from llmport_agent.commands.pipeline import CommandPipeline
 from llmport_agent.core.config import AgentConfig
+from llmport_agent.core.heap import HeapTrim
+from llmport_agent.core.later import Later
 from llmport_agent.core.state import StateStore, resolve_state_path
 from llmport_agent.core.threads import PoolService
 from llmport_agent.events.outbox import EventOutbox
@@ -119,22 +121,17 @@ class AgentService(MultiService):
         from llmport_agent.inventory.collector import InventoryCollector
         from llmport_agent.inventory.monitor import GPUHealthMonitor
         from llmport_agent.inventory.select import make_gpu_source
-        from llmport_agent.models.syncer import ModelSyncer
 
         # Each blob being fetched writes and hashes at the same time.
         self.hash_pool = PoolService(reactor, "files", 2 * config.model_sync_concurrency + 1)
-        self.models = ModelSyncer(
-            reactor,
-            self.http,
-            self.hash_pool,
-            store_dir=config.model_store,
-            backend_url=config.backend_url,
-            credential=lambda: self.session.credential(),
-            concurrency=config.model_sync_concurrency,
-            connections=config.model_sync_connections,
-            segment_size=config.model_sync_segment_mb * 1024 * 1024,
-            buffer_bytes=config.model_sync_buffer_mb * 1024 * 1024,
-        )
+        #: glibc's malloc_trim, once, on the host pool, after the first inventory report.
+        self.heap_trim = HeapTrim(self.host_pool.run)
+        # Built (and imported) at the first model sync, as are the workload and Ray handlers
+        # at their first command (issue 27: an idle node never imports them).
+        self._models: Later[Any] = Later(self._build_models)
+        self._workloads: Later[Any] = Later(self._build_workload_manager)
+        self._ray: Later[Any] = Later(self._build_ray)
+        self._seeding: Later[Any] = Later(self._built_seeding)
         self._docker_environ = docker_environ
         if gpu_source is None:
             gpu_source = make_gpu_source(
@@ -145,14 +142,13 @@ class AgentService(MultiService):
         self.gpu_source = gpu_source
         self.engine: Any = None
         self.adoption: Any = None
-        self.workloads: Any = None
         self.health: Any = None
-        self.ray: Any = None
-        self.seeding: Any = None
+        self._seeding_built: Any = None
+        self.ray_tokens: Any = None
+        self.docker_enabled = docker_enabled
         if docker_enabled:
             self._build_workloads(state_dir)
-            self._build_ray()
-        self.secrets = NodeSecrets(config, self.state, self.ray)
+        self.secrets = NodeSecrets(config, self.state, self.ray_tokens)
         from llmport_agent.inventory.sections import inventory_sections
 
         self.collector = InventoryCollector(
@@ -188,7 +184,7 @@ class AgentService(MultiService):
             busy=lambda: self.pipeline.busy,
         )
         self.outbox = EventOutbox(reactor, self.io_pool, os.path.join(state_dir, "events.jsonl"), self.session)
-        from llmport_agent.ops.metrics import ReactorLatenessProbe
+        from llmport_agent.ops.timing import ReactorLatenessProbe
 
         # Reactor lateness, measured on the heartbeat's ticks (no timer of its own while they run).
         self.lateness = ReactorLatenessProbe(reactor)
@@ -202,7 +198,7 @@ class AgentService(MultiService):
         # heartbeat.notify_changed(): the backend hears of it at once, not an interval later.
         self.inventory = InventoryReporter(
             reactor, self.session, config.inventory_interval_sec, self.collector,
-            on_report=self.heartbeat.notify_changed,
+            on_report=self._inventory_reported,
         )
         self.refresh = InventoryRefresh(
             reactor, self.outbox, self.heartbeat, self.inventory, self.session, running=lambda: bool(self.running)
@@ -210,35 +206,25 @@ class AgentService(MultiService):
         if self.engine is not None:
             self.engine.onAvailability(lambda _available: self.heartbeat.notify_changed())
         registry: dict[str, HandlerSpec] = {}
-        from llmport_agent.commands.system_updates import check_system_updates, process_runner
-
-        run_process = process_runner(reactor)
         registry.update(
-            node_handler_specs(
-                self.modes,
-                self.refresh.refresh,
-                self.diagnostics,
-                lambda: check_system_updates(run_process),
-            )
+            node_handler_specs(self.modes, self.refresh.refresh, self.diagnostics, self._check_system_updates)
         )
         from llmport_agent.models.handler import sync_model_handler_spec
 
-        registry["sync_model"] = sync_model_handler_spec(self.models)
+        registry["sync_model"] = sync_model_handler_spec(self._models.calls())
         from llmport_agent.ray.fabric import fabric_handler_specs
 
         # Fabric probes need no Docker: every node can certify its links.
         registry.update(fabric_handler_specs())
-        if self.workloads is not None:
-            registry.update(self._workload_specs())
-        if self.ray is not None:
-            from llmport_agent.ray.handlers import ray_handler_specs
+        if docker_enabled:
+            from llmport_agent.ray.specs import ray_handler_specs, seeding_handler_specs
+            from llmport_agent.workloads.specs import workload_handler_specs
 
-            registry.update(ray_handler_specs(self.ray))
-            from llmport_agent.ray.seeding import seeding_handler_specs
-
-            registry.update(seeding_handler_specs(self.seeding))
+            registry.update(workload_handler_specs(self._workloads.calls(), self._workload_settings))
+            registry.update(ray_handler_specs(self._ray.calls()))
+            registry.update(seeding_handler_specs(self._seeding.calls()))
         else:
-            from llmport_agent.ray.handlers import no_ray_status_spec
+            from llmport_agent.ray.specs import no_ray_status_spec
 
             # Without the Docker executor there is no Ray here: the probe still gets its answer.
             registry["get_ray_status"] = no_ray_status_spec()
@@ -415,7 +401,6 @@ class AgentService(MultiService):
 
     def _build_workloads(self, state_dir: str) -> None:
         from llmport_agent.workloads.engine import DockerEngine
-        from llmport_agent.workloads.handlers import WorkloadManager
         from llmport_agent.workloads.health import HealthWatcher
         from llmport_agent.workloads.settings import WorkloadSettings
 
@@ -448,12 +433,25 @@ class AgentService(MultiService):
             self._emit_event,
             adoption=self.adoption,
         )
-        self.workloads = WorkloadManager(
+        self._workload_settings = settings
+        from llmport_agent.ray.token import ClusterTokens
+
+        # Built now: the secrets list reads them (the Ray manager that uses them comes later).
+        self.ray_tokens = ClusterTokens(
+            self.reactor, self.backend, lambda: self.session.credential(), self.io_pool,
+            c.ray_token_dir, timeout=c.request_timeout_sec,
+        )
+
+    def _build_workload_manager(self) -> Any:
+        """The workload command handlers (at the first workload or Ray command)."""
+        from llmport_agent.workloads.handlers import WorkloadManager
+
+        return WorkloadManager(
             self.reactor,
             self.engine,
-            settings,
+            self._workload_settings,
             http=self.http,
-            backend_url=c.backend_url,
+            backend_url=self.config.backend_url,
             credential=lambda: self.session.credential(),
             sync_model=lambda model_sync, progress: Deferred.fromCoroutine(
                 self.models.sync(model_sync, progress)
@@ -464,28 +462,65 @@ class AgentService(MultiService):
             adoption=self.adoption,
         )
 
-    def _build_ray(self) -> None:
-        """Multi-node inference on Ray (protocol 10.6): the runtime container's commands."""
+    def _build_models(self) -> Any:
+        """The model syncer (at the first model sync)."""
+        from llmport_agent.models.syncer import ModelSyncer
+
+        c = self.config
+        return ModelSyncer(
+            self.reactor,
+            self.http,
+            self.hash_pool,
+            store_dir=c.model_store,
+            backend_url=c.backend_url,
+            credential=lambda: self.session.credential(),
+            concurrency=c.model_sync_concurrency,
+            connections=c.model_sync_connections,
+            segment_size=c.model_sync_segment_mb * 1024 * 1024,
+            buffer_bytes=c.model_sync_buffer_mb * 1024 * 1024,
+        )
+
+    @property
+    def models(self) -> Any:
+        """The model syncer (built now if no command built it yet)."""
+        return self._models.get()
+
+    @property
+    def workloads(self) -> Any:
+        """The workload manager (built now if no command built it yet); C{None} without Docker."""
+        return self._workloads.get() if self.docker_enabled else None
+
+    @property
+    def ray(self) -> Any:
+        """The Ray manager (built now if no command built it yet); C{None} without Docker."""
+        return self._ray.get() if self.docker_enabled else None
+
+    @property
+    def seeding(self) -> Any:
+        """The runtime image seeding (built with the Ray manager); C{None} without Docker."""
+        return self._seeding.get() if self.docker_enabled else None
+
+    def _build_ray(self) -> Any:
+        """
+        Multi-node inference on Ray (protocol 10.6): the runtime container's commands, and the
+        runtime image seeding (at the first Ray or seeding command).
+        """
         from llmport_agent.ray.handlers import RayManager, RaySettings
-        from llmport_agent.ray.token import ClusterTokens
 
         c = self.config
         roots = [c.model_store, *c.ray_allowed_mounts]
         session_dir = c.ray_session_dir
         if session_dir:
             roots.append(session_dir)
-        tokens = ClusterTokens(
-            self.reactor, self.backend, lambda: self.session.credential(), self.io_pool,
-            c.ray_token_dir, timeout=c.request_timeout_sec,
-        )
-        self.ray = RayManager(
+        workloads = self._workloads.get()
+        ray = RayManager(
             self.reactor,
             self.engine,
-            self.workloads.images,
-            tokens,
+            workloads.images,
+            self.ray_tokens,
             RaySettings(
                 agent_id=c.agent_id,
-                allowlist=self.workloads.allowlist,
+                allowlist=workloads.allowlist,
                 allowed_roots=tuple(os.path.abspath(r) for r in roots),
                 token_dir=c.ray_token_dir,
                 session_dir=os.path.abspath(session_dir) if session_dir else "",
@@ -495,19 +530,30 @@ class AgentService(MultiService):
         )
         from llmport_agent.ray.seeding import ImageSeeding
 
-        self.seeding = ImageSeeding(
+        self._seeding_built = ImageSeeding(
             self.reactor, self.engine, self.io_pool,
-            c.image_download_dir or os.path.join(c.state_dir, "images"), self.ray,
+            c.image_download_dir or os.path.join(c.state_dir, "images"), ray,
         )
-        self.ray.peer_loader = self.seeding.load_from_peer
+        ray.peer_loader = self._seeding_built.load_from_peer
+        return ray
+
+    def _built_seeding(self) -> Any:
+        self._ray.get()
+        return self._seeding_built
+
+    def _check_system_updates(self) -> Any:
+        """C{check_system_updates} (its module, with Twisted's process helpers, imported then)."""
+        from llmport_agent.commands.system_updates import check_system_updates, process_runner
+
+        return check_system_updates(process_runner(self.reactor))
+
+    def _inventory_reported(self) -> None:
+        self.heartbeat.notify_changed()
+        # Start-up has settled by the first report: its freed heap goes back to the system.
+        self.heap_trim.once()
 
     def _emit_event(self, event_type: str, payload: dict[str, Any], severity: str = "info") -> None:
         self.outbox.emit(event_type, payload, severity)
-
-    def _workload_specs(self) -> dict[str, HandlerSpec]:
-        from llmport_agent.workloads.handlers import workload_handler_specs
-
-        return workload_handler_specs(self.workloads)
 
     def _engine_facts(self) -> dict[str, Any]:
         if self.engine is None:
@@ -554,3 +600,4 @@ class AgentService(MultiService):
     async def diagnostics(self) -> dict[str, Any]:
         """The C{collect_diagnostics} result: structured, secrets masked."""
         return await self._diagnostics.collect()
+

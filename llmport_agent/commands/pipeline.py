@@ -188,13 +188,13 @@ class CommandPipeline(Service):
                       "timed_out": 0, "results_resent": 0, "deferred_by_stop": 0, "redispatched": 0,
                       "replayed": 0, "rerun": 0}
         if calls is None:
-            from llmport_agent.ops.metrics import command_calls
+            from llmport_agent.ops.timing import command_calls
 
             calls = command_calls(lambda: self.registry)
         #: Durations by command type and outcome (metrics).
         self.calls = calls
         if pickup is None:
-            from llmport_agent.ops.metrics import CommandPickup
+            from llmport_agent.ops.timing import CommandPickup
 
             pickup = CommandPickup(lambda: self.registry)
         #: Waits from the backend issuing a command to its start (metrics).

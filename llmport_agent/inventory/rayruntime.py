@@ -10,15 +10,14 @@ way the agent marks the runtime container it creates. A container of that name w
 is someone else's and is not reported (the backend would otherwise drive a cluster on a
 container the agent will not touch).
 
-L{inspect_ray_runtime} runs on the engine's pool (C{DockerEngine.call}).
+L{inspect_ray_runtime} runs on the engine's pool (C{DockerEngine.call}). The Ray container
+module is imported at the first container to describe (not by an idle node without one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
-
-from llmport_agent.ray.container import find, is_ours
 
 __all__ = ["RAY_RUNTIME_CONTAINER", "describe_ray_runtime", "inspect_ray_runtime"]
 
@@ -34,6 +33,8 @@ def describe_ray_runtime(snap: Mapping[str, Any], agent_id: str) -> dict[str, An
     The C{ray_runtime} object from the container's snapshot
     (L{llmport_agent.ray.container.snapshot}), or C{None} when it is not this agent's.
     """
+    from llmport_agent.ray.container import is_ours
+
     if not is_ours(dict(snap), agent_id):
         return None
     out: dict[str, Any] = {
@@ -49,5 +50,7 @@ def describe_ray_runtime(snap: Mapping[str, Any], agent_id: str) -> dict[str, An
 
 def inspect_ray_runtime(client: Any, agent_id: str, name: str = RAY_RUNTIME_CONTAINER) -> dict[str, Any] | None:
     """Blocking: the runtime container's object; C{None} when there is none (or not this agent's)."""
+    from llmport_agent.ray.container import find
+
     snap = find(client, name)
     return None if snap is None else describe_ray_runtime(snap, agent_id)

@@ -7,15 +7,20 @@ serialises work per model directory itself (and shares one operation between ide
 requests, e.g. a C{sync_model} and a deploy's C{sync_model} phase for the same model).
 C{node} would make a multi-hour copy block maintenance/drain/profile commands, and
 C{runtime} has no runtime id to key on. C{read} lets it run beside everything else.
+
+This module imports no part of the syncer: the agent builds its table of commands at start
+with a syncer built at the first C{sync_model} (L{llmport_agent.core.later.Later}).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmport_agent.commands.base import INVALID_COMMAND, CommandContext, CommandFailed, HandlerSpec
-from llmport_agent.models.syncer import ModelSyncer
+
+if TYPE_CHECKING:
+    from llmport_agent.models.syncer import ModelSyncer
 
 #: Hundreds of GB at the speed of a site's link: the pipeline deadline is generous. The sync
 #: resumes from its partial files when it is run again after a cancellation or a restart.

@@ -3,214 +3,77 @@ The ops endpoint on loopback: C{/healthz} (the process is alive), C{/readyz} (on
 subsystem: session, engine, NVML, Loki; 503 with a JSON body saying what is wrong),
 C{/metrics} (Prometheus text format through prometheus_client; see L{llmport_agent.ops.metrics}).
 Metrics are read from the running services at scrape time; no label ever carries a secret.
+
+The port listens from the start; the web site behind it (L{llmport_agent.ops.site}: twisted.web's
+server side and prometheus_client, about 2 MiB) is built at the first connection, so an agent
+nobody scrapes never imports it (issue 27).
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.protocol import Factory
 from twisted.logger import Logger
-from twisted.web.resource import Resource
 
-from llmport_agent import VERSION
 from llmport_agent.core.backoff import Backoff
-from llmport_agent.ops.bounded import BoundedSite
-from llmport_agent.ops.metrics import AgentCollector, make_registry, render
 
-#: The collector (it lives in llmport_agent.ops.metrics; this name is kept for existing callers).
-_AgentCollector = AgentCollector
-
-
-class _Metrics(Resource):
-    isLeaf = True
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        super().__init__()
-        self.registry = registry
-
-    def render_GET(self, request: Any) -> bytes:
-        request.setHeader(b"content-type", CONTENT_TYPE_LATEST.encode())
-        return render(self.registry)
-
-
-def _engine_problem(error: str) -> str:
-    """The engine's own error names it ("Docker engine at ... is unreachable: ..."): said once."""
-    return error if error.startswith("Docker engine") else f"Docker engine unreachable: {error}"
-
-
-def readiness(agent: Any) -> dict[str, Any]:
-    """
-    What C{/readyz} answers: one check per subsystem (session, engine, NVML, Loki), each with
-    C{ok} and a C{detail} saying what is wrong; C{ready} when all are ok and no stop is under way.
-    """
-    from llmport_agent.ops.metrics import gpu_snapshot, session_state, workload_states
-
-    session = agent.session
-    state = session_state(session)
-    checks: dict[str, dict[str, Any]] = {
-        "session": {
-            "ok": bool(session.connected),
-            "state": state,
-            "detail": "connected to the backend" if session.connected
-            else (session.stats.last_error or state.replace("_", " ")),
-        }
-    }
-    dispatch = getattr(session, "dispatch", None)
-    if dispatch is not None:
-        checks["session"]["dispatch_mode"] = dispatch.mode
-    engine = getattr(agent, "engine", None)
-    if engine is None:
-        checks["engine"] = {"ok": True, "detail": "Docker executor off"}
-    else:
-        checks["engine"] = {
-            "ok": bool(engine.available),
-            "detail": f"Docker engine {engine.version} at {engine.address}" if engine.available
-            else _engine_problem(engine.last_error),
-        }
-    checks["nvml"] = gpu_readiness(gpu_snapshot(agent))
-    checks["loki"] = loki_readiness(agent)
-    stopping = bool(getattr(agent, "stopping", False))
-    ready = all(c["ok"] for c in checks.values()) and not stopping
-    heartbeat = getattr(agent, "heartbeat", None)
-    return {
-        "ready": ready,
-        "status": "stopping" if stopping else ("ready" if ready else "not_ready"),
-        "checks": checks,
-        "agent": {
-            "version": VERSION,
-            "node_id": session.node_id or "",
-            "agent_id": agent.config.agent_id,
-            "last_heartbeat_at": getattr(heartbeat, "last_sent_at", None),
-            "workloads": len(workload_states(agent)),
-            "commands_running": agent.pipeline.running_count,
-            "heartbeat_status": agent.status.heartbeat_fields()["status"],
-        },
-    }
-
-
-def loki_readiness(agent: Any) -> dict[str, Any]:
-    """
-    The C{loki} check of C{/readyz}: where logs go and whether pushes succeed. C{source} is
-    C{LOKI_URL} (the operator's sink), C{backend} (the sink the backend named, LOKI_URL unset) or
-    C{off}; C{url} is the sink without its password. Not ok after 3 failed pushes in a row,
-    to either sink.
-    """
-    from llmport_agent.core.config import mask_url
-    from llmport_agent.ops.metrics import loki_stats
-
-    loki = loki_stats(agent)
-    config = getattr(agent, "config", None)
-    operator = bool(getattr(config, "loki_url", None))
-    sink = getattr(agent, "log_sink", None)
-    if loki is None:
-        if sink is None or operator:
-            return {"ok": True, "source": "off", "detail": "log shipping off"}
-        last = str(getattr(sink, "last", "") or "not asked yet")
-        return {"ok": True, "source": "off",
-                "detail": f"log shipping off: LOKI_URL unset and the backend named no log sink ({last})"}
-    source = "LOKI_URL" if operator else "backend"
-    url = str(loki.get("url", "") or "")
-    if not operator and sink is not None and getattr(sink, "url", None):
-        url = mask_url(str(sink.url))
-    where = f"{url} (LOKI_URL)" if operator else f"the backend's log sink {url} (LOKI_URL unset)"
-    failures = int(loki.get("consecutive_failures", 0) or 0)
-    return {
-        "ok": failures < 3,
-        "source": source,
-        "url": url,
-        "detail": f"{failures} failed pushes in a row to {where}: {loki.get('last_error', '')}" if failures
-        else f"pushing to {where}",
-        "queue_depth": loki.get("queue_depth", 0),
-    }
-
-
-def gpu_readiness(snap: Any) -> dict[str, Any]:
-    """
-    The C{nvml} check of C{/readyz}: whether the GPU driver answers, not whether the GPUs
-    are good. Not ok when a GPU host's source fails (NVML broke) or when every GPU's driver
-    calls hang (NVML is not answering at all). A GPU the driver I{reports} bad (an Xid 79,
-    uncorrectable ECC, a reset required) is a hardware verdict, not an unready agent: the
-    check stays ok and names it, while the heartbeat turns C{degraded} and the GPU leaves
-    C{gpu_count} (restarting the agent would not mend the GPU). A host without GPUs (no
-    driver) is not unready either.
-    """
-    if snap is None:
-        return {"ok": True, "detail": "not read yet", "gpus": 0}
-    error = str(snap.gpu_error or "")
-    seen = snap.vendor != "none"
-    devices = tuple(snap.devices)
-    every_gpu_hangs = bool(devices) and all(d.health is not None and d.health.unresponsive for d in devices)
-    if error:
-        detail = error
-    else:
-        detail = f"{snap.device_count} GPU(s), {snap.count} schedulable"
-        for d in [d for d in devices if d.state != "healthy"][:8]:
-            detail += f"; {d.describe()} {d.state}: {'; '.join(d.health.reasons if d.health else ())[:200]}"
-        if every_gpu_hangs:
-            detail = "every GPU's driver calls hang (NVML is not answering): " + detail
-    return {
-        "ok": not (error and seen) and not every_gpu_hangs,
-        "detail": detail[:2000],
-        "gpus": snap.device_count,
-        "schedulable": snap.count,
-        "health": snap.by_state(),
-    }
-
-
-class _Health(Resource):
-    isLeaf = True
-
-    def __init__(self, agent: Any, ready: bool) -> None:
-        super().__init__()
-        self.agent = agent
-        self.ready = ready
-
-    def render_GET(self, request: Any) -> bytes:
-        request.setHeader(b"content-type", b"application/json")
-        request.setHeader(b"cache-control", b"no-store")
-        if not self.ready:
-            return b'{"status":"ok"}'
-        body = readiness(self.agent)
-        if not body["ready"]:
-            request.setResponseCode(503)
-        return json.dumps(body, default=str).encode()
-
-
-#: Module level: a Logger class attribute would take the class's name as its namespace.
-_access_log = Logger(namespace="llmport_agent.ops.endpoint.access")
-
-
-class QuietSite(BoundedSite):
-    """
-    A Site whose access log lines are DEBUG events (C{llmport_agent.ops.endpoint.access}), not INFO
-    lines in the journal for every scrape of C{/metrics} or C{/readyz}.
-    """
-
-    def _updateLogDateTime(self) -> None:  # noqa: N802 - Twisted's name
-        """
-        Nothing: Twisted's L{HTTPFactory} refreshes a date string for its access log once a
-        second, from C{startFactory} on; L{log} below never reads it, so the idle agent does
-        not wake up for it.
-        """
-
-    def log(self, request: Any) -> None:
-        _access_log.debug(
-            "{method} {path} {code} {size}",
-            method=request.method.decode("ascii", "replace")[:16],
-            path=request.uri.decode("ascii", "replace")[:200],
-            code=request.code,
-            size=request.sentLength,
-        )
-
+# What /readyz answers; the names stay importable from here.
+from llmport_agent.ops.readiness import gpu_readiness as gpu_readiness
+from llmport_agent.ops.readiness import loki_readiness as loki_readiness
+from llmport_agent.ops.readiness import readiness as readiness
 
 #: Bind retries: 1 s, then doubling to a minute (another process may hold the port a while).
 BIND_RETRY_MIN = 1.0
 BIND_RETRY_MAX = 60.0
+
+
+class SiteOnFirstConnection(Factory):
+    """
+    The listening port's factory: it builds the site (C{build()}) at the first connection and
+    hands every connection to it. The port's start and stop reach the site as they would if it
+    listened itself (its bounds and timers start with the port, once it exists).
+    """
+
+    noisy = False
+
+    def __init__(self, build: Callable[[], Any]) -> None:
+        self._build = build
+        self._site: Any = None
+        self._ports = 0
+
+    @property
+    def built(self) -> bool:
+        """Whether the site exists yet."""
+        return self._site is not None
+
+    def site(self) -> Any:
+        """The site, built now if it was not."""
+        if self._site is None:
+            self._site = self._build()
+            for _ in range(self._ports):
+                self._site.doStart()
+        return self._site
+
+    def logPrefix(self) -> str:  # noqa: N802 - Twisted's name
+        return "OpsSite"
+
+    def doStart(self) -> None:  # noqa: N802 - Twisted's name
+        self._ports += 1
+        if self._site is not None:
+            self._site.doStart()
+
+    def doStop(self) -> None:  # noqa: N802 - Twisted's name
+        self._ports = max(0, self._ports - 1)
+        if self._site is not None:
+            self._site.doStop()
+
+    def buildProtocol(self, addr: Any) -> Any:  # noqa: N802 - Twisted's name
+        return self.site().buildProtocol(addr)
 
 
 class OpsService(Service):
@@ -229,7 +92,7 @@ class OpsService(Service):
         self.port = port
         self.interface = interface
         self._listening: Any = None
-        self.site: BoundedSite | None = None
+        self._factory: SiteOnFirstConnection | None = None
         self._retry: Any = None  # IDelayedCall of the next bind attempt
         self._binding: Deferred[Any] | None = None
         self.bind_failures = 0
@@ -237,22 +100,35 @@ class OpsService(Service):
 
     def startService(self) -> None:
         super().startService()
-        registry = make_registry(self.agent)
-        root = Resource()
-        root.putChild(b"metrics", _Metrics(registry))
-        root.putChild(b"healthz", _Health(self.agent, ready=False))
-        root.putChild(b"readyz", _Health(self.agent, ready=True))
-        site = QuietSite(root, self._reactor)
-        self.site = site
+        if self._factory is None:
+            self._factory = SiteOnFirstConnection(self._make_site)
         self.bind_failures = 0
         self._bind()
 
+    def _make_site(self) -> Any:
+        from llmport_agent.ops.site import make_site
+
+        return make_site(self.agent, self._reactor)
+
+    @property
+    def site(self) -> Any:
+        """
+        The web site (a L{llmport_agent.ops.site.QuietSite}), built now if no connection built
+        it yet; C{None} before the service first starts.
+        """
+        return None if self._factory is None else self._factory.site()
+
+    @property
+    def site_built(self) -> bool:
+        """Whether the web site exists (a connection came, or L{site} was read)."""
+        return self._factory is not None and self._factory.built
+
     def _bind(self) -> None:
         self._retry = None
-        if not self.running or self.site is None:
+        if not self.running or self._factory is None:
             return
         endpoint = TCP4ServerEndpoint(self._reactor, self.port, interface=self.interface)
-        d = self._binding = endpoint.listen(self.site)
+        d = self._binding = endpoint.listen(self._factory)
 
         def listening(port: Any) -> None:
             self._binding = None

@@ -5,9 +5,11 @@ exposition by C{generate_latest}).
 Most families are read from the subsystems' own counters at scrape time by L{AgentCollector}
 (session, commands, journal, outbox, engine, GPUs and their health, Loki, model sync), so the subsystems keep
 plain counters and know nothing about Prometheus. The two things a counter cannot express,
-latency distributions, are prometheus_client C{Histogram}s kept in small recorder objects:
-L{TimedCalls} (commands by type and outcome, engine calls by operation and outcome) and
-L{ReactorLatenessProbe}.
+latency distributions, are fixed-bucket histograms kept in small recorder objects of
+L{llmport_agent.ops.timing} (which does not import prometheus_client: an idle agent records
+without it): L{TimedCalls} (commands by type and outcome, engine calls by operation and
+outcome), L{CommandPickup} and L{ReactorLatenessProbe}; they become metric families here, at
+scrape time.
 
 Label values are bounded: command types outside the handler registry become C{"other"}, engine
 operations are the names of the agent's own functions, GPU labels are index/uuid/name. No
@@ -18,258 +20,48 @@ from __future__ import annotations
 
 import platform
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
-    Histogram,
     ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from twisted.application.service import Service
 
 from llmport_agent import VERSION
 from llmport_agent.inventory.health import DEGRADED, HEALTHY, UNHEALTHY
+from llmport_agent.ops.readers import (
+    gpu_health_view,
+    gpu_snapshot,
+    loki_stats,
+    session_state,
+    workload_states,
+)
 
-PREFIX = "llmport_agent_"
+# The recorders live in llmport_agent.ops.timing (no prometheus_client there); their names
+# stay importable from here.
+from llmport_agent.ops.timing import PREFIX
+from llmport_agent.ops.timing import CommandPickup as CommandPickup
+from llmport_agent.ops.timing import ReactorLatenessProbe as ReactorLatenessProbe
+from llmport_agent.ops.timing import TimedCalls as TimedCalls
+from llmport_agent.ops.timing import command_calls as command_calls
+from llmport_agent.ops.timing import engine_calls as engine_calls
 
 # No *_created series: they double the size of every histogram for nothing a scrape needs.
 disable_created_metrics()
 
-#: Command latencies span 1 ms (a refused command) to hours (a model sync).
-COMMAND_BUCKETS = (0.005, 0.025, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400)
-#: Engine calls: milliseconds (inspect) to minutes (stop with a grace period).
-ENGINE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-#: Reactor lateness: a healthy reactor is late by well under 10 ms.
-LATENESS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
-
 SESSION_STATES = ("connected", "connecting", "backing_off", "enrolling", "refused", "stopped")
 
 
-class TimedCalls:
-    """
-    Counts and durations of calls by name and outcome, as one prometheus_client Histogram
-    (its C{_count} series is the call count). Names outside C{known} (when given) are
-    recorded as C{"other"}, so input from the network cannot grow the label set.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labels: tuple[str, str],
-        buckets: tuple[float, ...],
-        known: Callable[[], Iterable[str]] | None = None,
-        max_names: int = 64,
-    ) -> None:
-        self.histogram = Histogram(name, documentation, list(labels), buckets=buckets, registry=None)
-        self._known = known
-        self._names: set[str] = set()
-        self._max_names = max_names
-
-    def _label(self, name: str) -> str:
-        name = str(name)[:64]
-        if self._known is not None and name not in set(self._known()):
-            return "other"
-        if name not in self._names:
-            if len(self._names) >= self._max_names:
-                return "other"
-            self._names.add(name)
-        return name
-
-    def observe(self, name: str, outcome: str, seconds: float) -> None:
-        self.histogram.labels(self._label(name), str(outcome)[:64]).observe(max(0.0, seconds))
-
-    def collect(self) -> Iterable[Metric]:
-        return self.histogram.collect()
-
-
-def command_calls(known: Callable[[], Iterable[str]]) -> TimedCalls:
-    return TimedCalls(
-        PREFIX + "command_duration_seconds",
-        "Time from start to result of commands, by type and outcome (success or error_code)",
-        ("type", "outcome"),
-        COMMAND_BUCKETS,
-        known=known,
-    )
-
-
-#: Pickup: a command waits milliseconds (node online) to hours (node offline) for the agent.
-PICKUP_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 14400)
-
-
-class CommandPickup:
-    """
-    How long commands waited between the backend issuing them (their C{issued_at}) and their
-    handler starting on this node, by type: the backend's queue, the poll or push delay, the
-    agent's lanes. Types outside C{known} count as C{"other"}; a negative wait (the two clocks
-    disagree) counts as 0.
-    """
-
-    def __init__(self, known: Callable[[], Iterable[str]]) -> None:
-        self.histogram = Histogram(
-            PREFIX + "command_pickup_seconds",
-            "Time from the backend issuing a command to its handler starting on this node, by type",
-            ["type"],
-            buckets=PICKUP_BUCKETS,
-            registry=None,
-        )
-        self._known = known
-
-    def observe(self, name: str, seconds: float) -> None:
-        label = str(name)[:64]
-        if label not in set(self._known()):
-            label = "other"
-        self.histogram.labels(label).observe(max(0.0, seconds))
-
-    def collect(self) -> Iterable[Metric]:
-        return self.histogram.collect()
-
-
-def engine_calls() -> TimedCalls:
-    return TimedCalls(
-        PREFIX + "engine_call_duration_seconds",
-        "Docker engine calls by operation and outcome (ok or error)",
-        ("operation", "outcome"),
-        ENGINE_BUCKETS,
-    )
-
-
-class ReactorLatenessProbe(Service):
-    """
-    How late the reactor runs timers: a blocked reactor shows here before it shows anywhere
-    else.
-
-    It measures the wake-ups that happen anyway: the heartbeat loop hands the lateness of
-    each of its ticks to L{observe}. Its own timer (every C{interval} seconds, 60 by default)
-    runs only while no heartbeats do: before the first connect and while disconnected (it is
-    a session listener), so a connected idle agent never wakes up for it.
-    """
-
-    def __init__(self, reactor: Any, interval: float = 60.0) -> None:
-        self.setName("reactor-lateness")
-        self._reactor = reactor
-        self.interval = interval
-        self.histogram = Histogram(
-            PREFIX + "reactor_lateness_seconds",
-            "How late the agent's periodic timers fired (heartbeats; a 60 s timer of its own "
-            "while disconnected)",
-            buckets=LATENESS_BUCKETS,
-            registry=None,
-        )
-        self.max_recent = 0.0
-        self.last = 0.0
-        self.observed = 0
-        self._call: Any = None
-        self._due = 0.0
-        self._connected = False
-
-    def startService(self) -> None:
-        super().startService()
-        self._arm()
-
-    def observe(self, late: float) -> None:
-        """Record that a timer ran C{late} seconds after it was due (reactor thread)."""
-        late = max(0.0, late)
-        self.last = late
-        self.observed += 1
-        self.max_recent = max(self.max_recent, late)
-        self.histogram.observe(late)
-
-    # -- session listener: heartbeats run while connected
-
-    def session_opened(self) -> None:
-        self._connected = True
-        self._disarm()
-
-    def session_closed(self) -> None:
-        self._connected = False
-        self._arm()
-
-    def frame_received(self, frame: dict[str, Any]) -> None:
-        pass
-
-    def _arm(self) -> None:
-        if self.running and not self._connected and self._call is None:
-            self._due = self._reactor.seconds() + self.interval
-            self._call = self._reactor.callLater(self.interval, self._tick)
-
-    def _disarm(self) -> None:
-        call, self._call = self._call, None
-        if call is not None and call.active():
-            call.cancel()
-
-    def _tick(self) -> None:
-        self._call = None
-        self.observe(self._reactor.seconds() - self._due)
-        self._arm()
-
-    def take_max(self) -> float:
-        """The worst lateness since the last call (each scrape starts a new window)."""
-        value, self.max_recent = self.max_recent, 0.0
-        return value
-
-    def stopService(self) -> None:  # type: ignore[override]
-        super().stopService()
-        self._disarm()
-
-
-# -- accessors: small and tolerant, so the subsystems can grow without breaking metrics ------
+# -- the collector -------------------------------------------------------------------------
 
 
 def _get(obj: Any, name: str, default: Any = 0) -> Any:
     value = getattr(obj, name, default) if obj is not None else default
     return default if value is None else value
-
-
-def gpu_snapshot(agent: Any) -> Any:
-    """The last GPU snapshot the inventory collector took (no NVML call at scrape time)."""
-    collector = getattr(agent, "collector", None)
-    last = getattr(collector, "last_gpu", None)
-    return last() if callable(last) else last
-
-
-def gpu_health_view(agent: Any) -> dict[str, Any] | None:
-    """The GPU health monitor's view (L{GPUHealthMonitor.metrics}), or C{None} without one."""
-    monitor = getattr(agent, "gpu_monitor", None)
-    if monitor is None:
-        return None
-    try:
-        return dict(monitor.metrics())
-    except Exception:
-        return None
-
-
-def loki_stats(agent: Any) -> dict[str, Any] | None:
-    loki = getattr(agent, "loki", None)
-    if loki is None:
-        return None
-    try:
-        return dict(loki.describe())
-    except Exception:
-        return None
-
-
-def workload_states(agent: Any) -> dict[str, dict[str, Any]]:
-    health = getattr(agent, "health", None)
-    states = getattr(health, "states", None)
-    if not callable(states):
-        return {}
-    try:
-        return dict(states())
-    except Exception:
-        return {}
-
-
-def session_state(session: Any) -> str:
-    phase = getattr(session, "phase", None)
-    return phase if isinstance(phase, str) else ("connected" if session.connected else "connecting")
-
-
-# -- the collector -------------------------------------------------------------------------
 
 
 def _gauge(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> GaugeMetricFamily:

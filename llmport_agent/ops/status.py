@@ -63,7 +63,7 @@ class NodeStatus:
 
     def status_line(self) -> str:
         """The one line systemd shows (C{STATUS=}): session state, node, workloads, last error."""
-        from llmport_agent.ops.metrics import session_state, workload_states
+        from llmport_agent.ops.readers import session_state, workload_states
 
         state = session_state(self.session)
         words = {"connected": "connected", "enrolling": "enrolling", "backing_off": "backing off",

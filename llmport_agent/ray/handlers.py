@@ -30,7 +30,6 @@ from ..commands.base import (
     RUNTIME_ERROR,
     CommandContext,
     CommandFailed,
-    HandlerSpec,
 )
 from ..workloads.engine import DockerEngine, StreamClosed, StreamControl
 from ..workloads.gpus import GPU_UNAVAILABLE
@@ -40,6 +39,8 @@ from . import configdiff, describe, helpercli, imagepin
 from . import container as rc
 from .bundle import DEFAULT_CONTAINER_NAME, RuntimeBundle, check_layout, filter_env, parse_bundle
 from .execs import OUTPUT_LIMIT, ExecResult, exec_in, exec_stream
+from .specs import no_ray_status_spec as no_ray_status_spec
+from .specs import ray_handler_specs as ray_handler_specs
 from .token import ClusterTokens, ensure_dir
 
 DEFAULT_RAY_VERSION = "2.58.0"
@@ -941,30 +942,3 @@ class RayManager:
         if comparison.equal is None and comparison.explanation:
             answer["error"] = comparison.explanation
         return answer
-
-
-def ray_handler_specs(manager: RayManager) -> dict[str, HandlerSpec]:
-    """The command types this module handles, for the command pipeline's registry."""
-    m = manager
-    return {
-        "ensure_runtime_image": HandlerSpec(m.ensure_runtime_image, "runtime", True, 1800.0, blocked_by_maintenance=True),
-        "ensure_ray_runtime": HandlerSpec(m.ensure_ray_runtime, "runtime", True, 1800.0, blocked_by_maintenance=True),
-        "start_ray_head": HandlerSpec(m.start_ray_head, "runtime", True, 600.0, blocked_by_maintenance=True, blocked_by_draining=True),
-        "join_ray_cluster": HandlerSpec(m.join_ray_cluster, "runtime", True, 600.0, blocked_by_maintenance=True, blocked_by_draining=True),
-        "leave_ray_cluster": HandlerSpec(m.leave_ray_cluster, "runtime", True, 300.0),
-        "stop_ray": HandlerSpec(m.stop_ray, "runtime", True, 300.0),
-        "get_ray_status": HandlerSpec(m.get_ray_status, "read", True, 120.0, keep_result=False),
-        "get_ray_serve_status": HandlerSpec(m.get_ray_serve_status, "read", True, 120.0, keep_result=False),
-        "run_serve_app": HandlerSpec(m.run_serve_app, "runtime", True, 600.0, blocked_by_maintenance=True, blocked_by_draining=True),
-        "delete_serve_app": HandlerSpec(m.delete_serve_app, "runtime", True, 300.0),
-        "describe_ray_cluster": HandlerSpec(m.describe_ray_cluster, "read", True, 120.0, keep_result=False),
-    }
-
-
-def no_ray_status_spec() -> HandlerSpec:
-    """C{get_ray_status} on an agent without the Docker executor: no Ray, C{alive: false}."""
-
-    async def status(ctx: CommandContext) -> dict[str, Any]:
-        return helpercli.dead_cluster(detail="this agent runs without the Docker executor: no Ray runtime here")
-
-    return HandlerSpec(status, "read", True, 10.0, keep_result=False)

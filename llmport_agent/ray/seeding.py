@@ -54,20 +54,21 @@ from twisted.web.server import NOT_DONE_YET
 from llmport_agent.core import safefs
 from llmport_agent.ops.bounded import BoundedSite
 
-from ..commands.base import INVALID_COMMAND, CommandContext, CommandFailed, HandlerSpec
+from ..commands.base import INVALID_COMMAND, CommandContext, CommandFailed
 from ..workloads.engine import DockerEngine, StreamControl
 from ..workloads.imageload import BodySource, load_thread
 from ..workloads.policy import parse_image_ref
 from ..workloads.tarfilter import ImageTarFilter
 from . import imagepin
 from .bundle import RuntimeBundle
+from .specs import MAX_TIMEOUT_SEC
+from .specs import seeding_handler_specs as seeding_handler_specs
 
 IMAGE_SEED_FAILED = "image_seed_failed"
 #: Free space kept beyond the tar itself.
 SPACE_MARGIN = 256 * 1024 * 1024
 #: Largest image tar accepted from a peer.
 MAX_IMAGE_BYTES = 1024 ** 4
-MAX_TIMEOUT_SEC = 6 * 3600.0
 MAX_PEERS = 256
 MAX_TOKEN = 4096
 CHUNK = 1024 * 1024
@@ -984,10 +985,3 @@ class ImageRoot(Resource):
     def __init__(self, state: _Serving) -> None:
         super().__init__()
         self.putChild(b"image", ImageResource(state))
-
-
-def seeding_handler_specs(seeding: ImageSeeding) -> dict[str, HandlerSpec]:
-    return {
-        # Not idempotent: the token is scrubbed from the journal, so a restart cannot resume it.
-        "serve_runtime_image": HandlerSpec(seeding.serve_runtime_image, "runtime", False, MAX_TIMEOUT_SEC + 1800.0),
-    }

@@ -322,7 +322,7 @@ class DockerEngine(Service):
         self.runtimes: tuple[str, ...] = ()
         self.default_runtime = ""
         self.info: dict[str, Any] = {}
-        from llmport_agent.ops.metrics import engine_calls
+        from llmport_agent.ops.timing import engine_calls
 
         #: Durations of calls by operation (the function's name) and outcome (metrics).
         self.call_stats = engine_calls()

@@ -24,7 +24,6 @@ from ..commands.base import (
     Command,
     CommandContext,
     CommandFailed,
-    HandlerSpec,
 )
 from ..inventory.gpu import GPUSnapshot
 from . import containers as ops
@@ -63,13 +62,12 @@ from .spec import (
     render,
     slug_container_name,
 )
+from .specs import workload_handler_specs as workload_handler_specs
 
 __all__ = ["WorkloadManager", "workload_handler_specs"]
 
 #: sync_model(model_sync, progress) -> result; progress(message, **extra)
 SyncModel = Callable[[dict[str, Any], Callable[..., None]], Awaitable[dict[str, Any]]]
-
-_STOP_EXTRA_SEC = 60.0
 
 #: The error code of a deploy, start, restart or update whose wait for readiness a stop or
 #: remove of the same runtime ended (issue 26): the stop or remove then goes ahead at once.
@@ -1201,29 +1199,3 @@ class WorkloadManager:
             "truncated": truncated,
             "found": True,
         }
-
-
-def workload_handler_specs(manager: WorkloadManager) -> dict[str, HandlerSpec]:
-    """The command types this module handles, for the command pipeline's registry."""
-    settings = manager.settings
-    deadline = settings.deploy_deadline_sec
-    stop_deadline = settings.stop_grace_sec * 3 + _STOP_EXTRA_SEC
-    return {
-        "deploy_workload": HandlerSpec(
-            manager.deploy, "runtime", True, deadline, blocked_by_maintenance=True, blocked_by_draining=True
-        ),
-        "start_workload": HandlerSpec(
-            manager.start, "runtime", True, deadline, blocked_by_maintenance=True, blocked_by_draining=True
-        ),
-        "restart_workload": HandlerSpec(
-            manager.restart, "runtime", True, deadline, blocked_by_maintenance=True, blocked_by_draining=True
-        ),
-        "update_workload": HandlerSpec(
-            manager.update, "runtime", False, deadline, blocked_by_maintenance=True, blocked_by_draining=False
-        ),
-        "stop_workload": HandlerSpec(manager.stop, "runtime", True, stop_deadline,
-                                     on_arrival=manager.superseding),
-        "remove_workload": HandlerSpec(manager.remove, "runtime", True, stop_deadline,
-                                       on_arrival=manager.superseding),
-        "fetch_container_logs": HandlerSpec(manager.logs, "read", True, 10.0, keep_result=False),
-    }

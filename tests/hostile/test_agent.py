@@ -845,7 +845,7 @@ class SecretTests(AgentTestCase):
         from prometheus_client import CollectorRegistry, generate_latest
 
         from llmport_agent.logs.testing import FakeLoki
-        from llmport_agent.ops.endpoint import _AgentCollector
+        from llmport_agent.ops.metrics import AgentCollector as _AgentCollector
 
         logs = LogCapture(self)
         loki = FakeLoki()
