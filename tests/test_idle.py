@@ -819,6 +819,31 @@ class EngineSocketWatchTests(SynchronousTestCase):
         self.assertTrue(engine.available)
         self.assertEqual(pool.calls, 1)
 
+    def test_call_before_the_probe_watches_before_it_warns(self) -> None:
+        """
+        A workload call that finds the socket missing before the first probe ran: the watch is
+        in place when the "unreachable" warning is said, so the warning tells the truth (checked
+        as soon as the socket appears), and no line of its own follows it.
+        """
+        from twisted.logger import globalLogPublisher
+
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        watches: list[_FakeWatch] = []
+        clock, _, engine, _ = self.make(watches, [False])  # started; its first probe not run yet
+        d = ensureDeferred(engine.call(lambda client: None, what="list containers"))
+        self.failureResultOf(d)
+        self.assertEqual(len(watches), 1)
+        warned = [e for e in events if "answers; start dockerd" in str(e.get("log_format", ""))]
+        self.assertEqual(len(warned), 1)
+        self.assertEqual(warned[0]["when"], "as soon as its socket appears, and ")
+        self.assertEqual(warned[0]["every"], 600.0)
+        self.assertFalse([e for e in events if getattr(e.get("log_level"), "name", "") == "debug"])
+        clock.advance(0)  # the first probe: nothing said again, the same watch kept
+        self.assertEqual(len(watches), 1)
+        self.assertEqual(len([e for e in events if "answers; start dockerd" in str(e.get("log_format", ""))]), 1)
+
     def test_without_inotify_the_old_back_off(self) -> None:
         clock, wakes, engine, pool = self.make(None, [False])
         advance(clock, HOUR, step=1)

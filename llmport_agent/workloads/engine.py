@@ -480,8 +480,9 @@ class DockerEngine(Service):
         if watch is None or not getattr(watch, "active", True):
             # No inotify here (probe on the back-off), or it is there already (probed at once).
             return False
+        # Said in the "unreachable" warning that follows ("checked again as soon as its socket
+        # appears"): no line of its own.
         self._watch = watch
-        self.log.debug("Watching for the engine's socket {path} to appear", path=path)
         return True
 
     def _unwatch(self) -> None:
@@ -516,6 +517,8 @@ class DockerEngine(Service):
         if not label:
             raise exc
         err = translate_error(label, self.address, exc, self.call_timeout)
+        # Watched before it is said: the warning names how the engine is checked again.
+        self._watchForSocket()
         self._setAvailable(False, err.error_message.removeprefix(f"{label} failed: "))
         self._scheduleProbe(self._probe_delay)
         raise err
