@@ -54,6 +54,11 @@ NOT_BEFORE_CONNECT = (
     "twisted.web.server",
     # Log shipping: only with LOKI_URL or a sink the backend names (none here).
     "llmport_agent.logs.wiring",
+    # The workload spec parser and its policy checks: at the first deploy (or a managed
+    # container's endpoint); the health watcher, adoption and the vLLM inventory section read
+    # the container labels from workloads/labels.py.
+    "llmport_agent.workloads.spec",
+    "llmport_agent.workloads.policy",
     # IDNA's UTS 46 table: the enrollment POST to a plain host skips it (core/plainurl.py).
     "idna.uts46data",
 )
