@@ -59,6 +59,8 @@ NOT_BEFORE_CONNECT = (
     # the container labels from workloads/labels.py.
     "llmport_agent.workloads.spec",
     "llmport_agent.workloads.policy",
+    # psutil: at the first inventory collection (the enrollment's capabilities need none of it).
+    "psutil",
     # IDNA's UTS 46 table: the enrollment POST to a plain host skips it (core/plainurl.py).
     "idna.uts46data",
 )
