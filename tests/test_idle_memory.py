@@ -60,6 +60,8 @@ NOT_AT_IDLE = (
     "twisted.internet.utils",
     "llmport_agent.ray.container",
     "llmport_agent.ray.bundle",
+    # IDNA's UTS 46 table (1.6 MiB): backend requests to a plain host skip it (core/plainurl.py).
+    "idna.uts46data",
 )
 #: What the first scrape of the ops port imports (the lazy site is real, not just absent).
 AT_FIRST_SCRAPE = ("llmport_agent.ops.site", "llmport_agent.ops.metrics", "prometheus_client",

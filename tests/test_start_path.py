@@ -39,6 +39,30 @@ NOT_BEFORE_CONNECT = (
     "requests",
     # The installer: only its commands (start, stop, join, config --set) import it.
     "llmport_agent.host.installer",
+    # Built at their first command (core/later.py): workloads, Ray with image seeding, model
+    # sync; check_system_updates' module at its first run.
+    "llmport_agent.workloads.handlers",
+    "llmport_agent.ray.handlers",
+    "llmport_agent.ray.seeding",
+    "llmport_agent.models.syncer",
+    "llmport_agent.commands.system_updates",
+    # The ops endpoint listens at start; its web site (twisted.web's server side, the
+    # metrics) is built at the port's first connection.
+    "llmport_agent.ops.site",
+    "llmport_agent.ops.metrics",
+    "prometheus_client",
+    "twisted.web.server",
+    # Log shipping: only with LOKI_URL or a sink the backend names (none here).
+    "llmport_agent.logs.wiring",
+    # The workload spec parser and its policy checks: at the first deploy (or a managed
+    # container's endpoint); the health watcher, adoption and the vLLM inventory section read
+    # the container labels from workloads/labels.py.
+    "llmport_agent.workloads.spec",
+    "llmport_agent.workloads.policy",
+    # psutil: at the first inventory collection (the enrollment's capabilities need none of it).
+    "psutil",
+    # IDNA's UTS 46 table: the enrollment POST to a plain host skips it (core/plainurl.py).
+    "idna.uts46data",
 )
 
 #: The agent as `llmport-agent run` starts it, with a log observer that notes the modules
@@ -264,3 +288,58 @@ class DeferPackageInitTests(SynchronousTestCase):
 
         self.assertIs(autobahn.twisted.WebSocketClientProtocol, WebSocketClientProtocol)
         self.assertTrue(callable(autobahn.twisted.install_reactor))
+
+
+class PlainURLTests(SynchronousTestCase):
+    """L{plain_url}: treq's wire form of a URL, without IDNA's table for a plain host."""
+
+    URLS = (
+        "http://127.0.0.1:8000/api/admin/nodes/enroll",
+        "https://llm-port.example/api/x%20y/a b?q=ä&r=1#frag",
+        "http://host-1.cluster.local.:9/x?y",
+        "http://Upper.Example/x",  # mapped to lower case by IDNA: hyperlink's own path
+        "http://xn--mgba3a4fra.com/",  # punycode: hyperlink's own path
+        "https://ايران.com/foo⇧bar/",
+        "http://-bad.example/",
+        "http://bad-.example/",
+        "http://ab--cd.example/",
+        "http://" + "a" * 63 + ".example/",
+        "http://" + "a" * 64 + ".example/",
+        "http://" + "ab." * 90 + "example/",
+        "http://a_b.example/",
+        "http://[::1]:8000/x",
+    )
+
+    def test_same_wire_form_as_treq_makes(self) -> None:
+        from hyperlink import EncodedURL
+
+        from llmport_agent.core.plainurl import plain_url
+
+        def wire(make: Any, url: str) -> str:
+            try:
+                return str(make(url).to_uri().to_text())
+            except Exception as e:  # noqa: BLE001 - the same refusal either way
+                return type(e).__name__
+
+        for url in self.URLS:
+            self.assertEqual(wire(plain_url, url), wire(EncodedURL.from_text, url), url)
+
+    def test_plain_host_skips_the_uts46_table(self) -> None:
+        """In a fresh interpreter: a plain host's wire form leaves the table unloaded, another loads it."""
+        script = textwrap.dedent(
+            """
+            import sys
+            from llmport_agent.core.plainurl import plain_url
+            seen = []
+            for url in sys.argv[1:]:
+                plain_url(url).to_uri().to_text()
+                seen.append("idna.uts46data" in sys.modules)
+            print(seen)
+            """
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", script, "http://10.0.0.5:8000/api/x", "https://llm-port.example/a?b=c",
+             "http://Upper.Example/"],
+            env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, check=True,
+        ).stdout
+        self.assertEqual(out.strip(), "[False, False, True]")

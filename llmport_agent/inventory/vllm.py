@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from llmport_agent.workloads.spec import LABEL_MANAGED
+from llmport_agent.workloads.labels import LABEL_MANAGED
 
 __all__ = [
     "MAX_CONTAINERS",

@@ -65,7 +65,7 @@ from llmport_agent.logs.loki import ILogSink, RoomWaiter
 from llmport_agent.logs.redact import Redactor
 from llmport_agent.workloads.containers import is_owned, list_owned_rows
 from llmport_agent.workloads.engine import StreamClosed, StreamControl
-from llmport_agent.workloads.spec import LABEL_RUNTIME_ID
+from llmport_agent.workloads.labels import LABEL_RUNTIME_ID
 
 __all__ = [
     "CONTAINER_JOB",

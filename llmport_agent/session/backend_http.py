@@ -20,6 +20,7 @@ from twisted.logger import Logger
 
 from llmport_agent.core.cleantext import MAX_SHOWN_CHARS, checked_node_id, has_unsafe, shown
 from llmport_agent.core.httpbody import BodyTooLarge, read_body
+from llmport_agent.core.plainurl import plain_url
 from llmport_agent.session.tls import describe_connection_error, innermost_error
 
 ENROLL_PATH = "/api/admin/system/nodes/enroll"
@@ -145,7 +146,7 @@ class BackendHTTP:
             kwargs["data"] = json.dumps(body).encode()
             kwargs["headers"] = {**headers, "Content-Type": "application/json"}
         try:
-            d = self._http.request(method, self.url(path), unbuffered=True, **kwargs)
+            d = self._http.request(method, plain_url(self.url(path)), unbuffered=True, **kwargs)
             d.addTimeout(timeout, self._reactor)
             response = await d
             body_d = Deferred.fromCoroutine(read_body(response, BODY_LIMIT))
@@ -307,7 +308,7 @@ class BackendHTTP:
         where = path if shown_path is None else shown_path
         headers: dict[bytes | str, bytes | str] = {"Authorization": f"Bearer {credential}"}
         try:
-            d = self._http.get(self.url(path), headers=headers, unbuffered=True)
+            d = self._http.get(plain_url(self.url(path)), headers=headers, unbuffered=True)
             d.addTimeout(timeout, self._reactor)
             response = await d
             body_d = Deferred.fromCoroutine(read_body(response, limit))

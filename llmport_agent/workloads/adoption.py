@@ -41,8 +41,7 @@ from twisted.logger import Logger
 from llmport_agent.core.lazyimport import LazyModule
 
 from . import containers as ops
-from .policy import PolicyError, check_container_name, check_runtime_id
-from .spec import LABEL_AGENT_ID, LABEL_MANAGED, MANAGED_VALUE
+from .labels import LABEL_AGENT_ID, LABEL_MANAGED, MANAGED_VALUE
 
 if TYPE_CHECKING:
     import docker
@@ -101,6 +100,8 @@ def candidates(state: Mapping[str, Any]) -> tuple[list[Candidate], list[str]]:
     raw = state.get("workloads")
     if not isinstance(raw, Mapping):
         return [], []
+    from .policy import PolicyError, check_container_name, check_runtime_id
+
     out: list[Candidate] = []
     bad: list[str] = []
     for n, (runtime_id, entry) in enumerate(raw.items()):

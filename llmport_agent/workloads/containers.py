@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmport_agent.core.lazyimport import LazyModule
 
-from .spec import (
+from .labels import (
     LABEL_AGENT_ID,
     LABEL_CONTAINER_PORT,
     LABEL_HOST_PORT,

@@ -34,8 +34,8 @@ from llmport_agent.core.lazyimport import LazyModule
 
 from . import containers as ops
 from .engine import DockerEngine, EngineError, StreamClosed, StreamControl
+from .labels import LABEL_MANAGED, LABEL_NAME, LABEL_RUNTIME_ID, MANAGED_VALUE
 from .settings import WorkloadSettings
-from .spec import LABEL_MANAGED, LABEL_NAME, LABEL_RUNTIME_ID, MANAGED_VALUE, endpoint_url
 
 if TYPE_CHECKING:
     import docker
@@ -465,7 +465,7 @@ class HealthWatcher(Service):
                     ("unhealthy",),
                 )
             port = ops.host_port_of(snap)
-            url = endpoint_url(self._settings, port) if port else ""
+            url = _endpoint_url(self._settings, port) if port else ""
             return (
                 "running",
                 {
@@ -651,3 +651,10 @@ class HealthWatcher(Service):
     def states(self) -> dict[str, dict[str, Any]]:
         """What was last observed per runtime (for diagnostics)."""
         return {rid: dict(t.state) for rid, t in self._tracked.items()}
+
+
+def _endpoint_url(settings: WorkloadSettings, port: int) -> str:
+    """The runtime's endpoint URL (the spec module, with its parser, imported at the first one)."""
+    from .spec import endpoint_url
+
+    return endpoint_url(settings, port)

@@ -17,6 +17,24 @@ from typing import Any
 from attrs import field, frozen
 
 from ..commands.base import INVALID_COMMAND, CommandFailed
+
+# The container labels (the engine is the source of truth for workloads) live in a light module
+# of their own (read at start, without this parser); the names stay importable from here.
+from .labels import (
+    LABEL_AGENT_ID,
+    LABEL_COMMAND_ID,
+    LABEL_CONTAINER_PORT,
+    LABEL_HEALTH_PATH,
+    LABEL_HOST_PORT,
+    LABEL_IMAGE,
+    LABEL_MANAGED,
+    LABEL_NAME,
+    LABEL_NETWORK,
+    LABEL_PROVIDER,
+    LABEL_RUNTIME_ID,
+    LABEL_RUNTIME_NAME,
+    MANAGED_VALUE,
+)
 from .policy import (
     AllowEntry,
     ImageRef,
@@ -32,22 +50,6 @@ from .policy import (
     resolve_ipc,
 )
 from .settings import WorkloadSettings
-
-# -- labels (the engine is the source of truth for workloads) --------------------------
-
-LABEL_MANAGED = "io.llmport.managed"
-MANAGED_VALUE = "llmport-agent"
-LABEL_RUNTIME_ID = "io.llmport.runtime-id"
-LABEL_RUNTIME_NAME = "io.llmport.runtime-name"
-LABEL_COMMAND_ID = "io.llmport.command-id"
-LABEL_PROVIDER = "io.llmport.provider-type"
-LABEL_CONTAINER_PORT = "io.llmport.container-port"
-LABEL_HOST_PORT = "io.llmport.host-port"
-LABEL_AGENT_ID = "io.llmport.agent-id"
-LABEL_NETWORK = "io.llmport.network-mode"
-LABEL_HEALTH_PATH = "io.llmport.health-path"
-LABEL_NAME = "io.llmport.container-name"
-LABEL_IMAGE = "io.llmport.image"
 
 MODEL_MOUNT = "/data/hf-cache"
 DEFAULT_CONTAINER_PORT = 8000
