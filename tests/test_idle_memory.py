@@ -155,6 +155,10 @@ class IdleImportsTests(AnomalyGuard, TestCase):
             self.assertIn(b"llmport_agent_build_info", body)
             scraped = await modules()
             self.assertEqual(sorted(set(AT_FIRST_SCRAPE) - scraped), [])
+            # The scrape built only the site: no component it reports on (the model syncer's
+            # byte counter reads 0 until a sync built it).
+            self.assertIn(b"llmport_agent_model_sync_bytes_total 0.0", body)
+            self.assertEqual(sorted(scraped & (set(NOT_AT_IDLE) - set(AT_FIRST_SCRAPE) - {"llmport_agent.ops.bounded"})), [])
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

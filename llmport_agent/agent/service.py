@@ -485,6 +485,11 @@ class AgentService(MultiService):
         """The model syncer (built now if no command built it yet)."""
         return self._models.get()
 
+    def models_if_built(self) -> Any:
+        """The model syncer if a command built it, else C{None} (builds nothing: for readers
+        such as the metrics, which must not build the model-sync stack at a scrape)."""
+        return self._models.if_built()
+
     @property
     def workloads(self) -> Any:
         """The workload manager (built now if no command built it yet); C{None} without Docker."""

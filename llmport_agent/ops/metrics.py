@@ -301,11 +301,11 @@ class AgentCollector:
                      loki_lag(stats, self.agent.reactor.seconds()))
 
     def _models(self, a: Any) -> Iterator[Metric]:
-        models = getattr(a, "models", None)
-        if models is None:
-            return
+        # Not built by a scrape: before the first sync_model nothing was downloaded.
+        built = getattr(a, "models_if_built", None)
+        models = built() if callable(built) else None
         yield _counter("model_sync_bytes", "Model bytes downloaded from the backend",
-                       _get(models, "bytes_downloaded"))
+                       _get(models, "bytes_downloaded") if models is not None else 0)
 
 
 def loki_lag(stats: dict[str, Any], now: float) -> float:
