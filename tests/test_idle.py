@@ -680,9 +680,35 @@ class KeepAliveTickTests(SynchronousTestCase):
         link.bytes_received += 19  # the reads of that pass: the pong was there
         clock.advance(0)
         self.assertEqual((link.dropped, link.pings), ([], 2))  # and the next ping went
+        clock.advance(10)
         keepalive.tick()
         clock.advance(0)  # nothing came this time: dropped
         self.assertEqual(len(link.dropped), 1)
+
+    def test_short_heartbeat_gives_a_ping_10_s(self) -> None:
+        """
+        HEARTBEAT_INTERVAL_SEC=1: a pong that takes 5 s (a slow link, a busy backend) is not a
+        dead link; the ticks in between send no other ping; a dead link is still dropped soon.
+        """
+        clock, wakes, keepalive, link, session = self.make(interval=1)
+        link.answering = False
+        pings = link.pings  # the one at the connect, unanswered so far
+        for _ in range(5):
+            clock.advance(1)
+        self.assertEqual((link.dropped, link.pings), ([], pings))  # no verdict, no second ping
+        link.bytes_received += 19  # the pong, 5 s late
+        link.answering = True
+        advance(clock, 60, step=1)
+        self.assertEqual(link.dropped, [])  # it counted
+        self.assertLessEqual(link.pings, pings + 7)  # one per 10 s, not one a second
+        link2 = _Link()
+        keepalive.opened(link2)
+        link2.answering = False
+        died = clock.seconds()
+        while not link2.dropped and clock.seconds() < died + 60:
+            clock.advance(1)
+        self.assertEqual(len(link2.dropped), 1)
+        self.assertLessEqual(clock.seconds() - died, 21)
 
     def test_slow_heartbeat_still_ticks_every_15_s(self) -> None:
         """HEARTBEAT_INTERVAL_SEC=60: the loop ticks every 15 s, a heartbeat every 4th tick."""

@@ -12,7 +12,8 @@ reconnects. There is no timer of its own, and no pong timeout left in the
 reactor's heap: a link that dies is found within two ticks. The heartbeat loop ticks at least
 every L{KEEPALIVE_MAX_SEC} whatever the heartbeat interval (a 60 s heartbeat goes every 4th
 tick), so that is at most 30 s, as quick as Autobahn's 20 s ping with its 10 s pong timeout
-that it replaces; and the loop ticks while the heartbeat itself is not sent (its fields fail
+that it replaces (a ping is given at least L{KEEPALIVE_MIN_WAIT_SEC} to be answered, however
+short the heartbeat interval); and the loop ticks while the heartbeat itself is not sent (its fields fail
 to build, the session refuses the frame).
 
 WebSocket pings do not keep the backend's side open (protocol 3.2: only JSON frames do); the
@@ -27,6 +28,9 @@ from twisted.logger import Logger
 
 #: The longest tick of the heartbeat loop: a dead link is dropped within two of them.
 KEEPALIVE_MAX_SEC = 15.0
+#: The least time a ping is given to be answered (Autobahn's pong timeout was 10 s): with a
+#: short HEARTBEAT_INTERVAL_SEC the ticks in between neither judge it nor send another.
+KEEPALIVE_MIN_WAIT_SEC = 10.0
 
 
 class Pingable(Protocol):
@@ -73,6 +77,8 @@ class KeepAlive:
         proto = self._proto
         if proto is None or self._judging:
             return
+        if self._mark is not None and self._clock.seconds() - self._sent_at < KEEPALIVE_MIN_WAIT_SEC:
+            return  # the outstanding ping is young: judged at a later tick
         if self._mark is not None and proto.bytes_received == self._mark:
             # Judged after one more pass over the sockets: a tick that ran late (the reactor
             # busy) runs before the reads, and the pong may be waiting in the socket. Only a

@@ -36,6 +36,7 @@ from llmport_agent.demo.testing import FakeSession, SynchronousRunner
 from llmport_agent.devbackend import _http as dev_http
 from llmport_agent.devbackend import _stream as dev_stream
 from llmport_agent.events.outbox import EventOutbox
+from llmport_agent.session import keepalive as keepalive_module
 from llmport_agent.session.rotation import ROTATION_INTERVAL
 from llmport_agent.session.service import SessionService
 from llmport_agent.session.stop import CRITICAL_STOP_GRACE
@@ -572,7 +573,9 @@ class HostileBackendTests(AgentTestCase):
                              "reconnect (the documented at-least-once window)")
         self.patch(dev_stream.StreamFactory, "protocol", DeafStream)
         backend = await self.start_backend()
-        # The keep-alive pings on each heartbeat tick: a 1 s heartbeat finds the link dead in 2 s.
+        # The keep-alive pings on each heartbeat tick: a 1 s heartbeat (and a ping given 0.5 s
+        # to be answered instead of 10) finds the link dead in 2 s.
+        self.patch(keepalive_module, "KEEPALIVE_MIN_WAIT_SEC", 0.5)
         agent = self.start_agent(backend, HEARTBEAT_INTERVAL_SEC="1")
         node_id = await self.wait_connected(backend, agent)
         cmd = backend.issue_command(node_id, "collect_diagnostics", {})
@@ -596,6 +599,7 @@ class HostileBackendTests(AgentTestCase):
         host gone without a reset): the agent's keep-alive, riding its heartbeat tick, drops
         the connection within two ticks and the agent reconnects through a fresh connection.
         """
+        self.patch(keepalive_module, "KEEPALIVE_MIN_WAIT_SEC", 0.5)  # a ping per 1 s tick
         backend = await self.start_backend()
         hole = _BlackHole(int(backend.url.rsplit(":", 1)[1]))
         port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(hole.factory)
