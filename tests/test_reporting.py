@@ -177,6 +177,43 @@ class InventoryTests(SynchronousTestCase):
         self.assertTrue(self.successResultOf(d))
         self.assertEqual(len(session.of_type("inventory")), 1)
 
+    def test_refresh_joining_a_hung_round_waits_the_timeout_at_most(self) -> None:
+        """
+        A refresh_inventory that joins a hung round waits INVENTORY_TIMEOUT from the round's
+        start at most (not until the loop's next tick, up to the inventory interval later);
+        one that comes after the timeout abandons it at once.
+        """
+        from llmport_agent.session.reporting import INVENTORY_TIMEOUT
+
+        clock = Clock()
+        session = FakeSession()
+        collector = FakeCollector()
+        collector.immediate = False
+        rep = InventoryReporter(clock, session, 600, collector)
+        rep.session_opened()  # the loop's round at 0, hung
+        clock.advance(5)
+        d = rep.report_now()  # joins it
+        self.assertNoResult(d)
+        clock.advance(INVENTORY_TIMEOUT - 5)  # the round's timeout: abandoned, collected again
+        self.assertEqual(rep.abandoned, 1)
+        self.assertEqual(len(collector.pending), 2)
+        collector.pending[1].callback(Report({}, {}))
+        self.assertTrue(self.successResultOf(d))
+        self.assertEqual(len(session.of_type("inventory")), 1)
+        self.assertEqual(clock.getDelayedCalls()[0].getTime(), 600)  # only the loop's timer left
+        # A hung round again (a refresh's), and a refresh after its timeout: abandoned at once.
+        d2 = rep.report_now()
+        self.assertEqual(len(collector.pending), 3)
+        clock.advance(INVENTORY_TIMEOUT + 1)
+        self.assertEqual(rep.abandoned, 1)  # nobody waits on it: the loop's tick will judge it
+        d3 = rep.report_now()
+        self.assertEqual(rep.abandoned, 2)
+        self.assertEqual(len(collector.pending), 4)
+        collector.pending[3].callback(Report({}, {}))
+        self.assertTrue(self.successResultOf(d3))
+        self.assertFalse(self.successResultOf(d2))
+        rep.stopService()
+
     def test_hung_collection_times_out(self) -> None:
         """A collection that never finishes is abandoned after its timeout; the loop goes on."""
         clock = Clock()

@@ -257,25 +257,42 @@ class InventoryReporter(_PerConnectionLoop):
         # Not returned to the loop, which keeps its period: a round still running since
         # INVENTORY_TIMEOUT is abandoned here, at a tick that comes anyway; a younger one
         # (a refresh_inventory's) stands for this tick.
-        inflight = self._inflight
-        if inflight is not None:
-            age = self._reactor.seconds() - self._inflight_since
-            if age < INVENTORY_TIMEOUT:
-                return
-            self._abandoning = age
-            try:
-                inflight.cancel()
-            finally:
-                self._abandoning = None
+        self._abandon_if_hung()
         if self._inflight is None:
             self.report_now()
 
+    def _abandon_if_hung(self, inflight: Deferred[bool] | None = None) -> None:
+        """Abandon the round in flight (C{inflight}: only if it still is) once it ran
+        INVENTORY_TIMEOUT."""
+        current = self._inflight
+        if current is None or (inflight is not None and current is not inflight):
+            return
+        age = self._reactor.seconds() - self._inflight_since
+        if age < INVENTORY_TIMEOUT:
+            return
+        self._abandoning = age
+        try:
+            current.cancel()
+        finally:
+            self._abandoning = None
+
     def report_now(self) -> Deferred[bool]:
         """Collect and send one inventory frame. Fires True once it was sent."""
+        self._abandon_if_hung()
         if self._inflight is not None:
-            # Join the collection already running, then send a fresh one after it.
+            # Join the collection already running, then send a fresh one after it. A
+            # refresh_inventory waits INVENTORY_TIMEOUT at most for a hung round (one timer,
+            # only while a command waits: the idle loop abandons it at its next tick).
             prev = self._inflight
-            return prev.addCallback(lambda _: None).addCallback(lambda _: self.report_now())
+            left = INVENTORY_TIMEOUT - (self._reactor.seconds() - self._inflight_since)
+            timer = self._reactor.callLater(max(0.0, left), self._abandon_if_hung, prev)
+
+            def joined(_: object) -> Deferred[bool]:
+                if timer.active():
+                    timer.cancel()
+                return self.report_now()
+
+            return prev.addCallback(lambda _: None).addCallback(joined)
         d = Deferred.fromCoroutine(self._collect_and_send())
         self._inflight_since = self._reactor.seconds()
 
