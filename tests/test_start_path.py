@@ -281,6 +281,28 @@ class DeferPackageInitTests(SynchronousTestCase):
         self.assertFalse(defer_package_init("no_such_package_here_xyz"))
         self.assertFalse(defer_package_init("llmport_agent.cli"))  # a module, not a package
 
+    def test_autobahn_deferred_in_a_fresh_interpreter(self) -> None:
+        """
+        In a fresh interpreter (the agent's order: the session package first), the WebSocket
+        client imports without autobahn.twisted's __init__, and a read of one of that
+        package's own names then runs it: an Autobahn whose submodules needed their package's
+        names at import would turn this red.
+        """
+        import subprocess
+
+        code = (
+            "import sys, llmport_agent.session.protocol, autobahn.twisted.websocket as ws\n"
+            "assert 'autobahn.twisted.wamp' not in sys.modules, 'init ran at import'\n"
+            "import autobahn.twisted as t\n"
+            "assert t.WebSocketClientProtocol is ws.WebSocketClientProtocol\n"
+            "print(t.__ident__ if hasattr(t, '__ident__') else 'no-ident', 'autobahn.twisted.wamp' in sys.modules)\n"
+        )
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+        self.assertTrue(out.stdout.strip().endswith("True"), out.stdout)  # __init__ ran at the read
+
     def test_autobahn_names_still_there(self) -> None:
         """Whatever imported first in this process, autobahn.twisted's own names resolve."""
         import autobahn.twisted
