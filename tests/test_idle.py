@@ -1042,6 +1042,36 @@ class RealSocketWatchTests(TestCase):
         return d.addCallback(lambda _: self.assertEqual((seen, lost, watch.active), ([True], [], False)))
 
 
+    def test_notifier_kept_open_until_closed(self) -> Deferred[None]:
+        """
+        Twisted's answer to a deleted watched directory (loseConnection) leaves the watch's
+        notifier open; close() closes it, and a closed descriptor is said (on_lost).
+        """
+        from twisted.internet import reactor
+        from twisted.internet.task import deferLater
+
+        from llmport_agent.workloads.socketwatch import _notifier
+
+        try:
+            notifier = _notifier(reactor)
+        except Exception:
+            raise SkipTest("no inotify here") from None
+        notifier.startReading()
+        lost: list[Any] = []
+        notifier.on_lost = lost.append
+        self.addCleanup(notifier.close)
+        notifier.loseConnection()
+
+        async def steps() -> None:
+            await deferLater(reactor, 0, lambda: None)
+            self.assertEqual((notifier.connected, lost), (1, []))
+            notifier.close()
+            await deferLater(reactor, 0, lambda: None)
+            self.assertEqual((notifier.connected, len(lost)), (0, 1))
+
+        return Deferred.fromCoroutine(steps())
+
+
 class _FakeNotifier:
     """Twisted's INotify as the watch uses it; C{full}: no inotify watch left (ENOSPC)."""
 
