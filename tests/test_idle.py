@@ -792,8 +792,8 @@ class KeepAliveTickTests(SynchronousTestCase):
 
 
 class _FakeWatch:
-    def __init__(self, path: str, appeared: Any) -> None:
-        self.path, self.appeared, self.active = path, appeared, True
+    def __init__(self, path: str, appeared: Any, lost: Any) -> None:
+        self.path, self.appeared, self.lost, self.active = path, appeared, lost, True
 
     def stop(self) -> None:
         self.active = False
@@ -805,16 +805,17 @@ class EngineSocketWatchTests(SynchronousTestCase):
     probing every 30 s; the probe goes on at a slow back-off (up to 10 minutes) as a safety net.
     """
 
-    def make(self, watches: list[_FakeWatch] | None, exists: list[bool]) -> tuple[Clock, WakeRecorder, Any, Any]:
+    def make(self, watches: list[_FakeWatch] | None, exists: list[bool],
+             inotify: list[bool] | None = None) -> tuple[Clock, WakeRecorder, Any, Any]:
         from tests.test_workloads_engine import ADDR, FakeDocker, SyncPool
 
         clock, fake = Clock(), FakeDocker()
         wakes = WakeRecorder(clock)
 
-        def watch(path: str, appeared: Any) -> _FakeWatch | None:
-            if watches is None:
+        def watch(path: str, appeared: Any, lost: Any) -> _FakeWatch | None:
+            if watches is None or (inotify is not None and not inotify[0]):
                 return None  # no inotify here
-            w = _FakeWatch(path, appeared)
+            w = _FakeWatch(path, appeared, lost)
             watches.append(w)
             return w
 
@@ -844,6 +845,55 @@ class EngineSocketWatchTests(SynchronousTestCase):
         clock.advance(0)
         self.assertTrue(engine.available)
         self.assertEqual(pool.calls, 1)
+
+    def test_lost_watch_back_to_the_30_s_back_off(self) -> None:
+        """
+        The watch ends without the socket appearing (its directory deleted and the descriptor
+        lost, no inotify watch left): probed within 30 s again, not at the 600 s safety net, and
+        watched again at the next probe that finds the socket missing.
+        """
+        from twisted.logger import globalLogPublisher
+
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        watches: list[_FakeWatch] = []
+        exists = [False]
+        clock, wakes, engine, pool = self.make(watches, exists)
+        advance(clock, 1000, step=1)  # watched: on the 600 s back-off
+        self.assertEqual(len(watches), 1)
+        self.assertEqual(wakes.between(1, 1000), [601.0])
+        watches[0].active = False
+        watches[0].lost("the inotify descriptor was closed")
+        lost = [e for e in events if "Stopped watching" in str(e.get("log_format", ""))]
+        self.assertEqual([(e["why"], e["every"]) for e in lost], [("the inotify descriptor was closed", 30.0)])
+        advance(clock, 30, step=1)
+        self.assertEqual(wakes.between(1001, 1030), [1030.0])  # probed within 30 s
+        self.assertEqual(len(watches), 2)  # and watched again: the 600 s safety net again
+        advance(clock, 700, step=1)
+        # (1201: the cancelled safety-net probe, still in a real reactor's heap once)
+        self.assertEqual(wakes.between(1031, 1730), [1201.0, 1630.0])
+        exists[0] = True  # the socket appears: the new watch says so
+        watches[1].appeared()
+        clock.advance(0)
+        self.assertTrue(engine.available)
+
+    def test_lost_watch_without_a_new_one_probes_every_30_s(self) -> None:
+        """A lost watch that cannot be made again (no inotify watch left): the engine is found within 30 s."""
+        watches: list[_FakeWatch] = []
+        exists = [False]
+        inotify = [True]
+        clock, wakes, engine, pool = self.make(watches, exists, inotify)
+        advance(clock, 1000, step=1)
+        watches[0].active = False
+        inotify[0] = False  # no inotify watch left
+        watches[0].lost("no watch left")
+        advance(clock, HOUR, step=1)
+        probes = wakes.between(1001, 1000 + HOUR)
+        self.assertEqual(max(b - a for a, b in zip([1000.0, *probes], probes, strict=False)), 30.0)
+        exists[0] = True
+        advance(clock, 30, step=1)
+        self.assertTrue(engine.available)
 
     def test_call_before_the_probe_watches_before_it_warns(self) -> None:
         """
@@ -883,7 +933,7 @@ class EngineSocketWatchTests(SynchronousTestCase):
         watches: list[Any] = []
         engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake,
                               socket_exists=lambda path: True,
-                              watch_socket=lambda path, cb: watches.append(path))
+                              watch_socket=lambda path, cb, lost: watches.append(path))
         engine._short = SyncPool()  # type: ignore[assignment]
         engine._streams = SyncPool()  # type: ignore[assignment]
         engine.startService()
@@ -954,6 +1004,160 @@ class RealSocketWatchTests(TestCase):
         return d.addCallback(lambda _: self.assertEqual((seen, watch.active), ([True], False)))
 
 
+    def test_watched_directory_deleted_then_made_again(self) -> None:
+        """
+        The watched directory is deleted (a user's runtime directory at logout, a socket
+        directory removed with its daemon): the watch moves back up, without an unhandled
+        error or losing its inotify descriptor, and is told when the path and the socket are
+        made again.
+        """
+        import shutil
+        import socket
+        import tempfile
+
+        from twisted.internet import reactor
+
+        from llmport_agent.workloads.socketwatch import watch_socket
+
+        root = tempfile.mkdtemp(prefix="sockwatch-")
+        self.addCleanup(shutil.rmtree, root, True)
+        os.makedirs(os.path.join(root, "u", "a"))
+        path = os.path.join(root, "u", "a", "docker.sock")
+        seen: list[bool] = []
+        lost: list[str] = []
+        done: Deferred[None] = Deferred()
+
+        def appeared() -> None:
+            seen.append(os.path.exists(path))
+            done.callback(None)
+
+        watch = watch_socket(reactor, path, appeared, lost.append)
+        if watch is None:
+            raise SkipTest("no inotify here")
+        self.addCleanup(watch.stop)
+        self.assertEqual(watch.watched, os.path.dirname(path))
+
+        async def steps() -> None:
+            from twisted.internet.task import deferLater
+
+            async def until(check: Any) -> None:
+                for _ in range(1000):
+                    if check():
+                        return
+                    await deferLater(reactor, 0.01, lambda: None)
+                self.fail(f"the watch did not move (watching {watch.watched!r}, active {watch.active})")
+
+            shutil.rmtree(os.path.join(root, "u"))  # two levels gone at once
+            await until(lambda: watch.watched == root)
+            self.assertEqual((watch.active, lost), (True, []))
+            os.mkdir(os.path.join(root, "u"))
+            await until(lambda: watch.watched == os.path.join(root, "u"))
+            os.mkdir(os.path.join(root, "u", "a"))
+            await until(lambda: watch.watched == os.path.dirname(path))
+            shutil.rmtree(os.path.join(root, "u", "a"))  # and once more, one level
+            await until(lambda: watch.watched == os.path.join(root, "u"))
+            os.makedirs(os.path.join(root, "u", "a"))
+            await until(lambda: watch.watched == os.path.dirname(path))
+            self.assertEqual(seen, [])
+            sock = socket.socket(socket.AF_UNIX)
+            self.addCleanup(sock.close)
+            sock.bind(path)
+            await done
+
+        d = Deferred.fromCoroutine(steps())
+        return d.addCallback(lambda _: self.assertEqual((seen, lost, watch.active), ([True], [], False)))
+
+
+    def test_notifier_kept_open_until_closed(self) -> Deferred[None]:
+        """
+        Twisted's answer to a deleted watched directory (loseConnection) leaves the watch's
+        notifier open; close() closes it, and a closed descriptor is said (on_lost).
+        """
+        from twisted.internet import reactor
+        from twisted.internet.task import deferLater
+
+        from llmport_agent.workloads.socketwatch import _notifier
+
+        try:
+            notifier = _notifier(reactor)
+        except Exception:
+            raise SkipTest("no inotify here") from None
+        notifier.startReading()
+        lost: list[Any] = []
+        notifier.on_lost = lost.append
+        self.addCleanup(notifier.close)
+        notifier.loseConnection()
+
+        async def steps() -> None:
+            await deferLater(reactor, 0, lambda: None)
+            self.assertEqual((notifier.connected, lost), (1, []))
+            notifier.close()
+            await deferLater(reactor, 0, lambda: None)
+            self.assertEqual((notifier.connected, len(lost)), (0, 1))
+
+        return Deferred.fromCoroutine(steps())
+
+
+class _FakeNotifier:
+    """Twisted's INotify as the watch uses it; C{full}: no inotify watch left (ENOSPC)."""
+
+    def __init__(self) -> None:
+        self.full = False
+        self.watched: list[str] = []
+        self.closed = 0
+        self.callbacks: list[Any] = []
+
+    def watch(self, path: Any, mask: int, callbacks: list[Any]) -> int:
+        if self.full:
+            raise OSError(28, "No space left on device")
+        self.watched.append(path.path)
+        self.callbacks = callbacks
+        return len(self.watched)
+
+    def ignore(self, path: Any) -> None:
+        self.watched.remove(path.path)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class SocketWatchLostTests(SynchronousTestCase):
+    """A watch that ends without the socket appearing tells its owner; one its owner stops does not."""
+
+    def make(self) -> tuple[_FakeNotifier, Any, list[str], list[int]]:
+        from llmport_agent.workloads.socketwatch import SocketWatch
+
+        notifier, lost, appeared = _FakeNotifier(), [], []
+        dirs = {"/run", "/run/user"}
+        watch = SocketWatch(notifier, "/run/user/1000/docker.sock", lambda: appeared.append(1), lost.append,
+                            exists=lambda p: False, isdir=dirs.__contains__)
+        self.assertTrue(watch.start())
+        self.assertEqual(notifier.watched, ["/run/user"])
+        return notifier, watch, lost, appeared
+
+    def test_no_watch_left_at_an_event(self) -> None:
+        notifier, watch, lost, appeared = self.make()
+        notifier.full = True
+        notifier.callbacks[0](None, None, 0x8000)  # IN_IGNORED: the directory went away
+        self.assertEqual(len(lost), 1)
+        self.assertIn("no inotify watch was left", lost[0])
+        self.assertEqual((watch.active, notifier.closed, appeared), (False, 1, []))
+
+    def test_descriptor_lost(self) -> None:
+        notifier, watch, lost, appeared = self.make()
+        watch.notifierLost()
+        self.assertEqual(lost, ["the inotify descriptor was closed"])
+        self.assertFalse(watch.active)
+        watch.notifierLost()  # said once
+        self.assertEqual(len(lost), 1)
+
+    def test_stopped_by_its_owner_not_lost(self) -> None:
+        notifier, watch, lost, appeared = self.make()
+        watch.stop()
+        watch.notifierLost()  # the descriptor closing after stop()
+        self.assertEqual((lost, notifier.closed, notifier.watched), ([], 1, []))
+
+
 class HealthReconcileLoopTests(SynchronousTestCase):
     """
     The workload health watcher reconciles every 60 s only while the engine answers: without
@@ -968,7 +1172,7 @@ class HealthReconcileLoopTests(SynchronousTestCase):
         clock, fake = Clock(), FakeDocker()
         exists = [False]
         engine = DockerEngine(clock, environ={"DOCKER_HOST": ADDR}, client_factory=fake,
-                              socket_exists=lambda path: exists[0], watch_socket=lambda path, cb: None,
+                              socket_exists=lambda path: exists[0], watch_socket=lambda path, cb, lost: None,
                               probe_max=600.0)
         engine._short = SyncPool()  # type: ignore[assignment]
         engine._streams = SyncPool()  # type: ignore[assignment]

@@ -271,7 +271,7 @@ class DockerEngine(Service):
         probe_max: float = 30.0,
         client_factory: Callable[..., docker.DockerClient] | None = None,
         socket_exists: Callable[[str], bool] = os.path.exists,
-        watch_socket: Callable[[str, Callable[[], None]], Any] | None = None,
+        watch_socket: Callable[[str, Callable[[], None], Callable[[str], None]], Any] | None = None,
         watched_probe_max: float = WATCHED_PROBE_MAX,
     ) -> None:
         self.setName("docker-engine")
@@ -464,10 +464,10 @@ class DockerEngine(Service):
         """The longest probe back-off now: slow while the missing socket is watched."""
         return self._watched_probe_max if self._watch is not None else self._probe_max
 
-    def _inotify_watch(self, path: str, appeared: Callable[[], None]) -> Any:
+    def _inotify_watch(self, path: str, appeared: Callable[[], None], lost: Callable[[str], None]) -> Any:
         from llmport_agent.workloads.socketwatch import watch_socket
 
-        return watch_socket(self._reactor, path, appeared)
+        return watch_socket(self._reactor, path, appeared, lost)
 
     def _watchForSocket(self) -> bool:
         """Watch for the missing socket file (once); False where that cannot be done."""
@@ -476,7 +476,7 @@ class DockerEngine(Service):
         path = self._socket_path()
         if not path or not self.running:
             return False
-        watch = self._watch_socket(path, self._socketAppeared)
+        watch = self._watch_socket(path, self._socketAppeared, self._watchLost)
         if watch is None or not getattr(watch, "active", True):
             # No inotify here (probe on the back-off), or it is there already (probed at once).
             return False
@@ -489,6 +489,27 @@ class DockerEngine(Service):
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.stop()
+
+    def _watchLost(self, why: str) -> None:
+        """
+        The socket watch ended without the socket appearing (its directory went away, no
+        inotify watch left): back to the usual back-off at once, and a new watch at the next
+        probe that finds the socket missing.
+        """
+        if self._watch is None:
+            return
+        self._watch = None
+        if not self.running:
+            return
+        self._probe_delay = min(self._probe_delay, self._probe_max)
+        self.log.info(
+            "Stopped watching for the Docker engine's socket {path} ({why}): checked again every "
+            "{every:g} s at most",
+            path=self._socket_path(),
+            why=why,
+            every=self._probe_max,
+        )
+        self._scheduleProbe(self._probe_delay)
 
     def _socketAppeared(self) -> None:
         """The engine's socket file appeared: probe now, on the short back-off again."""

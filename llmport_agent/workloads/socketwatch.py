@@ -5,8 +5,19 @@ socket made again), without a timer.
 L{SocketWatch} watches, with inotify, the nearest existing directory on the way to the socket
 (its own directory, or the parent the first missing component would be made in) for entries
 created or moved in. Each event there re-checks the path: the socket is there, or the watch
-moves one directory down (or back up, if the watched directory itself went away). A path made
-between the check and the watch is caught by checking again once the watch is in place.
+moves one directory down, or back up when the watched directory itself went away (deleted,
+moved, its file system unmounted). A path made between the check and the watch is caught by
+checking again once the watch is in place.
+
+Twisted's C{INotify} asks every watch for C{IN_DELETE_SELF} and answers it by dropping that
+watch and closing its inotify descriptor: one deleted directory would end the whole watch. The
+notifier made here keeps its descriptor open until its L{SocketWatch} stops; the watch forgets
+the dropped directory and moves up once Twisted has dropped it.
+
+A watch that ends without the socket appearing and without its owner stopping it (the path
+kept changing, no inotify watch left: C{fs.inotify.max_user_watches}, the inotify descriptor
+lost) calls its C{lost} callback: the engine then probes on its usual back-off again and tries
+a new watch at its next failed probe.
 
 L{watch_socket} gives C{None} where inotify cannot be used (not Linux, no inotify instance
 left, a reactor without file descriptors such as a test clock): the engine then keeps probing
@@ -23,8 +34,21 @@ from twisted.internet.interfaces import IReactorFDSet
 from twisted.logger import Logger
 
 #: At most this many directory changes in one re-check (a path that keeps changing under the
-#: watch): the watch then gives up and the engine probes on its back-off.
+#: watch, or no inotify watch left): the watch then gives up and the engine probes on its
+#: back-off.
 MAX_MOVES = 64
+
+#: inotify's flags (<sys/inotify.h>; the same values Twisted's C{inotify} module names, without
+#: importing it before a watch is made).
+IN_CREATE = 0x100
+IN_MOVED_TO = 0x080
+IN_DELETE_SELF = 0x400
+IN_MOVE_SELF = 0x800
+IN_IGNORED = 0x8000
+
+#: What is asked for (Twisted adds C{IN_DELETE_SELF}); the kernel says C{IN_IGNORED} whenever a
+#: watch goes away (its directory deleted, its file system unmounted), asked or not.
+WATCH_MASK = IN_CREATE | IN_MOVED_TO | IN_MOVE_SELF
 
 
 def nearest_existing(path: str, exists: Callable[[str], bool] = os.path.isdir) -> str:
@@ -37,10 +61,13 @@ def nearest_existing(path: str, exists: Callable[[str], bool] = os.path.isdir) -
 
 class SocketWatch:
     """
-    Calls C{appeared} once when C{path} exists (see the module docstring).
+    Calls C{appeared} once when C{path} exists, or C{lost} once when the watch ends without
+    that and without L{stop} (see the module docstring).
 
     @param notifier: an object with C{watch(FilePath, mask, callbacks)}, C{ignore(FilePath)}
-        and C{loseConnection()} (Twisted's C{INotify}).
+        and C{close()} (see L{watch_socket}); L{notifierLost} is called when its descriptor is
+        closed under the watch.
+    @param later: calls a function soon, from the reactor (C{None}: at once).
     """
 
     log = Logger()
@@ -50,13 +77,17 @@ class SocketWatch:
         notifier: Any,
         path: str,
         appeared: Callable[[], None],
+        lost: Callable[[str], None] | None = None,
         *,
         exists: Callable[[str], bool] = os.path.exists,
         isdir: Callable[[str], bool] = os.path.isdir,
+        later: Callable[[Callable[[], None]], Any] | None = None,
     ) -> None:
         self._notifier = notifier
         self.path = os.path.abspath(path)
         self._appeared = appeared
+        self._lost = lost
+        self._later = later
         self._exists = exists
         self._isdir = isdir
         #: The directory watched now ("" when none).
@@ -74,9 +105,23 @@ class SocketWatch:
         self.active = False
         self._unwatch()
         try:
-            self._notifier.loseConnection()
+            self._notifier.close()
         except Exception:
             self.log.failure("Closing the inotify watch of {path} failed", path=self.path)
+
+    def _give_up(self, why: str) -> None:
+        """The watch ended without the path appearing: stopped, and the owner told."""
+        if not self.active:
+            return
+        self.stop()
+        if self._lost is not None:
+            self._lost(why)
+
+    def notifierLost(self, reason: Any = None) -> None:
+        """The inotify descriptor was closed under the watch: nothing more will be told."""
+        if self.active:
+            self.watched = ""  # gone with the descriptor
+            self._give_up("the inotify descriptor was closed")
 
     def _unwatch(self) -> None:
         from twisted.python.filepath import FilePath
@@ -88,12 +133,35 @@ class SocketWatch:
                 pass  # the kernel dropped it already (the directory went away)
             self.watched = ""
 
-    def _event(self, _watch: Any, _path: Any, _mask: int) -> None:
-        if self.active and not self._recheck():
-            self.stop()
+    def _event(self, _watch: Any, _path: Any, mask: int) -> None:
+        if not self.active:
+            return
+        if mask & IN_DELETE_SELF:
+            # The watched directory was deleted: Twisted drops its watch once this returns (and
+            # would hand back that dead watch for the same path until then). Looked at again
+            # after that.
+            self.watched = ""
+            if self._later is not None:
+                self._later(self._check)
+                return
+        elif mask & (IN_IGNORED | IN_MOVE_SELF):
+            # The kernel dropped the watch (unmounted), or the directory moved (the watch follows
+            # it elsewhere): forget it, even if the same path is there again.
+            self._unwatch()
+        self._check()
+
+    def _check(self) -> None:
+        if not self.active:
+            return
+        try:
+            ok = self._recheck()
+        except Exception:
+            self.log.failure("Re-checking the watch of {path} failed", path=self.path)
+            ok = False
+        if not ok:
+            self._give_up(f"its path kept changing or no inotify watch was left ({MAX_MOVES} tries)")
 
     def _recheck(self) -> bool:
-        from twisted.internet import inotify
         from twisted.python.filepath import FilePath
 
         for _ in range(MAX_MOVES):
@@ -107,9 +175,8 @@ class SocketWatch:
             if target == self.watched:
                 return True
             self._unwatch()
-            mask = inotify.IN_CREATE | inotify.IN_MOVED_TO | inotify.IN_DELETE_SELF | inotify.IN_MOVE_SELF
             try:
-                self._notifier.watch(FilePath(target), mask=mask, callbacks=[self._event])
+                self._notifier.watch(FilePath(target), mask=WATCH_MASK, callbacks=[self._event])
             except Exception:
                 # Gone again between the check and the watch, or no watch left: look again.
                 continue
@@ -118,19 +185,49 @@ class SocketWatch:
         return False
 
 
-def watch_socket(reactor: Any, path: str, appeared: Callable[[], None]) -> SocketWatch | None:
-    """A started L{SocketWatch} of C{path}, or C{None} where inotify cannot be used."""
+def _notifier(reactor: Any) -> Any:
+    """
+    Twisted's C{INotify}, closed only by C{close()} (Twisted closes it when a watched directory
+    is deleted: see the module docstring), and saying when its descriptor is closed anyway
+    (C{on_lost}).
+    """
+    from twisted.internet import inotify
+
+    class Notifier(inotify.INotify):  # type: ignore[misc]
+        on_lost: Callable[[Any], None] | None = None
+
+        def loseConnection(self, *args: Any) -> None:
+            """Twisted's answer to a deleted watched directory: the descriptor is kept."""
+
+        def close(self) -> None:
+            super().loseConnection()
+
+        def connectionLost(self, reason: Any) -> None:
+            super().connectionLost(reason)
+            if self.on_lost is not None:
+                self.on_lost(reason)
+
+    return Notifier(reactor)
+
+
+def watch_socket(
+    reactor: Any, path: str, appeared: Callable[[], None], lost: Callable[[str], None] | None = None
+) -> SocketWatch | None:
+    """
+    A started L{SocketWatch} of C{path}, or C{None} where inotify cannot be used. C{lost(why)}
+    is called if the watch ends without the path appearing and without C{stop()}.
+    """
+    clock: Any = reactor  # (not narrowed to IReactorFDSet below)
     if not IReactorFDSet.providedBy(reactor):
         return None
     try:
-        from twisted.internet import inotify
-
-        notifier = inotify.INotify(reactor)
+        notifier = _notifier(reactor)
         notifier.startReading()
     except Exception:
         # Not Linux, or no inotify instance left (fs.inotify.max_user_instances).
         return None
-    watch = SocketWatch(notifier, path, appeared)
+    watch = SocketWatch(notifier, path, appeared, lost, later=lambda f: clock.callLater(0, f))
+    notifier.on_lost = watch.notifierLost
     try:
         started = watch.start()
     except Exception:
