@@ -11,6 +11,7 @@ from typing import Any
 
 from twisted.internet import reactor
 from twisted.internet.task import deferLater
+from twisted.trial.unittest import SynchronousTestCase
 
 from llmport_agent.workloads import containers as ops
 
@@ -58,3 +59,65 @@ class RemoveGoneTests(WorkloadTestBase):
         client = self.env.client()
         self.assertFalse(ops.remove(client, "0" * 64))
         self.assertFalse(ops.stop(client, "0" * 64, 1))
+
+
+class _FlakyAPI:
+    """remove_container fails with Podman's between-states error C{fails} times."""
+
+    def __init__(self, fails: int) -> None:
+        self.fails = fails
+        self.calls = 0
+
+    def remove_container(self, ident: str, force: bool) -> None:
+        import docker
+
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise docker.errors.APIError(
+                "500 Server Error", explanation=f"cannot remove container {ident} as it could not be "
+                "stopped: sending SIGKILL to container: container state improper: stopped")
+
+
+class RemoveBetweenStatesTests(SynchronousTestCase):
+    """
+    Podman's forced remove of a container its restart policy is starting or stopping again
+    fails with "container state improper" (seen as a failed rollback of an update): tried
+    again, a bounded number of times.
+    """
+
+    def client(self, fails: int) -> Any:
+        class Client:
+            api = _FlakyAPI(fails)
+
+        return Client()
+
+    def test_retried_until_it_goes(self) -> None:
+        client, slept = self.client(2), []
+        self.assertTrue(ops.remove(client, "abc", sleep=slept.append))
+        self.assertEqual((client.api.calls, slept), (3, [ops.REMOVE_RETRY_SEC] * 2))
+
+    def test_bounded(self) -> None:
+        import docker
+
+        client, slept = self.client(100), []
+        with self.assertRaises(docker.errors.APIError):
+            ops.remove(client, "abc", sleep=slept.append)
+        self.assertEqual(client.api.calls, ops.REMOVE_TRIES)
+        self.assertEqual(len(slept), ops.REMOVE_TRIES - 1)
+
+    def test_other_errors_not_retried(self) -> None:
+        import docker
+
+        class API:
+            calls = 0
+
+            def remove_container(self, ident: str, force: bool) -> None:
+                API.calls += 1
+                raise docker.errors.APIError("500 Server Error", explanation="driver failed")
+
+        class Client:
+            api = API()
+
+        with self.assertRaises(docker.errors.APIError):
+            ops.remove(Client(), "abc", sleep=lambda s: self.fail("slept"))
+        self.assertEqual(API.calls, 1)

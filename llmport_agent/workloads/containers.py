@@ -379,17 +379,41 @@ def stop(client: docker.DockerClient, ident: str, grace: int) -> bool:
     return True
 
 
-def remove(client: docker.DockerClient, ident: str) -> bool:
-    """Remove (forcefully). Returns C{False} when it did not exist."""
-    try:
-        client.api.remove_container(ident, force=True)
-    except docker.errors.NotFound:
-        return False
-    except docker.errors.APIError as exc:
-        if exc.status_code == 409 and "already in progress" in str(exc.explanation or ""):
-            return True
-        raise
-    return True
+#: A forced remove that met the container between states (Podman: its restart policy was
+#: starting or stopping it again, "could not be stopped ... container state improper") is tried
+#: again this many times, REMOVE_RETRY_SEC apart (on the engine's pool thread).
+REMOVE_TRIES = 5
+REMOVE_RETRY_SEC = 0.2
+
+
+def _between_states(exc: Exception) -> bool:
+    text = str(getattr(exc, "explanation", "") or exc)
+    return "state improper" in text or "could not be stopped" in text
+
+
+def remove(client: docker.DockerClient, ident: str, *, sleep: Any = None) -> bool:
+    """
+    Remove (forcefully). Returns C{False} when it did not exist. A thread function: a container
+    caught between states (L{REMOVE_TRIES}) is tried again after a short sleep.
+    """
+    for attempt in range(REMOVE_TRIES):
+        try:
+            client.api.remove_container(ident, force=True)
+        except docker.errors.NotFound:
+            return False
+        except docker.errors.APIError as exc:
+            if exc.status_code == 409 and "already in progress" in str(exc.explanation or ""):
+                return True
+            if attempt + 1 < REMOVE_TRIES and _between_states(exc):
+                if sleep is None:
+                    import time
+
+                    sleep = time.sleep
+                sleep(REMOVE_RETRY_SEC)
+                continue
+            raise
+        return True
+    return True  # not reached: the last try returns or raises
 
 
 def rename(client: docker.DockerClient, ident: str, name: str) -> None:
