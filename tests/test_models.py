@@ -1579,6 +1579,28 @@ class RangedLoopbackSyncTests(_LoopbackSync, TestCase):
         self.assertEqual(result["range_end_ignored"], 1)
         self.assertIs(syncer.bounded_ranges, False)
 
+    async def test_adaptive_blob_done_before_range_is_confirmed(self) -> None:
+        """
+        Adaptive, the one-byte request that confirms Range is held by the server until the
+        stream's response has been sent completely: its answer comes late (what the stream
+        has not received by then is cut off and fetched as ranges), or it is cancelled at the
+        end; either way nothing is left running and nothing is fetched twice.
+        """
+        data = random.Random(19).randbytes(24 * 1024 * 1024)
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, {"model.safetensors": data})
+        self.repo.faults.rate_limit = 16_000_000
+        self.repo.faults.hold_range_length = 1
+        syncer = self.syncer(connections=0, segment_size=4 * 1024 * 1024, cpu=_idle_host)
+        result = await syncer.sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, {"model.safetensors": data})
+        reqs = self.repo.blob_requests(manifest["blobs"][0]["hash"])
+        self.assertIsNone(reqs[0].range_header)
+        self.assertEqual(reqs[1].end - reqs[1].start, 0)
+        self.assertIsNone(self.repo.faults.hold_range_length)  # the probe was held
+        self.assertEqual(syncer.bytes_downloaded, len(data))
+        self.assertEqual(result["fetched"]["bytes"], len(data))
+        self.assertNotIn("reset_part", self.runner.names())
+
     async def test_adaptive_range_refused_keeps_the_stream(self) -> None:
         """Adaptive, a 416 to the ranged request beside the stream: one stream to the end."""
         self.repo.faults.refuse_range_times = 1

@@ -628,8 +628,8 @@ class BlobTransfer:
             self._open_gate()  # the workers waiting for more connections leave
             return
         self._ranges.bounded = True
-        if not self._rangeable:
-            return  # the blob started over meanwhile
+        if not self._rangeable or (self._stream is None and not self._missing):
+            return  # the blob started over, or has all come, meanwhile
         self._scaler.restart_window(self._reactor.seconds(), self.done.total)
         self._grow(self._scaler.allowed)
 
