@@ -542,23 +542,28 @@ class BlobTransfer:
 
     def _scale(self, allowed: int | None) -> None:
         scaler = self._scaler
+        if allowed is not None:
+            self.log.debug("{what}: {n} connections (last window {window})", what=self.what,
+                           n=allowed, window=_describe(scaler.last))
+            if allowed > 1 and self._ranges.bounded is None:
+                # Not known yet whether ranged requests work here: confirm that first,
+                # beside the stream, which goes on untouched meanwhile.
+                d = Deferred.fromCoroutine(self._confirm_range())
+                if not d.called:  # (a fake client may answer at once)
+                    self._confirming = d
+                return
+        self._note_settled()
+        if allowed is not None:
+            self._grow(allowed)
+
+    def _note_settled(self) -> None:
+        """Once the scaler has settled, later blobs of this sync start at its count."""
+        scaler = self._scaler
         if scaler.settled and self._settings.adaptive:
             self._run.learned_connections = scaler.allowed
             self.log.debug("{what}: settled on {n} connections ({reason}; last window "
                            "{window})", what=self.what, n=scaler.allowed, reason=scaler.reason,
                            window=_describe(scaler.last))
-        if allowed is None:
-            return
-        self.log.debug("{what}: {n} connections (last window {window})", what=self.what,
-                       n=allowed, window=_describe(scaler.last))
-        if allowed > 1 and self._ranges.bounded is None:
-            # Not known yet whether ranged requests work here: confirm that first, beside
-            # the stream, which goes on untouched meanwhile.
-            d = Deferred.fromCoroutine(self._confirm_range())
-            if not d.called:  # (a fake client may answer at once)
-                self._confirming = d
-            return
-        self._grow(allowed)
 
     def _grow(self, allowed: int) -> None:
         self.connections_used = max(self.connections_used, allowed)
@@ -631,6 +636,7 @@ class BlobTransfer:
         if not self._rangeable or (self._stream is None and not self._missing):
             return  # the blob started over, or has all come, meanwhile
         self._scaler.restart_window(self._reactor.seconds(), self.done.total)
+        self._note_settled()
         self._grow(self._scaler.allowed)
 
     def _stop_confirming(self) -> None:
