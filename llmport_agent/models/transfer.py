@@ -575,9 +575,8 @@ class BlobTransfer:
         """
         Ask for one byte with a bounded C{Range} beside the running stream (the first byte
         after the point where the stream would be cut now, so that a server ignoring the end
-        of a range shows it). A C{206} with
-        exactly that byte: the backend honours bounded ranges, the stream is cut and the
-        extra connections start. Anything else - C{200}, a C{206} with more than the byte,
+        of a range shows it). A C{206} with exactly that byte: the backend honours bounded
+        ranges, the stream is cut and the extra connections start. Anything else - C{200}, a C{206} with more than the byte,
         C{416}, another status, an error - costs this request alone: the blob stays one
         stream to its end (a C{200} or an ignored end are remembered for later blobs too).
         """
@@ -585,6 +584,7 @@ class BlobTransfer:
         blob = self._blob
         n = min(self._cut_point(), blob.size - 2)
         failed = ""
+        cancelled = False
         response: Any = None
         try:
             headers = source.headers()
@@ -617,14 +617,14 @@ class BlobTransfer:
             else:
                 failed = f"HTTP {code} for a ranged request"
         except CancelledError:
-            failed = "cancelled"
+            cancelled = True
         except Exception as e:  # noqa: BLE001 - any failure here only stops the growth
             failed = describe_error(e)
         finally:
             if response is not None:
                 abandon(response)
             self._confirming = None
-        if failed == "cancelled":
+        if cancelled:
             return
         if failed:
             self._scaler.stop_at_one(f"ranged requests unusable: {failed}")
