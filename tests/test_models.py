@@ -1525,11 +1525,11 @@ class RangedLoopbackSyncTests(_LoopbackSync, TestCase):
         self, arm: Callable[[], None] | None = None
     ) -> tuple[ModelSyncer, dict[str, Any], list[ServedRequest]]:
         """
-        An adaptive sync of one 24 MiB blob from a server that limits each connection (so
-        the scaler adds one after two windows, about 17 MB in) where ranged requests fail
-        as the faults say. C{arm} sets a fault once the stream is running.
+        An adaptive sync of one 32 MiB blob from a server that limits each connection (so
+        the scaler adds one after two windows, about 18 MB in, with time to spare) where
+        ranged requests fail as the faults say. C{arm} sets a fault once the stream runs.
         """
-        data = random.Random(18).randbytes(24 * 1024 * 1024)
+        data = random.Random(18).randbytes(32 * 1024 * 1024)
         manifest = self.repo.add_model(MODEL_ID, REPO_ID, {"model.safetensors": data})
         self.repo.faults.rate_limit = 16_000_000
         armed: list[bool] = []
@@ -1575,7 +1575,7 @@ class RangedLoopbackSyncTests(_LoopbackSync, TestCase):
         """
         self.repo.faults.ignore_range_end = True
         syncer, result, reqs = await self._adaptive_with_unusable_ranges()
-        self.assertEqual((reqs[1].status, reqs[1].end), (206, 24 * 1024 * 1024 - 1))
+        self.assertEqual((reqs[1].status, reqs[1].end), (206, 32 * 1024 * 1024 - 1))
         self.assertEqual(result["range_end_ignored"], 1)
         self.assertIs(syncer.bounded_ranges, False)
 
@@ -1586,7 +1586,7 @@ class RangedLoopbackSyncTests(_LoopbackSync, TestCase):
         has not received by then is cut off and fetched as ranges), or it is cancelled at the
         end; either way nothing is left running and nothing is fetched twice.
         """
-        data = random.Random(19).randbytes(24 * 1024 * 1024)
+        data = random.Random(19).randbytes(32 * 1024 * 1024)
         manifest = self.repo.add_model(MODEL_ID, REPO_ID, {"model.safetensors": data})
         self.repo.faults.rate_limit = 16_000_000
         self.repo.faults.hold_range_length = 1
