@@ -42,7 +42,11 @@ from twisted.web.server import Site
 
 from llmport_agent.commands.base import CommandFailed, HandlerSpec
 from llmport_agent.core.threads import PoolService
-from llmport_agent.devbackend.modelfiles import ModelRepository, model_files_resource
+from llmport_agent.devbackend.modelfiles import (
+    ModelRepository,
+    ServedRequest,
+    model_files_resource,
+)
 from llmport_agent.models import ModelSyncer, _fs, parse_manifest, sync_model_handler_spec
 from llmport_agent.models._http import (
     BlobBodyReceiver,
@@ -1500,8 +1504,8 @@ class RangedLoopbackSyncTests(_LoopbackSync, TestCase):
         files = {"model.safetensors": data}
         manifest = self.repo.add_model(MODEL_ID, REPO_ID, files)
         self.repo.faults.rate_limit = 16_000_000
-        result = await self.syncer(connections=0, segment_size=4 * 1024 * 1024,
-                                   cpu=_idle_host).sync(manifest, lambda *a, **k: None)
+        syncer = self.syncer(connections=0, segment_size=4 * 1024 * 1024, cpu=_idle_host)
+        result = await syncer.sync(manifest, lambda *a, **k: None)
         self.assertValidCache(manifest, files)
         self.assertGreater(result["connections_used"], 1)
         # It began as one stream (no Range), which was cut where the ranges took over.
@@ -1509,6 +1513,122 @@ class RangedLoopbackSyncTests(_LoopbackSync, TestCase):
         self.assertIsNone(headers[0])
         self.assertTrue(all(h and not h.endswith("-") for h in headers[1:]), headers)
         self.assertGreater(len(headers), 2)
+        # Range support was confirmed with one byte before the stream was cut; nothing was
+        # fetched twice.
+        first = self.repo.blob_requests(manifest["blobs"][0]["hash"])[1]
+        self.assertEqual((first.status, first.end - first.start), (206, 0))
+        self.assertEqual(first.range_header, f"bytes={first.start}-{first.start}")
+        self.assertEqual(syncer.bytes_downloaded, len(data))
+        self.assertIs(syncer.bounded_ranges, True)
+
+    async def _adaptive_with_unusable_ranges(
+        self, arm: Callable[[], None] | None = None
+    ) -> tuple[ModelSyncer, dict[str, Any], list[ServedRequest]]:
+        """
+        An adaptive sync of one 32 MiB blob from a server that limits each connection (so
+        the scaler adds one after two windows, about 18 MB in, with time to spare) where
+        ranged requests fail as the faults say. C{arm} sets a fault once the stream runs.
+        """
+        data = random.Random(18).randbytes(32 * 1024 * 1024)
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, {"model.safetensors": data})
+        self.repo.faults.rate_limit = 16_000_000
+        armed: list[bool] = []
+
+        def progress(phase: str, message: str, **extra: Any) -> None:
+            if arm is not None and extra.get("bytes_done") and not armed:
+                armed.append(True)
+                arm()
+
+        syncer = self.syncer(connections=0, segment_size=4 * 1024 * 1024, cpu=_idle_host,
+                             progress_interval=0, concurrency=1)
+        result = await syncer.sync(manifest, progress)
+        self.assertValidCache(manifest, {"model.safetensors": data})
+        # The stream lost nothing: no start over, every byte fetched once, one connection.
+        self.assertNotIn("reset_part", self.runner.names())
+        self.assertEqual(syncer.bytes_downloaded, len(data))
+        self.assertEqual(result["fetched"]["bytes"], len(data))
+        self.assertEqual(result["connections_used"], 1)
+        # The scaler did want a second connection: the one request beside the stream.
+        reqs = self.repo.blob_requests(manifest["blobs"][0]["hash"])
+        self.assertEqual(reqs[0].range_header, None)
+        self.assertEqual(len(reqs), 2, reqs)
+        self.assertRegex(reqs[1].range_header or "", r"^bytes=(\d+)-\1$")
+        self.assertEqual(self.repo.finished[-1].range_header, None)  # the stream, to its end
+        return syncer, result, reqs
+
+    async def test_adaptive_server_ignoring_range_keeps_the_stream(self) -> None:
+        """
+        Adaptive, with a server (or a proxy) that answers Range with 200: the one-byte
+        request that confirms Range before the stream is cut gets 200 and is dropped; the
+        stream goes on to the end, nothing starts over, and the syncer remembers it.
+        """
+        self.repo.faults.ignore_range = True
+        syncer, result, reqs = await self._adaptive_with_unusable_ranges()
+        self.assertEqual(reqs[1].status, 200)
+        self.assertEqual(result["range_ignored"], 1)
+        self.assertIs(syncer.bounded_ranges, False)
+
+    async def test_adaptive_server_ignoring_the_range_end_keeps_the_stream(self) -> None:
+        """
+        Adaptive, a server that answers the one-byte range from there to the end of the blob:
+        that response is dropped, the stream goes on to the end, and the syncer remembers it.
+        """
+        self.repo.faults.ignore_range_end = True
+        syncer, result, reqs = await self._adaptive_with_unusable_ranges()
+        self.assertEqual((reqs[1].status, reqs[1].end), (206, 32 * 1024 * 1024 - 1))
+        self.assertEqual(result["range_end_ignored"], 1)
+        self.assertIs(syncer.bounded_ranges, False)
+
+    async def test_adaptive_blob_done_before_range_is_confirmed(self) -> None:
+        """
+        Adaptive, the one-byte request that confirms Range is held by the server until the
+        stream's response has been sent completely: its answer comes late (what the stream
+        has not received by then is cut off and fetched as ranges), or it is cancelled at the
+        end; either way nothing is left running and nothing is fetched twice.
+        """
+        data = random.Random(19).randbytes(32 * 1024 * 1024)
+        manifest = self.repo.add_model(MODEL_ID, REPO_ID, {"model.safetensors": data})
+        self.repo.faults.rate_limit = 16_000_000
+        self.repo.faults.hold_range_length = 1
+        syncer = self.syncer(connections=0, segment_size=4 * 1024 * 1024, cpu=_idle_host)
+        result = await syncer.sync(manifest, lambda *a, **k: None)
+        self.assertValidCache(manifest, {"model.safetensors": data})
+        reqs = self.repo.blob_requests(manifest["blobs"][0]["hash"])
+        self.assertIsNone(reqs[0].range_header)
+        self.assertEqual(reqs[1].end - reqs[1].start, 0)
+        self.assertIsNone(self.repo.faults.hold_range_length)  # the probe was held
+        self.assertEqual(syncer.bytes_downloaded, len(data))
+        self.assertEqual(result["fetched"]["bytes"], len(data))
+        self.assertNotIn("reset_part", self.runner.names())
+
+    async def test_adaptive_range_refused_keeps_the_stream(self) -> None:
+        """Adaptive, a 416 to the ranged request beside the stream: one stream to the end."""
+        self.repo.faults.refuse_range_times = 1
+        syncer, result, reqs = await self._adaptive_with_unusable_ranges()
+        self.assertEqual(reqs[1].status, 416)
+        self.assertEqual(result["range_ignored"], 0)
+        self.assertIsNone(syncer.bounded_ranges)  # nothing learnt: the next blob asks again
+
+    async def test_adaptive_extra_request_failing_keeps_the_stream(self) -> None:
+        """Adaptive, a 503 to the ranged request beside the stream: one stream to the end."""
+
+        def arm() -> None:
+            self.repo.faults.fail_5xx_times = 1
+
+        _, _, reqs = await self._adaptive_with_unusable_ranges(arm)
+        self.assertEqual(reqs[1].status, 503)
+
+    async def test_adaptive_extra_connection_dropped_keeps_the_stream(self) -> None:
+        """
+        Adaptive, the connection of the ranged request beside the stream drops after its
+        headers: one stream to the end.
+        """
+
+        def arm() -> None:
+            self.repo.faults.cut_after_bytes = 0
+
+        _, _, reqs = await self._adaptive_with_unusable_ranges(arm)
+        self.assertEqual(reqs[1].status, 206)
 
     async def test_adaptive_stays_at_one_stream_where_the_cpu_is_the_limit(self) -> None:
         """

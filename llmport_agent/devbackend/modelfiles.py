@@ -53,6 +53,8 @@ class ModelFaults:
     @ivar hold_range_start: hold the response that starts at this offset (send nothing)
         until another response of the same blob has been sent completely (at once if one
         already was); reset when used.
+    @ivar hold_range_length: the same for the next ranged response of exactly this many
+        bytes (the one-byte request that confirms C{Range}); reset when used.
     @ivar corrupt_blob: serve this blob with one byte changed (its hash no longer matches).
     @ivar fail_5xx_times: answer the next N requests (manifest or blob) with 503.
     @ivar rate_limit: bytes per second per blob response (0 = unlimited): a link or a
@@ -68,6 +70,7 @@ class ModelFaults:
     cut_after_bytes: int | None = None
     cut_range_start: int | None = None
     hold_range_start: int | None = None
+    hold_range_length: int | None = None
     corrupt_blob: str | None = None
     fail_5xx_times: int = 0
     rate_limit: int = 0
@@ -477,9 +480,13 @@ class _ModelFilesResource(Resource):
             faults.cut_range_start = None
         else:
             cut = None
-        held = faults.hold_range_start == start and status == 206
+        by_length = status == 206 and length == faults.hold_range_length
+        held = by_length or (faults.hold_range_start == start and status == 206)
         if held:
-            faults.hold_range_start = None
+            if by_length:
+                faults.hold_range_length = None
+            else:
+                faults.hold_range_start = None
             # Already behind another finished response of this blob: nothing to wait for.
             held = not any(r.blob_hash == blob_hash for r in self._repo.finished)
         producer = _BlobProducer(

@@ -16,13 +16,18 @@ a receiver ahead of the frontier pauses while the budget is spent, the one at th
 never does) until the hash reaches them. Progress per range is kept in C{<hash>.progress},
 so an interrupted range - in this run or after a restart - resumes where it stopped. The
 adaptive setting (L{ConnectionScaler}) starts as one open-ended stream; when it adds a
-connection, the stream is cut at a segment boundary and ranged requests take the rest.
+connection, the stream is cut at a segment boundary and ranged requests take the rest. While
+the backend's C{Range} support is not known yet, one request for a single byte
+(C{bytes=n-n}) beside the stream confirms it first: only its C{206} lets the stream be cut;
+any other answer (C{200}, C{416}, an error, a dropped connection) costs that request alone,
+and the stream goes on to the end of the blob with nothing lost.
 
 Fallbacks: a server that answers a bounded range with more than was asked (it ignored the
 end) gets exactly the wanted bytes read and the connection dropped, and from then on one
 open-ended stream (C{bytes=s-}) for the rest of this blob and every later one; a server
 that answers C{Range} with C{200} (ignores ranges altogether) makes the blob start over
-from zero as one stream.
+from zero as one stream (a fixed count of connections, or a stream resumed from an offset; the
+adaptive setting's confirmation never does).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from attrs import define, frozen
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -47,7 +52,9 @@ from llmport_agent.models._http import (
     SerialRunner,
     TransferInterrupted,
     abandon,
+    describe_error,
     parse_content_range,
+    read_limited,
 )
 from llmport_agent.models._jobs import run_together
 from llmport_agent.models.errors import CHECKSUM_MISMATCH, DOWNLOAD_FAILED
@@ -216,6 +223,11 @@ class ConnectionScaler:
         self.settled = True
         self.reason = reason
 
+    def stop_at_one(self, reason: str) -> None:
+        """Settle on one connection whatever the windows say (more cannot be used)."""
+        self.allowed = 1
+        self._settle(reason)
+
     def observe(self, now: float, total: int) -> int | None:
         """@return: the new number of connections, when it changes."""
         if self.settled:
@@ -380,6 +392,7 @@ class BlobTransfer:
         self._active = 0
         self._streamer: int | None = None
         self._stream: tuple[_Attempt, BlobBodyReceiver] | None = None  # the open-ended one
+        self._confirming: Deferred[None] | None = None  # the request that confirms Range
         self._gate: list[Deferred[None]] = []
         self._waiting = 0
         self.found = ""
@@ -433,10 +446,17 @@ class BlobTransfer:
         """
         Several bounded requests for this blob (else one open-ended stream). The adaptive
         setting fetches as one stream while it allows one connection (a bounded request per
-        segment costs a round trip and a drained pipeline at each end); when it adds one,
-        the stream is cut at a segment boundary and ranged requests take the rest.
+        segment costs a round trip and a drained pipeline at each end); when it adds one
+        and the backend has shown that it honours bounded ranges (L{_confirm_range}), the
+        stream is cut at a segment boundary and ranged requests take the rest.
         """
-        return self._rangeable and not (self._settings.adaptive and self._scaler.allowed == 1)
+        if not self._rangeable:
+            return False
+        if not self._settings.adaptive:
+            return True
+        # Adaptive: only once more than one is wanted and the backend has shown that it
+        # honours bounded ranges (until then a cut stream could not be fetched as ranges).
+        return self._scaler.allowed > 1 and self._ranges.bounded is True
 
     @property
     def _may_grow(self) -> bool:
@@ -492,7 +512,7 @@ class BlobTransfer:
         self.done.add(batch.offset, batch.offset + batch.n)
         self._source.downloaded(batch.n)
         self._run.progress.add(batch.n)
-        if not self._scaler.settled and self._rangeable:
+        if not self._scaler.settled and self._rangeable and self._confirming is None:
             self._scale(self._scaler.observe(self._reactor.seconds(), self.done.total))
         batch.receiver.written(batch.n)
         self._since_checkpoint += batch.n
@@ -522,19 +542,108 @@ class BlobTransfer:
 
     def _scale(self, allowed: int | None) -> None:
         scaler = self._scaler
+        if allowed is not None:
+            self.log.debug("{what}: {n} connections (last window {window})", what=self.what,
+                           n=allowed, window=_describe(scaler.last))
+            if allowed > 1 and self._ranges.bounded is None:
+                # Not known yet whether ranged requests work here: confirm that first,
+                # beside the stream, which goes on untouched meanwhile.
+                d = Deferred.fromCoroutine(self._confirm_range())
+                if not d.called:  # (a fake client may answer at once)
+                    self._confirming = d
+                return
+        self._note_settled()
+        if allowed is not None:
+            self._grow(allowed)
+
+    def _note_settled(self) -> None:
+        """Once the scaler has settled, later blobs of this sync start at its count."""
+        scaler = self._scaler
         if scaler.settled and self._settings.adaptive:
             self._run.learned_connections = scaler.allowed
             self.log.debug("{what}: settled on {n} connections ({reason}; last window "
                            "{window})", what=self.what, n=scaler.allowed, reason=scaler.reason,
                            window=_describe(scaler.last))
-        if allowed is None:
-            return
+
+    def _grow(self, allowed: int) -> None:
         self.connections_used = max(self.connections_used, allowed)
-        self.log.debug("{what}: {n} connections (last window {window})", what=self.what,
-                       n=allowed, window=_describe(scaler.last))
         if allowed > 1:
             self._cut_stream()
         self._open_gate()
+
+    async def _confirm_range(self) -> None:
+        """
+        Ask for one byte with a bounded C{Range} beside the running stream (the first byte
+        after the point where the stream would be cut now, so that a server ignoring the end
+        of a range shows it). A C{206} with exactly that byte: the backend honours bounded
+        ranges, the stream is cut and the extra connections start. Anything else - C{200}, a C{206} with more than the byte,
+        C{416}, another status, an error - costs this request alone: the blob stays one
+        stream to its end (a C{200} or an ignored end are remembered for later blobs too).
+        """
+        source = self._source
+        blob = self._blob
+        n = min(self._cut_point(), blob.size - 2)
+        failed = ""
+        cancelled = False
+        response: Any = None
+        try:
+            headers = source.headers()
+            headers["Range"] = f"bytes={n}-{n}"
+            response = await source.get(self._url, headers)
+            code = response.code
+            if code == 206:
+                header = response.headers.getRawHeaders("content-range") or [None]
+                cr = parse_content_range(header[0])
+                if (cr is not None and cr.start == n and cr.end > n
+                        and (cr.total is None or cr.total == blob.size)):
+                    abandon(response)
+                    response = None
+                    self._ignored_end(f"Content-Range {header[0]}")
+                    failed = "the backend ignores the end of bounded ranges"
+                elif (cr is None or cr.start != n or cr.end != n
+                        or (cr.total is not None and cr.total != blob.size)):
+                    failed = f"unusable Content-Range {header[0]!r}"
+                else:
+                    reading, response = read_limited(response, 2), None
+                    body = await reading.addTimeout(self._settings.idle_timeout, self._reactor)
+                    if len(body) != 1:
+                        failed = f"{len(body)} bytes for a range of one"
+            elif code == 200:
+                self._run.range_ignored += 1
+                self._ranges.bounded = False  # no ranged requests to this server again
+                self.log.info("The backend ignores Range ({blob}); downloading as one stream",
+                              blob=blob.hash)
+                failed = "the backend ignores Range"
+            else:
+                failed = f"HTTP {code} for a ranged request"
+        except CancelledError:
+            cancelled = True
+        except Exception as e:  # noqa: BLE001 - any failure here only stops the growth
+            failed = describe_error(e)
+        finally:
+            if response is not None:
+                abandon(response)
+            self._confirming = None
+        if cancelled:
+            return
+        if failed:
+            self._scaler.stop_at_one(f"ranged requests unusable: {failed}")
+            self.log.debug("{what}: one connection ({reason})", what=self.what,
+                           reason=self._scaler.reason)
+            self._open_gate()  # the workers waiting for more connections leave
+            return
+        self._ranges.bounded = True
+        if not self._rangeable or (self._stream is None and not self._missing):
+            return  # the blob started over, or has all come, meanwhile
+        self._scaler.restart_window(self._reactor.seconds(), self.done.total)
+        self._note_settled()
+        self._grow(self._scaler.allowed)
+
+    def _stop_confirming(self) -> None:
+        """Cancel the request that confirms Range (the blob is fetched, or starts over)."""
+        d, self._confirming = self._confirming, None
+        if d is not None:
+            d.cancel()
 
     def _cut_stream(self) -> None:
         """
@@ -544,13 +653,20 @@ class BlobTransfer:
         if self._stream is None:
             return
         attempt, receiver = self._stream
-        seg = self._settings.segment_size
-        here = receiver.offset + receiver.received + self._settings.batch_size
-        cut = -(-here // seg) * seg
+        cut = self._cut_point()
         if cut < attempt.end and receiver.shorten(cut - receiver.offset):
             self._missing.add(cut, attempt.end)
             attempt.end = attempt.end_asked = cut
             self._stream = None
+
+    def _cut_point(self) -> int:
+        """The first segment boundary beyond what the stream has received, and a batch more."""
+        if self._stream is None:
+            return 0
+        receiver = self._stream[1]
+        seg = self._settings.segment_size
+        here = receiver.offset + receiver.received + self._settings.batch_size
+        return -(-here // seg) * seg
 
     def _open_gate(self) -> None:
         gate, self._gate = self._gate, []
@@ -590,6 +706,7 @@ class BlobTransfer:
                     break
                 except _StartOver as e:
                     await self._start_over(str(e))
+            self._stop_confirming()
             # Every receiver has seen its writes done (or failed); the digest comes after
             # every hash job, and finishing after every write.
             if self._missing or self.done.total != self._blob.size:
@@ -600,6 +717,7 @@ class BlobTransfer:
                 self._write_error.raiseException()
             ok, found, stamp = await self._writer.run(_fs.finish_part, self._part, digest)
         finally:
+            self._stop_confirming()
             self._release_held()
         self.found = found
         self.stamp = stamp
@@ -622,6 +740,7 @@ class BlobTransfer:
 
     async def _reset(self) -> None:
         """Empty the part file once this blob's jobs are done; go on as one stream."""
+        self._stop_confirming()
         await self._writer.run(_noop)
         await self._hasher.run(_noop)
         self._release_held()
