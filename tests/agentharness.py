@@ -33,6 +33,36 @@ def agent_env(backend: DevBackend, state_dir: str, **extra: str) -> dict[str, st
     return {"LLM_PORT_NODE_AGENT_" + k: v for k, v in env.items()}
 
 
+def spawn_agent_process(test: Any, backend: DevBackend, script: str, args: list[str], docker_sock: str,
+                        **settings: str) -> tuple[Any, str, dict[str, str]]:
+    """
+    A real agent process (C{sys.executable -c script *args}, this tree first on the path, in a
+    fresh state directory, C{DOCKER_HOST} at C{docker_sock}, a fresh enrollment token and
+    C{settings}), killed at the test's end if it still runs. Returns the process, its state
+    directory (its output is in C{agent.log} there; C{{dir}} in C{args} names it) and its
+    environment.
+    """
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    d = os.path.abspath(test.mktemp())
+    os.makedirs(d)
+    env = dict(os.environ, PYTHONPATH=root, DOCKER_HOST=docker_sock, HOME=d)
+    env.update(agent_env(backend, d, ENROLLMENT_TOKEN=backend.mint_token()["token"], **settings))
+    with open(os.path.join(d, "agent.log"), "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", script, *[a.replace("{dir}", d) for a in args]],
+                                cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def cleanup() -> None:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    test.addCleanup(cleanup)
+    return proc, d, env
+
+
 class AnomalyGuard:
     """
     The one shared teardown of every test that runs a stand-in backend: when the test ends

@@ -32,7 +32,7 @@ from llmport_agent.core.heap import HeapTrim, glibc_malloc_trim
 from llmport_agent.core.later import Later
 from llmport_agent.ops.endpoint import OpsService, SiteOnFirstConnection
 from llmport_agent.ops.timing import Histogram, TimedCalls
-from tests.agentharness import AgentTestCase, AnomalyGuard, agent_env
+from tests.agentharness import AgentTestCase, AnomalyGuard, spawn_agent_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,25 +100,12 @@ class IdleImportsTests(AnomalyGuard, TestCase):
 
     async def test_unused_components_are_not_imported_at_idle(self) -> None:
         backend = await self.start_watched_backend()
-        d = os.path.abspath(self.mktemp())
-        os.makedirs(d)
-        out = os.path.join(d, "modules.json")
         ops_port = free_port()
-        env = dict(os.environ, PYTHONPATH=ROOT, DOCKER_HOST="unix:///nonexistent/idle-memory/docker.sock",
-                   HOME=d)
-        env.update(agent_env(backend, d, ENROLLMENT_TOKEN=backend.mint_token()["token"],
-                             OPS_PORT=str(ops_port)))
+        proc, d, env = spawn_agent_process(self, backend, PROBE, ["{dir}/modules.json"],
+                                           "unix:///nonexistent/idle-memory/docker.sock",
+                                           OPS_PORT=str(ops_port))
+        out = os.path.join(d, "modules.json")
         agent_id = env["LLM_PORT_NODE_AGENT_AGENT_ID"]
-        with open(os.path.join(d, "agent.log"), "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-c", PROBE, out], cwd=d, env=env,
-                                    stdout=log, stderr=subprocess.STDOUT)
-
-        def cleanup() -> None:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-        self.addCleanup(cleanup)
 
         def output() -> str:
             with open(os.path.join(d, "agent.log"), errors="replace") as f:

@@ -21,7 +21,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmport_agent.core.lazypackage import defer_package_init
 from llmport_agent.core.startgc import OUT_OF_REACH, StartGC
-from tests.agentharness import AnomalyGuard, agent_env
+from tests.agentharness import AnomalyGuard, spawn_agent_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,22 +108,9 @@ class StartPathImportsTests(AnomalyGuard, TestCase):
 
     async def test_heavy_modules_not_imported_before_the_connect(self) -> None:
         backend = await self.start_watched_backend()
-        d = os.path.abspath(self.mktemp())
-        os.makedirs(d)
+        proc, d, _ = spawn_agent_process(self, backend, PROBE, ["{dir}/at-connect.json"],
+                                         "unix:///nonexistent/start-path/docker.sock")
         out = os.path.join(d, "at-connect.json")
-        env = dict(os.environ, PYTHONPATH=ROOT, DOCKER_HOST="unix:///nonexistent/start-path/docker.sock",
-                   HOME=d)
-        env.update(agent_env(backend, d, ENROLLMENT_TOKEN=backend.mint_token()["token"]))
-        with open(os.path.join(d, "agent.log"), "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-c", PROBE, out], cwd=d, env=env,
-                                    stdout=log, stderr=subprocess.STDOUT)
-
-        def cleanup() -> None:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-        self.addCleanup(cleanup)
         try:
             await backend.wait_for(lambda: os.path.exists(out) or proc.poll() is not None, 90)
         finally:
