@@ -35,6 +35,19 @@ from llmport_agent.workloads.engine import DockerEngine
 HOUR = 3600.0
 
 
+def record_delays(clock: Clock) -> list[float]:
+    """The delays of every timer scheduled on C{clock} from now on (in order)."""
+    scheduled: list[float] = []
+    real = clock.callLater
+
+    def counting(delay: float, *a: Any, **kw: Any) -> Any:
+        scheduled.append(delay)
+        return real(delay, *a, **kw)
+
+    clock.callLater = counting  # type: ignore[method-assign]
+    return scheduled
+
+
 def advance(clock: Clock, seconds: float, step: float = 0.25) -> None:
     """Move the clock on in small steps (every timer due on the way runs at its time)."""
     for _ in range(int(seconds / step)):
@@ -531,14 +544,7 @@ class InventorySectionDeadlineTests(SynchronousTestCase):
         self.assertEqual(clock.getDelayedCalls(), [])
         # A round whose sections all answer leaves one cancelled timer, not one per section.
         clock2, collector2 = self.make({n: (lambda: succeed(0)) for n in ("a", "b", "c")})
-        scheduled: list[float] = []
-        real = clock2.callLater
-
-        def counting(delay: float, *a: Any, **kw: Any) -> Any:
-            scheduled.append(delay)
-            return real(delay, *a, **kw)
-
-        clock2.callLater = counting  # type: ignore[method-assign]
+        scheduled = record_delays(clock2)
         for _ in range(10):
             self.successResultOf(Deferred.fromCoroutine(collector2.collect()))
         self.assertEqual(scheduled.count(30.0), 10)
@@ -1227,14 +1233,7 @@ class InventoryRoundTimerTests(SynchronousTestCase):
         os.makedirs(state)
         collector = InventoryCollector(clock, SyncRunner(), NoGPUSource(), state_dir=state, model_store=None,
                                        sections={"a": lambda: succeed(1)}, section_timeout=30.0)
-        scheduled: list[float] = []
-        real = clock.callLater
-
-        def counting(delay: float, *a: Any, **kw: Any) -> Any:
-            scheduled.append(delay)
-            return real(delay, *a, **kw)
-
-        clock.callLater = counting  # type: ignore[method-assign]
+        scheduled = record_delays(clock)
         rep = InventoryReporter(clock, session, 60, collector)
         rep.startService()
         self.addCleanup(rep.stopService)
