@@ -35,6 +35,7 @@ from llmport_agent.core.storage import append_records, encode_line
 from llmport_agent.demo.testing import FakeSession, SynchronousRunner
 from llmport_agent.devbackend import _http as dev_http
 from llmport_agent.devbackend import _stream as dev_stream
+from llmport_agent.devbackend._state import GENERATION_APRIL, GENERATION_CURRENT
 from llmport_agent.events.outbox import EventOutbox
 from llmport_agent.session import keepalive as keepalive_module
 from llmport_agent.session.rotation import ROTATION_INTERVAL
@@ -599,8 +600,15 @@ class HostileBackendTests(AgentTestCase):
         host gone without a reset): the agent's keep-alive, riding its heartbeat tick, drops
         the connection within two ticks and the agent reconnects through a fresh connection.
         """
+        await self._black_holed_link_is_dropped(GENERATION_CURRENT)
+
+    async def test_black_holed_link_is_dropped_april_backend(self) -> None:
+        """The same with the April 2026 backend (it answers frames only; its pongs still count)."""
+        await self._black_holed_link_is_dropped(GENERATION_APRIL)
+
+    async def _black_holed_link_is_dropped(self, generation: str) -> None:
         self.patch(keepalive_module, "KEEPALIVE_MIN_WAIT_SEC", 0.5)  # a ping per 1 s tick
-        backend = await self.start_backend()
+        backend = await self.start_backend(generation=generation)
         hole = _BlackHole(int(backend.url.rsplit(":", 1)[1]))
         port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(hole.factory)
         self.addCleanup(port.stopListening)
