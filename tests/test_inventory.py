@@ -386,16 +386,32 @@ class CapabilitiesTests(SynchronousTestCase):
     """Static capabilities (protocol 5.1)."""
 
     def test_processor_falls_back_to_machine(self) -> None:
-        """An empty platform.processor() is replaced by the machine type."""
-        self.patch(caps_module.platform, "processor", lambda: "")
-        facts = static_host_facts()
-        self.assertEqual(facts["processor"], platform.machine())
-        self.assertNotEqual(facts["processor"], "")
+        """An empty or "unknown" platform.processor() is replaced by the machine type."""
+        for answer in ("", "unknown", "Unknown"):
+            self.patch(caps_module.platform, "processor", lambda answer=answer: answer)
+            facts = static_host_facts(system="darwin")
+            self.assertEqual(facts["processor"], platform.machine())
+            self.assertNotEqual(facts["processor"], "")
 
     def test_processor_kept_when_known(self) -> None:
-        """A non-empty platform.processor() is reported as is."""
+        """Off Linux, a known platform.processor() is reported as is."""
         self.patch(caps_module.platform, "processor", lambda: "Intel(R) Xeon(R)")
-        self.assertEqual(static_host_facts()["processor"], "Intel(R) Xeon(R)")
+        self.assertEqual(static_host_facts(system="darwin")["processor"], "Intel(R) Xeon(R)")
+
+    def test_no_uname_process_on_linux(self) -> None:
+        """
+        On Linux the processor is the machine type: platform.processor() (which starts
+        C{uname -p}) is not called.
+        """
+        def processor() -> str:
+            raise AssertionError("platform.processor() called on Linux")
+
+        self.patch(caps_module.platform, "processor", processor)
+        for system in ("linux", "linux2"):
+            facts = static_host_facts(system=system)
+            self.assertEqual(facts["processor"], platform.machine() or "unknown")
+        # The default is this process's platform (the tests run on Linux).
+        self.assertEqual(static_host_facts()["processor"], platform.machine())
 
     def test_shape(self) -> None:
         """Every 5.1 key with its type, plus extras, from host, GPU and engine facts."""

@@ -1,5 +1,5 @@
 """
-L{StartGC}: Python's collections of older generations held off from the process start to the
+L{StartGC}: Python's garbage collections held off from the process start to the
 first connect to the backend (issue 27: start to connected). Light on purpose: imported before
 Twisted and the agent's modules, whose imports it is there for.
 """
@@ -13,23 +13,21 @@ from attrs import define, field
 
 __all__ = ["OUT_OF_REACH", "StartGC"]
 
-#: A collection count the middle and oldest generations never reach during a start.
+#: An allocation or collection count no generation reaches during a start.
 OUT_OF_REACH = 1_000_000_000
 
 
 @define
 class StartGC:
     """
-    Python's collections of its older generations held off from the process start until the
-    first connect to the backend (or C{window} seconds after L{arm}, whichever comes first),
-    then one full collection and the collector's thresholds back as they were.
+    Python's garbage collector held off from the process start until the first connect to the
+    backend (or C{window} seconds after L{arm}, whichever comes first), then one full
+    collection and the collector's thresholds back as they were.
 
     A start builds some hundred thousand objects that live as long as the process (modules,
     classes, the services); while it runs, the collector scans them again and again (on the
     bench machine: 156 young collections, 10 ms; 15 of the middle generation, 12 ms; one over
-    everything, 19 ms). The young collections stay: they are cheap and free the start's
-    short-lived cycles at once (with the whole collector off, the agent at idle kept 1 MiB
-    more RSS, its arenas fragmented by the garbage left until the end). The older
+    everything, 19 ms), and the start makes few cycles worth freeing early. All three
     generations wait for the one collection right after the connect's listeners ran. A
     collector already off (someone wanted it so) is left alone.
 
@@ -53,12 +51,12 @@ class StartGC:
         return self._held
 
     def begin(self) -> None:
-        """Hold the older generations' collections off (at the process start, before the
-        agent's imports): their thresholds out of reach, the young one as it was."""
+        """Hold the collector off (at the process start, before the agent's imports): every
+        generation's threshold out of reach."""
         if self._held or not self.gc.isenabled():
             return
         self._thresholds = tuple(self.gc.get_threshold())
-        self.gc.set_threshold(self._thresholds[0], OUT_OF_REACH, OUT_OF_REACH)
+        self.gc.set_threshold(OUT_OF_REACH, OUT_OF_REACH, OUT_OF_REACH)
         self._held = True
 
     def arm(self, reactor: Any) -> None:

@@ -6,8 +6,8 @@ inventory's C{static_capabilities}.
     {hostname, os, machine, processor, docker_available, gpu_count,
      gpu_vendor (nvidia|amd|apple|none), container_runtime} + extras
 
-L{static_host_facts} blocks (C{platform.processor()} may run C{uname -p}, the OS release is
-read from C{/etc/os-release}): call it in a worker thread. L{quick_host_facts} is the cheap
+L{static_host_facts} blocks (the OS release is read from C{/etc/os-release}; off Linux,
+C{platform.processor()} may run C{uname -p}): call it in a worker thread. L{quick_host_facts} is the cheap
 stand-in usable on the reactor thread before the first real reading.
 L{build_capabilities} is pure.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import platform
 import socket
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,14 +59,22 @@ def quick_host_facts() -> dict[str, str]:
     }
 
 
-def static_host_facts() -> dict[str, str]:
+def static_host_facts(system: str = sys.platform) -> dict[str, str]:
     """
-    Host identity that does not change while the agent runs. Blocks (may spawn
-    C{uname -p}, reads C{/etc/os-release}); call it in a worker thread.
+    Host identity that does not change while the agent runs. Blocks (reads
+    C{/etc/os-release}; off Linux, may spawn C{uname -p}); call it in a worker thread.
+
+    On Linux the processor is the machine type: C{platform.processor()} would start
+    C{uname -p} at every start, which prints the machine type there (Red Hat's coreutils) or
+    "unknown" (Debian's and Ubuntu's).
+
+    @param system: C{sys.platform} (another in tests).
     """
     facts = quick_host_facts()
-    processor = _safe(platform.processor)
-    # platform.processor() is "" on many Linux distributions: fall back to the machine.
+    processor = "" if system.startswith("linux") else _safe(platform.processor)
+    if processor.lower() == "unknown":
+        processor = ""
+    # Empty on Linux and where the platform does not know: the machine type instead.
     facts["processor"] = processor or facts["machine"] or "unknown"
 
     def pretty_name() -> str:
