@@ -58,8 +58,8 @@ _SIMD_FROM = 128
 
 
 def _compiled(name: str) -> Any:
-    """A compiled NVX module (imported by C{install_light_nvx} before any class is built)."""
-    return sys.modules[name]
+    """A compiled NVX module (imported already where L{install_light_nvx} registered these)."""
+    return importlib.import_module(name)
 
 
 class Utf8Validator:
