@@ -34,6 +34,10 @@ NOT_BEFORE_CONNECT = (
     "autobahn.twisted.wamp",
     "autobahn.wamp.auth",
     "autobahn.twisted.choosereactor",
+    # Autobahn's NVX build scripts parse C declarations at import: the compiled modules' own
+    # ffi stands in for them (llmport_agent/core/nvxlight.py).
+    "pycparser",
+    "cffi.cparser",
     # docker-py and requests: at the first engine client (there is no engine here).
     "docker",
     "requests",
