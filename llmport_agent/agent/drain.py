@@ -40,7 +40,7 @@ def install_stop_signals(reactor: Any, stop_requested: Callable[[int], None]) ->
     signal.signal(signal.SIGINT, handler)
 
 
-@define
+@define(eq=False, repr=False)  # a component: identity, not value
 class Drain:
     """
     Stop requests and the drain: running commands reach their result within the grace while
@@ -154,7 +154,7 @@ class Drain:
                 await deferLater(clock, 0.05, lambda: None)
 
 
-@define
+@define(eq=False, repr=False)  # a component: identity, not value
 class Teardown:
     """
     The stop after the drain: every running service in reverse start order (each bounded), the

@@ -12,7 +12,7 @@ from attrs import define, field
 from twisted.internet.interfaces import IDelayedCall
 
 
-@define
+@define(eq=False, repr=False)  # a component: identity, not value
 class InventoryRefresh:
     """
     @ivar reactor: the clock of the coalescing delay and of the retries.

@@ -7,7 +7,7 @@ from typing import Any
 from attrs import frozen
 
 
-@frozen
+@frozen(eq=False, repr=False)  # a component: identity, not value
 class NodeSecrets:
     """
     The enrollment token, the credentials in the state file and the Ray cluster tokens, read

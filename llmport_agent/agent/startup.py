@@ -19,7 +19,7 @@ from llmport_agent.core.config import mask_url
 from llmport_agent.host.instance import AlreadyRunning
 
 
-@define
+@define(eq=False, repr=False)  # a component: identity, not value
 class Startup:
     """
     Starts the agent's services in order, once durable state is loaded (L{begin}); a start

@@ -140,7 +140,7 @@ COMPACT_SLACK = 4 * 1024 * 1024
 _RECORD_BASE = 320
 
 
-@define
+@define(eq=False, repr=False)  # a component: identity, not value
 class CommandJournal:
     runner: BlockingRunner
     path: str

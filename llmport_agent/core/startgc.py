@@ -17,7 +17,7 @@ __all__ = ["OUT_OF_REACH", "StartGC"]
 OUT_OF_REACH = 1_000_000_000
 
 
-@define
+@define(eq=False, repr=False)  # a component: identity, not value
 class StartGC:
     """
     Python's garbage collector held off from the process start until the first connect to the

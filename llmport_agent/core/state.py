@@ -182,7 +182,7 @@ def token_fingerprint(token: str) -> str:
     return hashlib.sha256(b"llmport-agent-token:" + token.encode()).hexdigest()[:32]
 
 
-@define
+@define(eq=False, repr=False)  # a component: identity, not value
 class StateStore:
     """
     In-memory state with durable, serialized writes.

@@ -53,7 +53,7 @@ def _read_pid(fd: int) -> int | None:
     return int(text) if text.isdigit() and 0 < int(text) < 1 << 31 else None
 
 
-@define
+@define(eq=False, repr=False)  # a component: identity, not value
 class InstanceLock:
     """
     The lock of one state file. L{acquire} and L{release} are blocking (a file open and a

@@ -16,7 +16,7 @@ from llmport_agent import VERSION
 START_TIME = time.time()
 
 
-@frozen
+@frozen(eq=False, repr=False)  # a component: identity, not value
 class Diagnostics:
     """
     What C{collect_diagnostics} answers, read from the parts that know it.

@@ -13,7 +13,7 @@ from attrs import frozen
 from llmport_agent import VERSION
 
 
-@frozen
+@frozen(eq=False, repr=False)  # a component: identity, not value
 class NodeStatus:
     """
     The node's status, read from the parts that know it.

@@ -64,7 +64,7 @@ SEEN_IDS = 4096
 ITEMS_LOOKED_AT = 256
 
 
-@define
+@define(eq=False, repr=False)  # a component: identity, not value
 class DispatchDetector:
     """
     Decides polling or push from the frames of the backend session (see the module docstring).

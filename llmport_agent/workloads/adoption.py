@@ -179,7 +179,7 @@ def exists(client: docker.DockerClient, ids: list[str]) -> list[str]:
     return [cid for cid in ids if ops.inspect(client, cid) is not None]
 
 
-@define
+@define(eq=False, repr=False)  # a component: identity, not value
 class Adoption:
     """
     The adopted containers (container id -> runtime id), shared by the workload handlers and
