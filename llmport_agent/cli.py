@@ -231,10 +231,19 @@ def _show_config(config: AgentConfig, as_json: bool) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The main command line (run, config, start, join, stop, status); doctor, demo and devbackend
     have their own parsers (L{llmport_agent.doctor.run.build_parser}, L{llmport_agent.demo.run.build_parser},
-    L{llmport_agent.devbackend.cli.build_parser}). The CLI reference in docs/ is generated from them."""
+    L{llmport_agent.devbackend.cli.build_parser}). The CLI reference in docs/ is generated from them.
+
+    @param command: the subcommand being run: only its parser gets the setting options (some
+        two hundred arguments for the three that take them, about 2.5 ms of every start).
+        C{None}: every subcommand's (the whole command line, as the reference shows it).
+    """
+
+    def settings(name: str, subparser: argparse.ArgumentParser, listed: bool = True) -> None:
+        if command is None or command == name:
+            _add_setting_options(subparser, listed=listed)
     parser = argparse.ArgumentParser(prog="llmport-agent", description="llm-port node agent")
     parser.add_argument("--version", action="version", version=f"llmport-agent {VERSION}")
     sub = parser.add_subparsers(dest="command")
@@ -242,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--json-logs", action="store_true",
                        help="log JSON lines on stdout (one flat object per line; the default when stdout is neither a "
                             "terminal nor the journal)")
-    _add_setting_options(p_run)
+    settings("run", p_run)
     p_cfg = sub.add_parser(
         "config", help="show the resolved configuration (secrets masked)",
         usage="llmport-agent config [show] [--json] [--set NAME=VALUE ...] [--unset NAME ...] [setting options]",
@@ -258,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="set a variable in /etc/llmport-agent.env (validated; repeatable)")
     p_cfg.add_argument("--unset", action="append", default=[], metavar="NAME",
                        help="remove a variable from /etc/llmport-agent.env (repeatable)")
-    _add_setting_options(p_cfg, listed=False)
+    settings("config", p_cfg, listed=False)
     p_start = sub.add_parser(
         "start", help="install (or update) and start the systemd unit (root)",
         description="Install (or update) the llmport-agent systemd unit and /etc/llmport-agent.env from "
@@ -292,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=SETTINGS_EPILOG)
     p_status.add_argument("--user", action="store_true", dest="user_mode",
                           help="your own systemd --user service (installed by `start --user`)")
-    _add_setting_options(p_status, listed=False)
+    settings("status", p_status, listed=False)
     sub.add_parser("doctor", help="check this node and say what to fix (read-only; --json)")
     sub.add_parser("demo", help="run the end-to-end demo against the stand-in backend")
     sub.add_parser("devbackend", help="run the local stand-in backend")
@@ -317,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(argv[1:])
 
-    parser = build_parser()
+    # Only the subcommand given gets its setting options ("-h" and the like: every one).
+    parser = build_parser(argv[0] if argv and argv[0] in commands else None)
     args = parser.parse_args(argv)
     if args.command not in commands:
         parser.print_help()

@@ -132,6 +132,30 @@ class CliTests(SynchronousTestCase):
         rows = dict(line.split(None, 1) for line in out.splitlines() if line.strip())
         self.assertEqual(rows[P + "HEARTBEAT_INTERVAL_SEC"].strip(), "7")
 
+    def test_settings_options_only_for_the_subcommand_run(self) -> None:
+        """
+        Each subcommand that takes setting options gets them when it is the one run (through
+        main, as the console script runs it); a parser built for one has none on the others.
+        """
+        code, _, _ = self.main(["run", "--heartbeat-interval-sec", "9"])
+        self.assertEqual(code, 0)
+        self.assertEqual(self.runs[-1][0].heartbeat_interval_sec, 9)
+        code, out, _ = self.main(["config", "--json", "--heartbeat-interval-sec", "7"])
+        self.assertEqual(code, 0)
+        self.assertEqual(float(json.loads(out)[P + "HEARTBEAT_INTERVAL_SEC"]), 7.0)
+        for command in ("run", "config", "status"):
+            for other in {"run", "config", "status"} - {command}:
+                parser = cli.build_parser(command)
+                with self.assertRaises(SystemExit):
+                    with contextlib.redirect_stderr(io.StringIO()):
+                        parser.parse_args([other, "--heartbeat-interval-sec", "7"])
+                args = parser.parse_args([command, "--heartbeat-interval-sec", "7"])
+                self.assertEqual(args.heartbeat_interval_sec, "7")
+        # The whole command line (the reference's): every one of the three has them.
+        whole = cli.build_parser()
+        for command in ("run", "config", "status"):
+            self.assertEqual(whole.parse_args([command, "--heartbeat-interval-sec", "7"]).heartbeat_interval_sec, "7")
+
     def test_installer_commands(self) -> None:
         self.assertEqual(self.main(["start", "--user", "llmport"])[0], 0)
         self.assertEqual(self.main(["stop"])[0], 0)
