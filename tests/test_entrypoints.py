@@ -137,8 +137,17 @@ class CliTests(SynchronousTestCase):
         Each subcommand that takes setting options gets them when it is the one run (through
         main, as the console script runs it); a parser built for one has none on the others.
         """
+        built: list[str | None] = []
+        real = cli.build_parser
+
+        def recording(command: str | None = None) -> Any:
+            built.append(command)
+            return real(command)
+
+        self.patch(cli, "build_parser", recording)
         code, _, _ = self.main(["run", "--heartbeat-interval-sec", "9"])
         self.assertEqual(code, 0)
+        self.assertEqual(built, ["run"])  # not every subcommand's two hundred options
         self.assertEqual(self.runs[-1][0].heartbeat_interval_sec, 9)
         code, out, _ = self.main(["config", "--json", "--heartbeat-interval-sec", "7"])
         self.assertEqual(code, 0)
