@@ -218,3 +218,65 @@ class StartupTests(SynchronousTestCase):
         self.assertEqual(fatal[0][0], 1)
         self.assertIn("4242", fatal[0][1])
         self.assertNotIn("ready", [c[0] for c in startup.notify.calls])
+
+
+class StartupLoadsTests(SynchronousTestCase):
+    """The state file, the command journal and the event outbox load side by side."""
+
+    def startup(self) -> tuple[Startup, MultiService, dict[str, Deferred[None]], list[tuple[int, str]]]:
+        parent = MultiService()
+        pools, services = [Service()], [Service(), Service()]
+        for i, svc in enumerate(pools + services):
+            svc.setName(f"s{i}")
+        pending: dict[str, Deferred[None]] = {}
+
+        def store(name: str) -> Recorder:
+            def load() -> Deferred[None]:
+                pending[name] = Deferred()
+                return pending[name]
+
+            return Recorder(path=f"/state/{name}", load=load)
+
+        fatal: list[tuple[int, str]] = []
+        self.patch(__import__("llmport_agent.core.state", fromlist=["x"]), "adopt_old_state", lambda path: None)
+        startup = Startup(
+            parent, pools, services, SimpleNamespace(agent_id="a", backend_url="http://127.0.0.1:1", notes=()),
+            "", SynchronousRunner(), FakeLock(), store("state"), store("journal"), store("outbox"), Recorder(),
+            log_observer=lambda: None, adoption=None, notify=Recorder(),
+            fatal=lambda code, why: fatal.append((code, why)), log=Logger(),
+        )
+        return startup, parent, pending, fatal
+
+    def test_all_three_begin_before_any_ends(self) -> None:
+        """Every load is under way at once; the services start only when the last one ends."""
+        startup, parent, pending, fatal = self.startup()
+        startup.begin()
+        self.assertEqual(sorted(pending), ["journal", "outbox", "state"])
+        pending["outbox"].callback(None)
+        pending["state"].callback(None)
+        self.assertEqual([s.name for s in parent], ["s0"])  # the pool only
+        pending["journal"].callback(None)
+        self.successResultOf(startup.started)
+        self.assertEqual([s.name for s in parent], ["s0", "s1", "s2"])
+        self.assertEqual(fatal, [])
+
+    def test_an_unreadable_state_stops_the_start_after_the_others(self) -> None:
+        """
+        A failed load fails the start as awaiting it alone did (an unreadable state file: the
+        operator is needed), once the other loads ended; nothing else starts, nothing is left
+        unhandled.
+        """
+        from llmport_agent.core.state import StateUnreadable
+        from llmport_agent.session.shared import EXIT_NEEDS_OPERATOR
+
+        startup, parent, pending, fatal = self.startup()
+        startup.begin()
+        pending["journal"].errback(OSError("journal disk gone"))
+        pending["state"].errback(StateUnreadable("state.json: permission denied"))
+        self.assertEqual(fatal, [])
+        pending["outbox"].callback(None)
+        self.successResultOf(startup.started)
+        # The first failure in the stores' order (state, journal, outbox) is the one said.
+        self.assertEqual(fatal, [(EXIT_NEEDS_OPERATOR, "state.json: permission denied")])
+        self.assertEqual([s.name for s in parent], ["s0"])
+        self.flushLoggedErrors(OSError)

@@ -11,12 +11,23 @@ from typing import Any
 
 from attrs import define, field
 from twisted.application.service import IServiceCollection, Service
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.logger import Logger
 
 from llmport_agent import VERSION
 from llmport_agent.core.config import mask_url
 from llmport_agent.host.instance import AlreadyRunning
+
+
+async def _all_of(*loads: Deferred[Any]) -> None:
+    """
+    Wait for every one of C{loads}; then raise the first failure (in argument order), as
+    awaiting them in turn would have raised it, none left unhandled.
+    """
+    results = await DeferredList(list(loads), consumeErrors=True)
+    for ok, result in results:
+        if not ok:
+            result.raiseException()
 
 
 @define(eq=False, repr=False)  # a component: identity, not value
@@ -99,18 +110,21 @@ class Startup:
         for svc in self.pools:
             svc.setServiceParent(self.parent)
         self.env_file.check()
+        from llmport_agent.core.state import TwoStates, adopt_old_state
+
+        def lock_then_adopt() -> str | None:
+            self.instance_lock.acquire()
+            # One state location per user (run, start --user and join --user share it).
+            return adopt_old_state(self.state.path)
+
         try:
-            await self.io_pool.run(self.instance_lock.acquire)
+            # In one hop to the pool: the lock first, then the state's one location.
+            moved = await self.io_pool.run(lock_then_adopt)
         except AlreadyRunning as e:
             # Nothing else starts: this process must not touch the state, the journal or the
             # engine that the other agent is using.
             self.fatal(1, str(e))
             return
-        from llmport_agent.core.state import TwoStates, adopt_old_state
-
-        try:
-            # One state location per user (run, start --user and join --user share it).
-            moved = await self.io_pool.run(adopt_old_state, self.state.path)
         except TwoStates as e:
             from llmport_agent.session.shared import EXIT_NEEDS_OPERATOR
 
@@ -118,9 +132,9 @@ class Startup:
             return
         if moved:
             self.log.warn("{note}", note=moved)
-        await self.state.load()
-        await self.journal.load()
-        await self.outbox.load()
+        # Three files of their own: read side by side on the pool (each is one hop or two
+        # between the reactor and a worker; in turn they were most of the start's wait).
+        await _all_of(self.state.load(), self.journal.load(), self.outbox.load())
         observer = self.log_observer()
         if observer is not None:
             from twisted.logger import globalLogPublisher
