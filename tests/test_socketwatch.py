@@ -31,7 +31,7 @@ from llmport_agent.workloads.inotify import (
     INotify,
     parse_events,
 )
-from llmport_agent.workloads.socketwatch import SocketWatch, watch_socket
+from llmport_agent.workloads.socketwatch import SocketWatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -278,7 +278,7 @@ class NotifierTests(TestCase):
         notifier.startReading()
         masks: list[int] = []
         gone: Deferred[None] = Deferred()
-        again: Deferred[None] = Deferred()
+        again: Deferred[str] = Deferred()
 
         def told(mask: int, name: str) -> None:
             masks.append(mask)
@@ -288,7 +288,7 @@ class NotifierTests(TestCase):
         notifier.watch(sub, IN_CREATE, told)
         os.rmdir(sub)
 
-        def after(_: Any) -> Deferred[None]:
+        def after(_: Any) -> Deferred[Any]:
             self.assertEqual((masks, notifier.closed, notifier.watched()), ([IN_IGNORED], False, []))
             os.fstat(notifier.fileno())
             notifier.watch(root, IN_CREATE, lambda m, n: again.callback(n))
