@@ -33,20 +33,20 @@ from typing import Any
 from twisted.internet.interfaces import IReactorFDSet
 from twisted.logger import Logger
 
+from llmport_agent.workloads.inotify import (
+    IN_CREATE,
+    IN_IGNORED,
+    IN_MOVE_SELF,
+    IN_MOVED_TO,
+    IN_ONLYDIR,
+    IN_Q_OVERFLOW,
+    INotify,
+)
+
 #: At most this many directory changes in one re-check (a path that keeps changing under the
 #: watch, or no inotify watch left): the watch then gives up and the engine probes on its
 #: back-off.
 MAX_MOVES = 64
-
-#: inotify's flags (<sys/inotify.h>; also in L{llmport_agent.workloads.inotify}, which this
-#: module imports only when a watch is made).
-IN_MOVED_TO = 0x080
-IN_CREATE = 0x100
-IN_DELETE_SELF = 0x400
-IN_MOVE_SELF = 0x800
-IN_Q_OVERFLOW = 0x4000
-IN_IGNORED = 0x8000
-IN_ONLYDIR = 0x01000000
 
 #: What is asked for, on directories only; the kernel says C{IN_IGNORED} whenever a watch goes
 #: away (its directory deleted, its file system unmounted), asked or not, and C{IN_Q_OVERFLOW}
@@ -204,8 +204,6 @@ def watch_socket(
     """
     if not IReactorFDSet.providedBy(reactor):
         return None
-    from llmport_agent.workloads.inotify import INotify
-
     try:
         notifier = INotify(reactor)
     except OSError:
