@@ -1074,54 +1074,29 @@ class RealSocketWatchTests(TestCase):
         return d.addCallback(lambda _: self.assertEqual((seen, lost, watch.active), ([True], [], False)))
 
 
-    def test_notifier_kept_open_until_closed(self) -> Deferred[None]:
-        """
-        Twisted's answer to a deleted watched directory (loseConnection) leaves the watch's
-        notifier open; close() closes it, and a closed descriptor is said (on_lost).
-        """
-        from twisted.internet import reactor
-        from twisted.internet.task import deferLater
-
-        from llmport_agent.workloads.socketwatch import _notifier
-
-        try:
-            notifier = _notifier(reactor)
-        except Exception:
-            raise SkipTest("no inotify here") from None
-        notifier.startReading()
-        lost: list[Any] = []
-        notifier.on_lost = lost.append
-        self.addCleanup(notifier.close)
-        notifier.loseConnection()
-
-        async def steps() -> None:
-            await deferLater(reactor, 0, lambda: None)
-            self.assertEqual((notifier.connected, lost), (1, []))
-            notifier.close()
-            await deferLater(reactor, 0, lambda: None)
-            self.assertEqual((notifier.connected, len(lost)), (0, 1))
-
-        return Deferred.fromCoroutine(steps())
-
-
 class _FakeNotifier:
-    """Twisted's INotify as the watch uses it; C{full}: no inotify watch left (ENOSPC)."""
+    """The agent's INotify as the watch uses it; C{full}: no inotify watch left (ENOSPC)."""
 
     def __init__(self) -> None:
         self.full = False
-        self.watched: list[str] = []
+        self.watches: dict[int, str] = {}
         self.closed = 0
         self.callbacks: list[Any] = []
 
-    def watch(self, path: Any, mask: int, callbacks: list[Any]) -> int:
+    @property
+    def watched(self) -> list[str]:
+        return list(self.watches.values())
+
+    def watch(self, path: str, mask: int, callback: Any) -> int:
         if self.full:
             raise OSError(28, "No space left on device")
-        self.watched.append(path.path)
-        self.callbacks = callbacks
-        return len(self.watched)
+        wd = len(self.callbacks) + 1
+        self.watches[wd] = path
+        self.callbacks.append(callback)
+        return wd
 
-    def ignore(self, path: Any) -> None:
-        self.watched.remove(path.path)
+    def ignore(self, wd: int) -> None:
+        del self.watches[wd]
 
     def close(self) -> None:
         self.closed += 1
@@ -1144,7 +1119,8 @@ class SocketWatchLostTests(SynchronousTestCase):
     def test_no_watch_left_at_an_event(self) -> None:
         notifier, watch, lost, appeared = self.make()
         notifier.full = True
-        notifier.callbacks[0](None, None, 0x8000)  # IN_IGNORED: the directory went away
+        notifier.watches.clear()  # the kernel dropped the watch, and the notifier forgot it
+        notifier.callbacks[0](0x8000, "")  # IN_IGNORED: the directory went away
         self.assertEqual(len(lost), 1)
         self.assertIn("no inotify watch was left", lost[0])
         self.assertEqual((watch.active, notifier.closed, appeared), (False, 1, []))

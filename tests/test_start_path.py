@@ -67,6 +67,12 @@ NOT_BEFORE_CONNECT = (
     "psutil",
     # IDNA's UTS 46 table: the enrollment POST to a plain host skips it (core/plainurl.py).
     "idna.uts46data",
+    # Twisted's inotify and ctypes.util (find_library runs ldconfig and waits for it): the
+    # engine socket watch, made before the connect here (no Docker socket), is the agent's own
+    # (workloads/inotify.py), on the libc the process has mapped.
+    "twisted.internet.inotify",
+    "twisted.python._inotify",
+    "ctypes.util",
 )
 
 #: The agent as `llmport-agent run` starts it, with a log observer that notes the modules

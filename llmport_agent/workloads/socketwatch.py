@@ -4,15 +4,15 @@ socket made again), without a timer.
 
 L{SocketWatch} watches, with inotify, the nearest existing directory on the way to the socket
 (its own directory, or the parent the first missing component would be made in) for entries
-created or moved in. Each event there re-checks the path: the socket is there, or the watch
-moves one directory down, or back up when the watched directory itself went away (deleted,
-moved, its file system unmounted). A path made between the check and the watch is caught by
-checking again once the watch is in place.
+created or moved in. An event naming the next component of the path (or saying that the
+watched directory itself went away or that events were lost) re-checks the path: the socket is
+there, or the watch moves one directory down, or back up when the watched directory itself
+went away (deleted, moved, its file system unmounted). A path made between the check and the
+watch is caught by checking again once the watch is in place.
 
-Twisted's C{INotify} asks every watch for C{IN_DELETE_SELF} and answers it by dropping that
-watch and closing its inotify descriptor: one deleted directory would end the whole watch. The
-notifier made here keeps its descriptor open until its L{SocketWatch} stops; the watch forgets
-the dropped directory and moves up once Twisted has dropped it.
+The notifier is the agent's own (L{llmport_agent.workloads.inotify}), not Twisted's: no
+C{ldconfig} process started and waited for on the reactor thread at start, and its descriptor
+stays open when a watched directory is deleted.
 
 A watch that ends without the socket appearing and without its owner stopping it (the path
 kept changing, no inotify watch left: C{fs.inotify.max_user_watches}, the inotify descriptor
@@ -33,22 +33,25 @@ from typing import Any
 from twisted.internet.interfaces import IReactorFDSet
 from twisted.logger import Logger
 
+from llmport_agent.workloads.inotify import (
+    IN_CREATE,
+    IN_IGNORED,
+    IN_MOVE_SELF,
+    IN_MOVED_TO,
+    IN_ONLYDIR,
+    IN_Q_OVERFLOW,
+    INotify,
+)
+
 #: At most this many directory changes in one re-check (a path that keeps changing under the
 #: watch, or no inotify watch left): the watch then gives up and the engine probes on its
 #: back-off.
 MAX_MOVES = 64
 
-#: inotify's flags (<sys/inotify.h>; the same values Twisted's C{inotify} module names, without
-#: importing it before a watch is made).
-IN_CREATE = 0x100
-IN_MOVED_TO = 0x080
-IN_DELETE_SELF = 0x400
-IN_MOVE_SELF = 0x800
-IN_IGNORED = 0x8000
-
-#: What is asked for (Twisted adds C{IN_DELETE_SELF}); the kernel says C{IN_IGNORED} whenever a
-#: watch goes away (its directory deleted, its file system unmounted), asked or not.
-WATCH_MASK = IN_CREATE | IN_MOVED_TO | IN_MOVE_SELF
+#: What is asked for, on directories only; the kernel says C{IN_IGNORED} whenever a watch goes
+#: away (its directory deleted, its file system unmounted), asked or not, and C{IN_Q_OVERFLOW}
+#: when events were lost.
+WATCH_MASK = IN_CREATE | IN_MOVED_TO | IN_MOVE_SELF | IN_ONLYDIR
 
 
 def nearest_existing(path: str, exists: Callable[[str], bool] = os.path.isdir) -> str:
@@ -59,15 +62,23 @@ def nearest_existing(path: str, exists: Callable[[str], bool] = os.path.isdir) -
     return d
 
 
+def next_component(path: str, directory: str) -> str:
+    """The name under C{directory} on the way to C{path} ("" when C{path} is not under it)."""
+    prefix = directory.rstrip("/") + "/"
+    if not path.startswith(prefix):
+        return ""
+    return path[len(prefix):].split("/", 1)[0]
+
+
 class SocketWatch:
     """
     Calls C{appeared} once when C{path} exists, or C{lost} once when the watch ends without
     that and without L{stop} (see the module docstring).
 
-    @param notifier: an object with C{watch(FilePath, mask, callbacks)}, C{ignore(FilePath)}
-        and C{close()} (see L{watch_socket}); L{notifierLost} is called when its descriptor is
-        closed under the watch.
-    @param later: calls a function soon, from the reactor (C{None}: at once).
+    @param notifier: an object with C{watch(path, mask, callback)} (C{callback(mask, name)};
+        gives the watch descriptor), C{ignore(wd)} and C{close()}: an
+        L{llmport_agent.workloads.inotify.INotify} (see L{watch_socket}); L{notifierLost} is
+        called when its descriptor is closed under the watch.
     """
 
     log = Logger()
@@ -81,17 +92,18 @@ class SocketWatch:
         *,
         exists: Callable[[str], bool] = os.path.exists,
         isdir: Callable[[str], bool] = os.path.isdir,
-        later: Callable[[Callable[[], None]], Any] | None = None,
     ) -> None:
         self._notifier = notifier
         self.path = os.path.abspath(path)
         self._appeared = appeared
         self._lost = lost
-        self._later = later
         self._exists = exists
         self._isdir = isdir
-        #: The directory watched now ("" when none).
+        #: The directory watched now ("" when none), its watch descriptor, and the name in it
+        #: on the way to the path.
         self.watched = ""
+        self._wd: int | None = None
+        self._next = ""
         self.active = True
         self.moves = 0
 
@@ -120,34 +132,34 @@ class SocketWatch:
     def notifierLost(self, reason: Any = None) -> None:
         """The inotify descriptor was closed under the watch: nothing more will be told."""
         if self.active:
-            self.watched = ""  # gone with the descriptor
+            self._forget()  # gone with the descriptor
             self._give_up("the inotify descriptor was closed")
 
-    def _unwatch(self) -> None:
-        from twisted.python.filepath import FilePath
+    def _forget(self) -> None:
+        self.watched, self._wd, self._next = "", None, ""
 
-        if self.watched:
+    def _unwatch(self) -> None:
+        wd = self._wd
+        self._forget()
+        if wd is not None:
             try:
-                self._notifier.ignore(FilePath(self.watched))
+                self._notifier.ignore(wd)
             except Exception:
                 pass  # the kernel dropped it already (the directory went away)
-            self.watched = ""
 
-    def _event(self, _watch: Any, _path: Any, mask: int) -> None:
+    def _event(self, mask: int, name: str) -> None:
         if not self.active:
             return
-        if mask & IN_DELETE_SELF:
-            # The watched directory was deleted: Twisted drops its watch once this returns (and
-            # would hand back that dead watch for the same path until then). Looked at again
-            # after that.
-            self.watched = ""
-            if self._later is not None:
-                self._later(self._check)
-                return
-        elif mask & (IN_IGNORED | IN_MOVE_SELF):
-            # The kernel dropped the watch (unmounted), or the directory moved (the watch follows
-            # it elsewhere): forget it, even if the same path is there again.
+        if mask & IN_IGNORED:
+            # The kernel dropped the watch (the directory deleted, unmounted): the notifier
+            # forgot it already.
+            self._forget()
+        elif mask & IN_MOVE_SELF:
+            # The directory moved (the watch follows it elsewhere): forget it, even if the same
+            # path is there again.
             self._unwatch()
+        elif not mask & IN_Q_OVERFLOW and name != self._next:
+            return  # another entry of the watched directory
         self._check()
 
     def _check(self) -> None:
@@ -162,8 +174,6 @@ class SocketWatch:
             self._give_up(f"its path kept changing or no inotify watch was left ({MAX_MOVES} tries)")
 
     def _recheck(self) -> bool:
-        from twisted.python.filepath import FilePath
-
         for _ in range(MAX_MOVES):
             if not self.active:
                 return True
@@ -176,38 +186,13 @@ class SocketWatch:
                 return True
             self._unwatch()
             try:
-                self._notifier.watch(FilePath(target), mask=WATCH_MASK, callbacks=[self._event])
+                wd = self._notifier.watch(target, WATCH_MASK, self._event)
             except Exception:
                 # Gone again between the check and the watch, or no watch left: look again.
                 continue
-            self.watched = target
+            self.watched, self._wd, self._next = target, wd, next_component(self.path, target)
             self.moves += 1
         return False
-
-
-def _notifier(reactor: Any) -> Any:
-    """
-    Twisted's C{INotify}, closed only by C{close()} (Twisted closes it when a watched directory
-    is deleted: see the module docstring), and saying when its descriptor is closed anyway
-    (C{on_lost}).
-    """
-    from twisted.internet import inotify
-
-    class Notifier(inotify.INotify):  # type: ignore[misc]
-        on_lost: Callable[[Any], None] | None = None
-
-        def loseConnection(self, *args: Any) -> None:
-            """Twisted's answer to a deleted watched directory: the descriptor is kept."""
-
-        def close(self) -> None:
-            super().loseConnection()
-
-        def connectionLost(self, reason: Any) -> None:
-            super().connectionLost(reason)
-            if self.on_lost is not None:
-                self.on_lost(reason)
-
-    return Notifier(reactor)
 
 
 def watch_socket(
@@ -217,17 +202,16 @@ def watch_socket(
     A started L{SocketWatch} of C{path}, or C{None} where inotify cannot be used. C{lost(why)}
     is called if the watch ends without the path appearing and without C{stop()}.
     """
-    clock: Any = reactor  # (not narrowed to IReactorFDSet below)
     if not IReactorFDSet.providedBy(reactor):
         return None
     try:
-        notifier = _notifier(reactor)
-        notifier.startReading()
-    except Exception:
+        notifier = INotify(reactor)
+    except OSError:
         # Not Linux, or no inotify instance left (fs.inotify.max_user_instances).
         return None
-    watch = SocketWatch(notifier, path, appeared, lost, later=lambda f: clock.callLater(0, f))
+    watch = SocketWatch(notifier, path, appeared, lost)
     notifier.on_lost = watch.notifierLost
+    notifier.startReading()
     try:
         started = watch.start()
     except Exception:
