@@ -308,6 +308,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def run_defaults() -> argparse.Namespace:
+    """What C{build_parser("run").parse_args(["run"])} gives, without building the parser."""
+    return argparse.Namespace(command="run", json_logs=False, **{s.attr: None for s in SETTINGS})
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"run", "demo", "devbackend", "config", "start", "stop", "status", "join"}
@@ -326,12 +331,17 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(argv[1:])
 
-    # Only the subcommand given gets its setting options ("-h" and the like: every one).
-    parser = build_parser(argv[0] if argv and argv[0] in commands else None)
-    args = parser.parse_args(argv)
-    if args.command not in commands:
-        parser.print_help()
-        return EX_USAGE
+    if argv == ["run"]:
+        # How the unit and a bare `llmport-agent` start it: nothing to parse, and argparse's
+        # first parser (its translations, its help formatter) is a few ms of every start.
+        args = run_defaults()
+    else:
+        # Only the subcommand given gets its setting options ("-h" and the like: every one).
+        parser = build_parser(argv[0] if argv and argv[0] in commands else None)
+        args = parser.parse_args(argv)
+        if args.command not in commands:
+            parser.print_help()
+            return EX_USAGE
     if args.command != "run":  # the running agent never needs the installer (~2 MiB)
         from llmport_agent.host.installer import Installer
 

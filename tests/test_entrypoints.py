@@ -165,6 +165,31 @@ class CliTests(SynchronousTestCase):
         for command in ("run", "config", "status"):
             self.assertEqual(whole.parse_args([command, "--heartbeat-interval-sec", "7"]).heartbeat_interval_sec, "7")
 
+    def test_bare_run_builds_no_parser(self) -> None:
+        """
+        `run` alone (the unit's command line) and no arguments at all run the agent without
+        building argparse's parser, with exactly what the parser would have given.
+        """
+        built: list[str | None] = []
+        real = cli.build_parser
+
+        def recording(command: str | None = None) -> Any:
+            built.append(command)
+            return real(command)
+
+        self.patch(cli, "build_parser", recording)
+        os.environ[P + "HEARTBEAT_INTERVAL_SEC"] = "11"
+        for argv in (["run"], []):
+            code, _, _ = self.main(argv)
+            self.assertEqual(code, 0)
+            self.assertEqual(self.runs[-1][0].heartbeat_interval_sec, 11)
+            self.assertFalse(self.runs[-1][1])
+        self.assertEqual(built, [])
+        # The same namespace as the parser's: an option added to `run` turns this red until
+        # run_defaults knows it.
+        self.assertEqual(vars(cli.run_defaults()), vars(real("run").parse_args(["run"])))
+        self.assertEqual(vars(cli.run_defaults()), vars(real().parse_args(["run"])))
+
     def test_installer_commands(self) -> None:
         self.assertEqual(self.main(["start", "--user", "llmport"])[0], 0)
         self.assertEqual(self.main(["stop"])[0], 0)
