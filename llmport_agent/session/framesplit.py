@@ -21,6 +21,7 @@ left for the backend's next frame, which lists the same commands again.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -45,7 +46,15 @@ _SCALAR = re.compile(r"[^,\]}\s]*")
 _F = r'(?>"[^"\\]*+(?:\\.[^"\\]*+)*+"|[^\[\]{}"]++)'
 _LEAF1 = rf"(?>\[{_F}*+\]|\{{{_F}*+\}})"
 _LEAF2 = rf"(?>\[(?>{_F}|{_LEAF1})*+\]|\{{(?>{_F}|{_LEAF1})*+\}})"
-_TOKEN = re.compile(rf"(?>{_F}|{_LEAF2})++|([\[{{]++)|([\]}}]++)|(\")", re.S)
+
+
+@functools.cache
+def _token() -> re.Pattern[str]:
+    """The scanner's pattern, compiled at the first salvage (half a millisecond of every start
+    otherwise: most agents never see a broken frame)."""
+    return re.compile(rf"(?>{_F}|{_LEAF2})++|([\[{{]++)|([\]}}]++)|(\")", re.S)
+
+
 _DECODER = json.JSONDecoder()
 
 
@@ -106,7 +115,7 @@ class _Scanner:
         # The window bounds even one long depth-neutral match by the budget.
         window = min(len(text), pos + 1 + max(0, self.chars))
         truncated = window < len(text)
-        for m in _TOKEN.finditer(text, pos + 1, window):
+        for m in _token().finditer(text, pos + 1, window):
             self.steps -= 1
             self.chars -= m.end() - m.start()
             if self.steps < 0:
