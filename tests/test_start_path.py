@@ -73,6 +73,12 @@ NOT_BEFORE_CONNECT = (
     "twisted.internet.inotify",
     "twisted.python._inotify",
     "ctypes.util",
+    # collect_diagnostics' reader: built at the first request for diagnostics.
+    "llmport_agent.ops.diagnostics",
+    # The inventory sections' readers: at the first inventory, which follows the connect.
+    "llmport_agent.inventory.network",
+    "llmport_agent.inventory.vllm",
+    "llmport_agent.inventory.rayruntime",
 )
 
 #: The agent as `llmport-agent run` starts it, with a log observer that notes the modules

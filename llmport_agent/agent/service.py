@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred
@@ -48,12 +48,14 @@ from llmport_agent.core.threads import PoolService
 from llmport_agent.events.outbox import EventOutbox
 from llmport_agent.host.envfile import EnvFileCheck
 from llmport_agent.host.instance import InstanceLock
-from llmport_agent.ops.diagnostics import Diagnostics
 from llmport_agent.ops.status import NodeStatus
 from llmport_agent.session.backend_http import BackendHTTP
 from llmport_agent.session.reporting import HeartbeatReporter, InventoryReporter
 from llmport_agent.session.service import SessionService
 from llmport_agent.session.shared import TOKEN_HELP
+
+if TYPE_CHECKING:
+    from llmport_agent.ops.diagnostics import Diagnostics
 
 __all__ = ["AgentService", "make_http_client"]
 
@@ -287,12 +289,7 @@ class AgentService(MultiService):
         self.notify = NotifyService(reactor, Notifier(notify_environ), self.status.status_line)
         self.session.subscribe(self.notify)
         self.recent_errors: list[dict[str, Any]] = []
-        self._diagnostics = Diagnostics(
-            config, self.session, self.modes, self.collector, self.gpu_monitor, self.pipeline,
-            self.outbox, self.heartbeat, self.inventory, self.status.heartbeat_fields,
-            log_shipping=lambda: self.log_shipping, log_sink=self.log_sink,
-            recent_errors=self.recent_errors, engine=self.engine, health=self.health, adoption=self.adoption,
-        )
+        self._diagnostics: Diagnostics | None = None  # built at the first collect_diagnostics
         pools = self._ordered[:3]
         self.startup = Startup(
             self, pools, self._ordered[3:], config, note or "", self.io_pool, self.instance_lock, self.state,
@@ -604,5 +601,14 @@ class AgentService(MultiService):
 
     async def diagnostics(self) -> dict[str, Any]:
         """The C{collect_diagnostics} result: structured, secrets masked."""
+        if self._diagnostics is None:
+            from llmport_agent.ops.diagnostics import Diagnostics
+
+            self._diagnostics = Diagnostics(
+                self.config, self.session, self.modes, self.collector, self.gpu_monitor, self.pipeline,
+                self.outbox, self.heartbeat, self.inventory, self.status.heartbeat_fields,
+                log_shipping=lambda: self.log_shipping, log_sink=self.log_sink,
+                recent_errors=self.recent_errors, engine=self.engine, health=self.health, adoption=self.adoption,
+            )
         return await self._diagnostics.collect()
 
