@@ -13,14 +13,16 @@ The C{llmport-agent} console script.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmport_agent import VERSION
 from llmport_agent.core.config import SETTINGS, AgentConfig, ConfigError, display_value, load_config
+
+if TYPE_CHECKING:
+    import argparse
 
 EX_USAGE = 2
 #: Set once the agent's reactor ran in this process (L{leave} then ends it at once).
@@ -33,6 +35,8 @@ def _add_setting_options(parser: argparse.ArgumentParser, listed: bool = True) -
     points at C{run --help} and the configuration reference), so a short command's own
     options are not buried under sixty settings.
     """
+    import argparse
+
     group = parser.add_argument_group("configuration (each also settable as LLM_PORT_NODE_AGENT_*)")
     for s in SETTINGS:
         group.add_argument(f"--{s.option}", dest=s.attr, default=None, metavar="VALUE",
@@ -241,6 +245,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         C{None}: every subcommand's (the whole command line, as the reference shows it).
     """
 
+    import argparse  # here: `run` alone needs no parser (see main)
+
     def settings(name: str, subparser: argparse.ArgumentParser, listed: bool = True) -> None:
         if command is None or command == name:
             _add_setting_options(subparser, listed=listed)
@@ -308,9 +314,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def run_defaults() -> argparse.Namespace:
-    """What C{build_parser("run").parse_args(["run"])} gives, without building the parser."""
-    return argparse.Namespace(command="run", json_logs=False, **{s.attr: None for s in SETTINGS})
+def run_defaults() -> Any:
+    """What C{build_parser("run").parse_args(["run"])} gives, without building the parser (nor
+    importing argparse)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(command="run", json_logs=False, **{s.attr: None for s in SETTINGS})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,6 +79,8 @@ NOT_BEFORE_CONNECT = (
     "llmport_agent.inventory.network",
     "llmport_agent.inventory.vllm",
     "llmport_agent.inventory.rayruntime",
+    # `run` alone (the unit's command line) builds no command-line parser.
+    "argparse",
 )
 
 #: The agent as `llmport-agent run` starts it, with a log observer that notes the modules

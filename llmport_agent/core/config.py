@@ -471,7 +471,7 @@ def _choice(var: str, raw: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-@frozen
+@frozen(eq=False)  # one per process, compared by identity: no 62-field __eq__/__hash__ to compile
 class AgentConfig:
     """The resolved configuration. Build it with L{load_config}."""
 
