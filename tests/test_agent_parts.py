@@ -247,36 +247,49 @@ class StartupLoadsTests(SynchronousTestCase):
         )
         return startup, parent, pending, fatal
 
-    def test_all_three_begin_before_any_ends(self) -> None:
-        """Every load is under way at once; the services start only when the last one ends."""
+    def test_journal_and_outbox_side_by_side_after_the_state(self) -> None:
+        """
+        The state file first; then the journal and the outbox are both under way at once; the
+        services start only when the last one ends.
+        """
         startup, parent, pending, fatal = self.startup()
         startup.begin()
+        self.assertEqual(sorted(pending), ["state"])
+        pending["state"].callback(None)
         self.assertEqual(sorted(pending), ["journal", "outbox", "state"])
         pending["outbox"].callback(None)
-        pending["state"].callback(None)
         self.assertEqual([s.name for s in parent], ["s0"])  # the pool only
         pending["journal"].callback(None)
         self.successResultOf(startup.started)
         self.assertEqual([s.name for s in parent], ["s0", "s1", "s2"])
         self.assertEqual(fatal, [])
 
-    def test_an_unreadable_state_stops_the_start_after_the_others(self) -> None:
+    def test_an_unreadable_state_touches_nothing_else(self) -> None:
         """
-        A failed load fails the start as awaiting it alone did (an unreadable state file: the
-        operator is needed), once the other loads ended; nothing else starts, nothing is left
-        unhandled.
+        An unreadable state file stops the start before the journal and the outbox are loaded
+        (their loads rewrite them): the operator is needed, nothing else starts.
         """
         from llmport_agent.core.state import StateUnreadable
         from llmport_agent.session.shared import EXIT_NEEDS_OPERATOR
 
         startup, parent, pending, fatal = self.startup()
         startup.begin()
-        pending["journal"].errback(OSError("journal disk gone"))
         pending["state"].errback(StateUnreadable("state.json: permission denied"))
-        self.assertEqual(fatal, [])
-        pending["outbox"].callback(None)
         self.successResultOf(startup.started)
-        # The first failure in the stores' order (state, journal, outbox) is the one said.
+        self.assertEqual(sorted(pending), ["state"])
         self.assertEqual(fatal, [(EXIT_NEEDS_OPERATOR, "state.json: permission denied")])
         self.assertEqual([s.name for s in parent], ["s0"])
-        self.flushLoggedErrors(OSError)
+
+    def test_both_failures_are_said(self) -> None:
+        """The journal's and the outbox's loads both fail: the first fails the start, the other is logged."""
+        startup, parent, pending, fatal = self.startup()
+        startup.begin()
+        pending["state"].callback(None)
+        pending["outbox"].errback(OSError("outbox: disk gone"))
+        pending["journal"].errback(OSError("journal: disk gone"))
+        self.successResultOf(startup.started)
+        self.assertEqual([code for code, _ in fatal], [1])
+        self.assertIn("journal: disk gone", fatal[0][1])
+        logged = self.flushLoggedErrors(OSError)
+        self.assertIn("outbox: disk gone", " ".join(str(f.value) for f in logged))
+        self.assertEqual([s.name for s in parent], ["s0"])

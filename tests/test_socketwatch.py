@@ -457,6 +457,19 @@ class SocketWatchEventsTests(SynchronousTestCase):
         fake.callbacks[1](IN_Q_OVERFLOW, "")
         self.assertEqual(appeared, [1])
 
+    def test_overflow_watches_afresh(self) -> None:
+        """
+        Lost events may have hidden the directory's deletion and remaking (its IN_IGNORED among
+        them): after an overflow the directory is watched again, not trusted to the old watch.
+        """
+        fake, watch, there, appeared = self.make()
+        fake.callbacks[1](IN_Q_OVERFLOW, "")
+        self.assertEqual(appeared, [])
+        self.assertEqual(fake.watches, {2: "/run/user"})  # the old one let go, a new one made
+        there[0] = True
+        fake.callbacks[2](IN_CREATE, "1000")
+        self.assertEqual(appeared, [1])
+
     def test_ignored_moves_up(self) -> None:
         fake, watch, there, appeared = self.make()
         del fake.watches[1]  # the kernel dropped it; the notifier forgot it

@@ -19,15 +19,18 @@ from llmport_agent.core.config import mask_url
 from llmport_agent.host.instance import AlreadyRunning
 
 
-async def _all_of(*loads: Deferred[Any]) -> None:
+async def _all_of(log: Logger, *loads: Deferred[Any]) -> None:
     """
     Wait for every one of C{loads}; then raise the first failure (in argument order), as
-    awaiting them in turn would have raised it, none left unhandled.
+    awaiting them in turn would have raised it. The others are logged: none is left unsaid or
+    unhandled.
     """
     results = await DeferredList(list(loads), consumeErrors=True)
-    for ok, result in results:
-        if not ok:
-            result.raiseException()
+    failures = [result for ok, result in results if not ok]
+    for later in failures[1:]:
+        log.failure("Loading durable state failed as well", failure=later)
+    if failures:
+        failures[0].raiseException()
 
 
 @define(eq=False, repr=False)  # a component: identity, not value
@@ -132,9 +135,11 @@ class Startup:
             return
         if moved:
             self.log.warn("{note}", note=moved)
-        # Three files of their own: read side by side on the pool (each is one hop or two
-        # between the reactor and a worker; in turn they were most of the start's wait).
-        await _all_of(self.state.load(), self.journal.load(), self.outbox.load())
+        # The state first: an unreadable one stops the start before the journal and the outbox
+        # are touched (their loads compact them). Then those two side by side on the pool
+        # (each is a hop or two between the reactor and a worker).
+        await self.state.load()
+        await _all_of(self.log, self.journal.load(), self.outbox.load())
         observer = self.log_observer()
         if observer is not None:
             from twisted.logger import globalLogPublisher

@@ -97,7 +97,7 @@ class XorMaskerNvx:
         compiled = _compiled(_COMPILED_XOR)
         self.ffi = compiled.ffi
         self.lib = compiled.lib
-        # The C masker keeps a pointer to the mask: the buffer lives as long as this object.
+        # Kept as Autobahn keeps it (the C masker copies the 4 bytes at nvx_xormask_new).
         self._mask_buffer = self.ffi.new("uint8_t[4]", mask)
         self._masker = self.ffi.gc(self.lib.nvx_xormask_new(self._mask_buffer), self.lib.nvx_xormask_free)
         self.lib.nvx_xormask_set_impl(self._masker, _XOR_SIMD if use_simd else _XOR_SCALAR)

@@ -65,8 +65,9 @@ def static_host_facts(system: str = sys.platform) -> dict[str, str]:
     C{/etc/os-release}; off Linux, may spawn C{uname -p}); call it in a worker thread.
 
     On Linux the processor is the machine type: C{platform.processor()} would start
-    C{uname -p} at every start, which prints the machine type there (Red Hat's coreutils) or
-    "unknown" (Debian's and Ubuntu's).
+    C{uname -p} at every start, which prints the machine type (Red Hat's coreutils) or
+    "unknown" (Debian's, Ubuntu's) on most distributions; a few patch it to print the CPU's
+    model name, which this fact then no longer carries.
 
     @param system: C{sys.platform} (another in tests).
     """

@@ -142,7 +142,9 @@ class INotify:
         Watch the directory C{path} for C{mask}: C{callback(mask, name)} for each event (and
         C{IN_IGNORED} when the kernel dropped the watch, C{IN_Q_OVERFLOW} when events were
         lost). The watch descriptor; C{OSError} when the kernel refuses (gone, not a
-        directory with C{IN_ONLYDIR}, no watch left).
+        directory with C{IN_ONLYDIR}, no watch left). A directory this descriptor watches
+        already (another path to the same inode) gets the same watch descriptor back: the later
+        callback replaces the earlier one (a socket watch watches one directory at a time).
         """
         if self.closed:
             raise OSError(f"the inotify descriptor is closed: cannot watch {path}")
@@ -181,10 +183,12 @@ class INotify:
             return
         self.closed = True
         self._watches.clear()
-        if self._reading:
-            self._reading = False
-            self._reactor.removeReader(self)
-        os.close(self._fd)
+        try:
+            if self._reading:
+                self._reading = False
+                self._reactor.removeReader(self)
+        finally:
+            os.close(self._fd)
 
     def fileno(self) -> int:
         return -1 if self.closed else self._fd
@@ -234,6 +238,8 @@ class INotify:
                     del self._watches[wd]
                 targets = [entry[1]]
             for callback in targets:
+                if self.closed:
+                    return  # a callback closed the notifier
                 try:
                     callback(mask, name)
                 except Exception:

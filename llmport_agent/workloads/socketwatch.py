@@ -158,7 +158,11 @@ class SocketWatch:
             # The directory moved (the watch follows it elsewhere): forget it, even if the same
             # path is there again.
             self._unwatch()
-        elif not mask & IN_Q_OVERFLOW and name != self._next:
+        elif mask & IN_Q_OVERFLOW:
+            # Events were lost, an IN_IGNORED among them maybe (the directory deleted and made
+            # again: the watch would be a dead one on the same path): watch afresh.
+            self._unwatch()
+        elif name != self._next:
             return  # another entry of the watched directory
         self._check()
 
@@ -211,8 +215,8 @@ def watch_socket(
         return None
     watch = SocketWatch(notifier, path, appeared, lost)
     notifier.on_lost = watch.notifierLost
-    notifier.startReading()
     try:
+        notifier.startReading()
         started = watch.start()
     except Exception:
         watch.stop()
