@@ -121,3 +121,59 @@ class RemoveBetweenStatesTests(SynchronousTestCase):
         with self.assertRaises(docker.errors.APIError):
             ops.remove(Client(), "abc", sleep=lambda s: self.fail("slept"))
         self.assertEqual(API.calls, 1)
+
+
+class _RestartingAPI:
+    """A container whose restart policy starts it again after the first C{comebacks} stops."""
+
+    def __init__(self, comebacks: int, exists: bool = True) -> None:
+        self.comebacks = comebacks
+        self.exists = exists
+        self.stops = 0
+        self.running = True
+
+    def stop(self, ident: str, timeout: int) -> None:
+        import docker
+
+        if not self.exists:
+            raise docker.errors.NotFound("no such container")
+        self.stops += 1
+        self.running = self.stops <= self.comebacks  # the engine started it again
+
+    def inspect_container(self, ident: str) -> dict[str, Any]:
+        return {"State": {"Running": self.running, "Restarting": False}}
+
+
+class StopForGoodTests(SynchronousTestCase):
+    """
+    A container that failed its start is stopped and kept stopped: Podman's restart policy
+    starts it again after a stop that found it already exited (seen as a deploy test's
+    container "running" after the failure).
+    """
+
+    def client(self, api: Any) -> Any:
+        class Client:
+            pass
+
+        Client.api = api
+        return Client()
+
+    def test_stopped_again_while_it_comes_back(self) -> None:
+        api, slept = _RestartingAPI(comebacks=2), []
+        self.assertTrue(ops.stop_for_good(self.client(api), "abc", 1, sleep=slept.append))
+        self.assertEqual((api.stops, api.running), (3, False))
+        self.assertEqual(slept, [ops.STOP_CHECK_SEC] * 3)
+
+    def test_one_stop_when_it_stays_stopped(self) -> None:
+        api = _RestartingAPI(comebacks=0)
+        self.assertTrue(ops.stop_for_good(self.client(api), "abc", 1, sleep=lambda s: None))
+        self.assertEqual(api.stops, 1)
+
+    def test_bounded(self) -> None:
+        api = _RestartingAPI(comebacks=100)
+        self.assertTrue(ops.stop_for_good(self.client(api), "abc", 1, sleep=lambda s: None))
+        self.assertEqual(api.stops, ops.STOP_TRIES)
+
+    def test_gone(self) -> None:
+        api = _RestartingAPI(comebacks=0, exists=False)
+        self.assertFalse(ops.stop_for_good(self.client(api), "abc", 1, sleep=lambda s: None))

@@ -517,7 +517,7 @@ class WorkloadManager:
             if exc.error_code == "container_exited":
                 # Stop the crash loop the restart policy would otherwise keep going.
                 try:
-                    await self.engine.call(ops.stop, cid, 1, what="stopping the failed container")
+                    await self.engine.call(ops.stop_for_good, cid, 1, what="stopping the failed container")
                 except EngineError:
                     pass
             raise
