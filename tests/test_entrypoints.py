@@ -132,11 +132,8 @@ class CliTests(SynchronousTestCase):
         rows = dict(line.split(None, 1) for line in out.splitlines() if line.strip())
         self.assertEqual(rows[P + "HEARTBEAT_INTERVAL_SEC"].strip(), "7")
 
-    def test_settings_options_only_for_the_subcommand_run(self) -> None:
-        """
-        Each subcommand that takes setting options gets them when it is the one run (through
-        main, as the console script runs it); a parser built for one has none on the others.
-        """
+    def record_parsers(self) -> tuple[list[str | None], Any]:
+        """cli.build_parser wrapped: the subcommand of each parser built, and the real one."""
         built: list[str | None] = []
         real = cli.build_parser
 
@@ -145,6 +142,14 @@ class CliTests(SynchronousTestCase):
             return real(command)
 
         self.patch(cli, "build_parser", recording)
+        return built, real
+
+    def test_settings_options_only_for_the_subcommand_run(self) -> None:
+        """
+        Each subcommand that takes setting options gets them when it is the one run (through
+        main, as the console script runs it); a parser built for one has none on the others.
+        """
+        built, real = self.record_parsers()
         code, _, _ = self.main(["run", "--heartbeat-interval-sec", "9"])
         self.assertEqual(code, 0)
         self.assertEqual(built, ["run"])  # not every subcommand's two hundred options
@@ -170,14 +175,7 @@ class CliTests(SynchronousTestCase):
         `run` alone (the unit's command line) and no arguments at all run the agent without
         building argparse's parser, with exactly what the parser would have given.
         """
-        built: list[str | None] = []
-        real = cli.build_parser
-
-        def recording(command: str | None = None) -> Any:
-            built.append(command)
-            return real(command)
-
-        self.patch(cli, "build_parser", recording)
+        built, real = self.record_parsers()
         os.environ[P + "HEARTBEAT_INTERVAL_SEC"] = "11"
         for argv in (["run"], []):
             code, _, _ = self.main(argv)

@@ -54,6 +54,17 @@ def advance(clock: Clock, seconds: float, step: float = 0.25) -> None:
         clock.advance(step)
 
 
+async def watch_moved(test: TestCase, reactor: Any, watch: Any, check: Any) -> None:
+    """Until C{check()} holds on the real reactor (a real inotify watch moving), 10 s at most."""
+    from twisted.internet.task import deferLater
+
+    for _ in range(1000):
+        if check():
+            return
+        await deferLater(reactor, 0.01, lambda: None)
+    test.fail(f"the watch did not move (watching {watch.watched!r}, active {watch.active})")
+
+
 class _NoLibrary(Exception):
     """What pynvml raises without libnvidia-ml (NVML_ERROR_LIBRARY_NOT_FOUND)."""
 
@@ -987,14 +998,8 @@ class RealSocketWatchTests(TestCase):
         self.assertEqual(watch.watched, root)
 
         async def steps() -> None:
-            from twisted.internet.task import deferLater
-
             async def until(check: Any) -> None:
-                for _ in range(1000):
-                    if check():
-                        return
-                    await deferLater(reactor, 0.01, lambda: None)
-                self.fail("the watch did not move")
+                await watch_moved(self, reactor, watch, check)
 
             os.mkdir(os.path.join(root, "a"))  # the watch moves down, one directory at a time
             await until(lambda: watch.watched == os.path.join(root, "a"))
@@ -1044,14 +1049,8 @@ class RealSocketWatchTests(TestCase):
         self.assertEqual(watch.watched, os.path.dirname(path))
 
         async def steps() -> None:
-            from twisted.internet.task import deferLater
-
             async def until(check: Any) -> None:
-                for _ in range(1000):
-                    if check():
-                        return
-                    await deferLater(reactor, 0.01, lambda: None)
-                self.fail(f"the watch did not move (watching {watch.watched!r}, active {watch.active})")
+                await watch_moved(self, reactor, watch, check)
 
             shutil.rmtree(os.path.join(root, "u"))  # two levels gone at once
             await until(lambda: watch.watched == root)
