@@ -379,35 +379,35 @@ def stop(client: docker.DockerClient, ident: str, grace: int) -> bool:
     return True
 
 
-#: A failed container is stopped, then looked at again this many times, STOP_CHECK_SEC apart (on
-#: the engine's pool thread): see L{stop_for_good}.
+#: A failed container is stopped, then looked at this many times, STOP_CHECK_SEC apart (on the
+#: engine's pool thread), and stopped again each time it runs: see L{stop_for_good}.
 STOP_TRIES = 5
-STOP_CHECK_SEC = 0.2
+STOP_CHECK_SEC = 0.4
 
 
 def stop_for_good(client: docker.DockerClient, ident: str, grace: int, *, sleep: Any = None) -> bool:
     """
     Stop a container that failed and keep it stopped (its restart policy would restart it in a
     loop). Podman's restart policy starts a container again after a stop that found it already
-    exited (the stop is then no stop at all): it is looked at again after a moment and stopped
-    again while it runs, up to L{STOP_TRIES} times. A thread function. Returns C{False} when
-    the container does not exist.
+    exited (that stop is no stop at all), up to a second or so later: for
+    L{STOP_TRIES} x L{STOP_CHECK_SEC} seconds it is looked at and stopped again whenever it
+    runs. A thread function (it sleeps). Returns C{False} when the container does not exist.
     """
     if sleep is None:
         import time
 
         sleep = time.sleep
+    if not stop(client, ident, grace):
+        return False
     for _ in range(STOP_TRIES):
-        if not stop(client, ident, grace):
-            return False
         sleep(STOP_CHECK_SEC)
         try:
             state = client.api.inspect_container(ident).get("State") or {}
         except docker.errors.NotFound:
             return False
-        if not state.get("Running") and not state.get("Restarting"):
-            return True
-    return True  # stopped again each time it came back: the last stop stands
+        if (state.get("Running") or state.get("Restarting")) and not stop(client, ident, grace):
+            return False
+    return True
 
 
 #: A forced remove that met the container between states (Podman: its restart policy was
