@@ -16,9 +16,11 @@ import signal
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from attrs import define, field
+from attrs import field
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.logger import Logger
+
+from llmport_agent.core.values import define
 
 #: After the drain, how long a stop waits for queued events to reach the backend.
 EVENT_FLUSH_SEC = 3.0

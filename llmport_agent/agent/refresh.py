@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from attrs import define, field
+from attrs import field
 from twisted.internet.interfaces import IDelayedCall
+
+from llmport_agent.core.values import define
 
 
 @define(eq=False, repr=False)  # a component: identity, not value

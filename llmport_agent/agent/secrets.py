@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attrs import frozen
+from llmport_agent.core.values import frozen
 
 
 @frozen(eq=False, repr=False)  # a component: identity, not value

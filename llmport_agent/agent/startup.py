@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from attrs import define, field
+from attrs import field
 from twisted.application.service import IServiceCollection, Service
 from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.logger import Logger
 
 from llmport_agent import VERSION
 from llmport_agent.core.config import mask_url
+from llmport_agent.core.values import define
 from llmport_agent.host.instance import AlreadyRunning
 
 

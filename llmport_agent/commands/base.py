@@ -19,7 +19,9 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal, Protocol
 
-from attrs import field, frozen
+from attrs import field
+
+from llmport_agent.core.values import frozen
 
 #: Lanes decide ordering. C{runtime}: commands for the same runtime id run one at a time in
 #: arrival order. C{read}: never waits behind anything. C{node}: node-state commands, one at a

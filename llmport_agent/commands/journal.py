@@ -29,12 +29,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from attrs import define, field
+from attrs import field
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from llmport_agent.core.storage import GroupCommitLog, ensure_private_dir, read_json_lines
 from llmport_agent.core.threads import BlockingRunner
+from llmport_agent.core.values import define
 
 log = Logger()
 

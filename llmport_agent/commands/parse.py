@@ -11,9 +11,8 @@ import uuid
 from datetime import UTC
 from typing import Any
 
-from attrs import frozen
-
 from llmport_agent.commands.base import Command, is_uuid
+from llmport_agent.core.values import frozen
 from llmport_agent.session.framesplit import UnparsedItem
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random as _random
 from collections.abc import Callable
 
-from attrs import define
+from llmport_agent.core.values import define
 
 
 @define

@@ -15,7 +15,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from attrs import field, fields, frozen
+from attrs import field, fields
+
+from llmport_agent.core.values import frozen
 
 PREFIX = "LLM_PORT_NODE_AGENT_"
 

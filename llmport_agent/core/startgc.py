@@ -9,7 +9,9 @@ from __future__ import annotations
 import gc as _gc
 from typing import Any
 
-from attrs import define, field
+from attrs import field
+
+from llmport_agent.core.values import define
 
 __all__ = ["OUT_OF_REACH", "StartGC"]
 

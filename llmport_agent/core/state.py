@@ -14,13 +14,14 @@ import json
 import os
 from typing import Any
 
-from attrs import define, field
+from attrs import field
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmport_agent.core.storage import atomic_write, ensure_private_dir, move_aside
 from llmport_agent.core.threads import BlockingRunner
+from llmport_agent.core.values import define
 
 log = Logger()
 

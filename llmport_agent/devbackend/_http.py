@@ -14,7 +14,6 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from attrs import define
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
@@ -23,6 +22,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
+from llmport_agent.core.values import define
 from llmport_agent.devbackend._state import (
     GENERATION_CURRENT,
     AuthError,

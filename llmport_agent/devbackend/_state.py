@@ -28,8 +28,10 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from attrs import define, field
+from attrs import field
 from twisted.logger import Logger
+
+from llmport_agent.core.values import define
 
 
 class Clock(Protocol):

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, cast
 
-from attrs import define, frozen
 from autobahn.twisted.resource import WebSocketResource
 from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.task import LoopingCall, deferLater
@@ -30,6 +29,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request, Site
 
 from llmport_agent.core.threads import BlockingRunner, PoolService
+from llmport_agent.core.values import define, frozen
 from llmport_agent.devbackend._http import (
     ClusterSecretResource,
     DevApiResource,

@@ -26,13 +26,14 @@ import re
 from collections.abc import Callable
 from typing import Any, BinaryIO, cast
 
-from attrs import define, frozen
 from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
+
+from llmport_agent.core.values import define, frozen
 
 _RANGE = re.compile(r"^\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*$", re.IGNORECASE)
 _CHUNK = 1024 * 1024

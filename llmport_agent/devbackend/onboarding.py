@@ -23,10 +23,12 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from attrs import define, field
+from attrs import field
 from twisted.logger import Logger
 from twisted.web.resource import Resource
 from twisted.web.server import Request
+
+from llmport_agent.core.values import define
 
 from ._http import (
     JsonResource,

@@ -57,11 +57,13 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from attrs import define, field
+from attrs import field
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+
+from llmport_agent.core.values import define
 
 if TYPE_CHECKING:
     from llmport_agent.devbackend.backend import DevBackend

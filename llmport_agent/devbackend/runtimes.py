@@ -21,7 +21,9 @@ import copy
 import uuid
 from typing import Any
 
-from attrs import define, field, fields
+from attrs import field, fields
+
+from llmport_agent.core.values import define
 
 #: Runtime actions and the command type each issues.
 ACTIONS: dict[str, str] = {

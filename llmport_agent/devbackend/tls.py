@@ -10,11 +10,12 @@ import ipaddress
 import os
 from pathlib import Path
 
-from attrs import frozen
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from llmport_agent.core.values import frozen
 
 
 @frozen

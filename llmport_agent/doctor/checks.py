@@ -25,9 +25,10 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import urlsplit
 
-from attrs import define, field
+from attrs import field
 
 from llmport_agent.core.config import AgentConfig
+from llmport_agent.core.values import define
 from llmport_agent.doctor.result import Finding, fail, ok, warn
 
 #: The ports a Ray runtime on this node needs (GCS, Serve HTTP, dashboard, the agent's proxy).

@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from attrs import frozen
-
 from llmport_agent.core.cleantext import shown
+from llmport_agent.core.values import frozen
 
 OK = "ok"
 WARN = "warn"

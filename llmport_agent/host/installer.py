@@ -20,7 +20,7 @@ import unicodedata
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
-from attrs import define, field
+from attrs import field
 
 from llmport_agent.core.config import (
     PREFIX,
@@ -31,6 +31,7 @@ from llmport_agent.core.config import (
     mask,
     mask_url,
 )
+from llmport_agent.core.values import define
 from llmport_agent.host.previousbuild import NotKept, PreviousBuild
 
 #: Settings written into the unit itself (ReadWritePaths=, ExecStartPre=): a change needs

@@ -17,7 +17,9 @@ import fcntl
 import os
 import stat
 
-from attrs import define, field
+from attrs import field
+
+from llmport_agent.core.values import define
 
 #: The most of the lock file read to find the holder's PID.
 _PID_READ = 64

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import IO, Any
 from urllib.parse import urlsplit
 
-from attrs import define, field
+from attrs import field
 from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
@@ -35,6 +35,7 @@ from llmport_agent.core.cleantext import BadNodeId, checked_node_id, shown
 from llmport_agent.core.config import AgentConfig, mask_url
 from llmport_agent.core.state import load_state
 from llmport_agent.core.storage import atomic_write, ensure_private_dir
+from llmport_agent.core.values import define
 from llmport_agent.host.instance import AlreadyRunning, InstanceLock
 from llmport_agent.session.backend_http import BackendHTTP, Rejected, RouteMissing, Transient
 

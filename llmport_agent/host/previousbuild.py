@@ -27,9 +27,8 @@ from __future__ import annotations
 import os
 import stat
 
-from attrs import define
-
 from llmport_agent.core import safefs
+from llmport_agent.core.values import define
 
 SUFFIX = ".previous"
 #: No executable this agent ships comes near it; a larger file is not copied (bounded work).

@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from attrs import frozen
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmport_agent import VERSION
 from llmport_agent.core.threads import BlockingRunner
+from llmport_agent.core.values import frozen
 from llmport_agent.inventory.capabilities import (
     build_capabilities,
     quick_host_facts,

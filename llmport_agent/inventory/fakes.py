@@ -48,7 +48,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import pynvml as _real
-from attrs import define, field
+from attrs import field
+
+from llmport_agent.core.values import define
 
 __all__ = [
     "FAKE_FUNCTIONS",

@@ -16,7 +16,9 @@ import threading
 from enum import IntEnum
 from typing import Any
 
-from attrs import define, field
+from attrs import field
+
+from llmport_agent.core.values import define
 
 __all__ = ["AMDSMI_STATUS", "FakeAMDGPU", "FakeAMDSMI", "AmdSmiException", "AmdSmiLibraryException"]
 

@@ -26,9 +26,10 @@ import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from attrs import evolve, field, frozen
+from attrs import evolve, field
 from zope.interface import Attribute, Interface, implementer
 
+from llmport_agent.core.values import frozen
 from llmport_agent.inventory.health import (
     HEALTHY,
     UNHEALTHY,

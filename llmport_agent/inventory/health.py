@@ -34,7 +34,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar, cast
 
-from attrs import field, frozen
+from attrs import field
+
+from llmport_agent.core.values import frozen
 
 __all__ = [
     "APPLICATION_XIDS",

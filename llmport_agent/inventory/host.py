@@ -15,9 +15,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from attrs import frozen
-
 from llmport_agent.core.lazyimport import LazyModule
+from llmport_agent.core.values import frozen
 
 if TYPE_CHECKING:
     import psutil

@@ -50,7 +50,9 @@ import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from attrs import define, field
+from attrs import field
+
+from llmport_agent.core.values import define
 
 __all__ = [
     "EPHEMERAL_PREFIXES",

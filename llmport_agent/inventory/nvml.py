@@ -31,10 +31,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from attrs import evolve, frozen
+from attrs import evolve
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from llmport_agent.core.values import frozen
 from llmport_agent.inventory.gpu import (
     _MAX_ERROR_TEXT,
     _ULL_NOT_AVAILABLE,

@@ -10,7 +10,7 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from attrs import frozen
+from llmport_agent.core.values import frozen
 
 __all__ = ["MAX_OUTPUT", "ToolResult", "ToolRunner", "run_tool"]
 

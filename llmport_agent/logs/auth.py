@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from attrs import define, field
+from attrs import field
+
+from llmport_agent.core.values import define
 
 __all__ = ["LokiAuth", "read_secret_file"]
 

@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from attrs import define, field
+from attrs import field
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred, DeferredList
 from twisted.logger import Logger
@@ -53,6 +53,7 @@ from twisted.python.failure import Failure
 from llmport_agent.core.backoff import Backoff
 from llmport_agent.core.storage import atomic_write
 from llmport_agent.core.threads import BlockingRunner, PoolService
+from llmport_agent.core.values import define
 from llmport_agent.logs.docker_logs import (
     FollowResult,
     Inbox,

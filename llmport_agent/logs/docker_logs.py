@@ -33,8 +33,9 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from attrs import define, field, frozen
+from attrs import field
 
+from llmport_agent.core.values import define, frozen
 from llmport_agent.logs.encoding import ENTRY_OVERHEAD
 from llmport_agent.logs.redact import CUT_MARGIN, redact_cut
 from llmport_agent.workloads import dockerapi

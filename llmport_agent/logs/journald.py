@@ -43,7 +43,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from attrs import frozen
 from twisted.application.service import Service
 from twisted.internet.abstract import FileDescriptor
 from twisted.internet.defer import Deferred, DeferredLock
@@ -58,6 +57,7 @@ from twisted.python.failure import Failure
 from llmport_agent.core.backoff import Backoff
 from llmport_agent.core.storage import atomic_write
 from llmport_agent.core.threads import BlockingRunner
+from llmport_agent.core.values import frozen
 from llmport_agent.logs.encoding import ENTRY_OVERHEAD, Entry, LabelKey, label_key
 from llmport_agent.logs.loki import MAX_LINE_CHARS, ILogSink, RoomWaiter
 from llmport_agent.logs.redact import Redactor

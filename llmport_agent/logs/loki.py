@@ -52,7 +52,6 @@ from operator import add, itemgetter
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from attrs import define
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
@@ -63,6 +62,7 @@ from llmport_agent import VERSION
 from llmport_agent.core.backoff import Backoff
 from llmport_agent.core.httpbody import read_prefix
 from llmport_agent.core.threads import BlockingRunner
+from llmport_agent.core.values import define
 from llmport_agent.logs.auth import LokiAuth
 from llmport_agent.logs.encoding import (
     ENTRY_OVERHEAD,

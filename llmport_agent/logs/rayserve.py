@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from attrs import define, field
+from attrs import field
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredLock
 from twisted.internet.task import LoopingCall
@@ -56,6 +56,7 @@ from twisted.python.failure import Failure
 from llmport_agent.core import safefs
 from llmport_agent.core.storage import atomic_write
 from llmport_agent.core.threads import BlockingRunner
+from llmport_agent.core.values import define
 from llmport_agent.logs.encoding import ENTRY_OVERHEAD, Entry, label_key
 from llmport_agent.logs.loki import MAX_LINE_CHARS, ILogSink, RoomWaiter
 from llmport_agent.logs.redact import Redactor

@@ -37,12 +37,12 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from attrs import frozen
 from twisted.internet.defer import Deferred, DeferredLock
 from twisted.logger import Logger
 
 from llmport_agent.core.storage import append_all_or_nothing
 from llmport_agent.core.threads import BlockingRunner
+from llmport_agent.core.values import frozen
 
 __all__ = ["Spool", "SpoolCorrupt", "SpoolError", "SpoolRecord", "SPOOL_DIR"]
 

@@ -44,10 +44,11 @@ import zlib
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from attrs import define
 from twisted.internet.defer import Deferred
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
+
+from llmport_agent.core.values import define
 
 __all__ = ["FakeLoki", "Push", "StoredEntry", "protocol_label_problem"]
 

@@ -14,10 +14,9 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from attrs import define
-
 from llmport_agent.core.config import AgentConfig
 from llmport_agent.core.threads import PoolService
+from llmport_agent.core.values import define
 
 __all__ = ["LogShipping", "build_log_shipping", "journal_selection"]
 

@@ -36,10 +36,11 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from attrs import define, field, frozen
+from attrs import field
 from twisted.logger import Logger
 
 from llmport_agent.core import safefs
+from llmport_agent.core.values import define, frozen
 from llmport_agent.models.manifest import BlobSpec, LinkSpec
 
 VERIFIED_FILE = ".llmport-verified.json"

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 from typing import Protocol as TypingProtocol
 
-from attrs import frozen
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
@@ -28,6 +27,7 @@ from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 
 from llmport_agent.core.threads import BlockingRunner
+from llmport_agent.core.values import frozen
 
 T = TypeVar("T")
 

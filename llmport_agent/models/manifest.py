@@ -17,9 +17,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from attrs import frozen
-
 from llmport_agent.commands.base import INVALID_COMMAND, CommandFailed
+from llmport_agent.core.values import frozen
 
 #: Sources of C{model_sync} (protocol 4.3).
 SOURCE_SYNC_FROM_SERVER = "sync_from_server"

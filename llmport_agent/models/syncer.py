@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import quote
 
-from attrs import define, field
+from attrs import field
 from treq.client import HTTPClient
 from twisted.internet import defer, error
 from twisted.internet.defer import CancelledError, Deferred, fail, succeed
@@ -47,6 +47,7 @@ from twisted.web.client import (
 
 from llmport_agent.commands.base import INTERNAL_ERROR, INVALID_COMMAND, CommandFailed
 from llmport_agent.core.threads import BlockingRunner
+from llmport_agent.core.values import define
 from llmport_agent.models import _fs
 from llmport_agent.models._http import (
     FlowBudget,

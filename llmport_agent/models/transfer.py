@@ -37,12 +37,12 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from attrs import define, frozen
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmport_agent.commands.base import CommandFailed
+from llmport_agent.core.values import define, frozen
 from llmport_agent.models import _fs
 from llmport_agent.models._http import (
     BlobBodyReceiver,

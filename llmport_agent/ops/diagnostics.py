@@ -9,9 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from attrs import frozen
-
 from llmport_agent import VERSION
+from llmport_agent.core.values import frozen
 
 START_TIME = time.time()
 

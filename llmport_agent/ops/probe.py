@@ -22,8 +22,7 @@ import json
 import os
 from typing import Any
 
-from attrs import frozen
-
+from llmport_agent.core.values import frozen
 from llmport_agent.host.instance import lock_path
 
 #: The most bytes of an answer read.

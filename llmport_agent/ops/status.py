@@ -8,9 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from attrs import frozen
-
 from llmport_agent import VERSION
+from llmport_agent.core.values import frozen
 
 
 @frozen(eq=False, repr=False)  # a component: identity, not value

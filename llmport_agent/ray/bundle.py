@@ -18,7 +18,7 @@ import posixpath
 import re
 from collections.abc import Iterable, Mapping
 
-from attrs import frozen
+from llmport_agent.core.values import frozen
 
 from ..commands.base import INVALID_COMMAND, POLICY_VIOLATION, CommandFailed
 from ..workloads.policy import (

@@ -31,7 +31,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from attrs import frozen
+from llmport_agent.core.values import frozen
 
 MAX_DEPTH = 32
 MAX_VALUES = 100_000

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
-from attrs import frozen
+from llmport_agent.core.values import frozen
 
 from ..commands.jsonsafe import json_problem
 from ..commands.parse import MAX_COMMAND_DEPTH

@@ -15,9 +15,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from attrs import frozen
-
 from llmport_agent.core.lazyimport import LazyModule
+from llmport_agent.core.values import frozen
 
 from ..workloads import dockerapi
 from ..workloads.engine import StreamControl

@@ -21,9 +21,10 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from attrs import frozen
 from twisted.internet.defer import DeferredLock
 from twisted.logger import Logger
+
+from llmport_agent.core.values import frozen
 
 from ..commands.base import (
     INVALID_COMMAND,

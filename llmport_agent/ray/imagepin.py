@@ -18,9 +18,8 @@ import secrets
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from attrs import frozen
-
 from llmport_agent.core.lazyimport import LazyModule
+from llmport_agent.core.values import frozen
 
 from ..commands.base import CommandFailed
 

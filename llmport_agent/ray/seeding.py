@@ -42,7 +42,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from attrs import define
 from twisted.internet import error as ierror
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
@@ -52,6 +51,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 
 from llmport_agent.core import safefs
+from llmport_agent.core.values import define
 from llmport_agent.ops.bounded import BoundedSite
 
 from ..commands.base import INVALID_COMMAND, CommandContext, CommandFailed

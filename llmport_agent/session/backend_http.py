@@ -13,7 +13,6 @@ import json
 from typing import Any
 from urllib.parse import quote
 
-from attrs import frozen
 from treq.client import HTTPClient
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.logger import Logger
@@ -21,6 +20,7 @@ from twisted.logger import Logger
 from llmport_agent.core.cleantext import MAX_SHOWN_CHARS, checked_node_id, has_unsafe, shown
 from llmport_agent.core.httpbody import BodyTooLarge, read_body
 from llmport_agent.core.plainurl import plain_url
+from llmport_agent.core.values import frozen
 from llmport_agent.session.tls import describe_connection_error, innermost_error
 
 ENROLL_PATH = "/api/admin/system/nodes/enroll"

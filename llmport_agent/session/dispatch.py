@@ -42,8 +42,10 @@ from collections.abc import Callable, Iterable
 from itertools import islice
 from typing import Any
 
-from attrs import define, field
+from attrs import field
 from twisted.logger import Logger
+
+from llmport_agent.core.values import define
 
 POLLING = "polling"
 PUSH = "push"

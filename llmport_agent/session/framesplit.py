@@ -26,7 +26,9 @@ import json
 import re
 from typing import Any
 
-from attrs import field, frozen
+from attrs import field
+
+from llmport_agent.core.values import frozen
 
 __all__ = ["UnparsedItem", "salvage_frame"]
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from attrs import define, field
+from attrs import field
 from twisted.logger import LogLevel
+
+from llmport_agent.core.values import define
 
 TOKEN_HELP = "mint a new one with POST /api/admin/system/nodes/enrollment-tokens"
 

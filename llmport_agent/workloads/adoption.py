@@ -34,11 +34,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from attrs import define, field, frozen
+from attrs import field
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 from llmport_agent.core.lazyimport import LazyModule
+from llmport_agent.core.values import define, frozen
 
 from . import containers as ops
 from .labels import LABEL_AGENT_ID, LABEL_MANAGED, MANAGED_VALUE

@@ -24,13 +24,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from attrs import define, field
+from attrs import field
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from llmport_agent.core.lazyimport import LazyModule
+from llmport_agent.core.values import define
 
 from . import containers as ops
 from .engine import DockerEngine, EngineError, StreamClosed, StreamControl

@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from attrs import frozen
+from llmport_agent.core.values import frozen
 
 from ..commands.base import INVALID_COMMAND, POLICY_VIOLATION, CommandFailed
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from attrs import frozen
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
 from llmport_agent.core.httpbody import drop_body
+from llmport_agent.core.values import frozen
 
 from ..commands.base import CommandFailed
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
-from attrs import field, frozen, validators
+from attrs import field, validators
+
+from llmport_agent.core.values import frozen
 
 NetworkMode = Literal["bridge", "host"]
 

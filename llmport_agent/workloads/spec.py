@@ -14,7 +14,9 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from attrs import field, frozen
+from attrs import field
+
+from llmport_agent.core.values import frozen
 
 from ..commands.base import INVALID_COMMAND, CommandFailed
 
