@@ -124,8 +124,13 @@ class AgentTestCase(AnomalyGuard, TestCase):
         fatal: list[tuple[int, str]] | None = None,
         docker_host: str | None = None,
         gpu_source: Any = None,
+        prepare: Any = None,
         **extra: str,
     ) -> AgentService:
+        """
+        A real agent against C{backend}, started; stopped at the test's end. C{prepare} is
+        called with the agent before its start (to record or patch what a test looks at).
+        """
         state_dir = os.path.abspath(state_dir or self.mktemp())
         os.makedirs(state_dir, exist_ok=True)
         if token and "ENROLLMENT_TOKEN" not in extra:
@@ -139,6 +144,8 @@ class AgentTestCase(AnomalyGuard, TestCase):
             docker_environ={"DOCKER_HOST": docker_host} if docker_host else None,
         )
         agent.state_dir = state_dir  # type: ignore[attr-defined]
+        if prepare is not None:
+            prepare(agent)
         agent.startService()
         self.addCleanup(self.stop_agent, agent)
         return agent

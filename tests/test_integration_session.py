@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import treq
 from twisted.internet import reactor
@@ -62,6 +63,40 @@ class EnrollConnectTests(AgentTestCase):
         self.assertEqual(fatal[0][0], EXIT_NEEDS_OPERATOR)
         self.assertIn("rejected", fatal[0][1])
         self.assertNotIn("x" * 32, fatal[0][1])
+
+
+class StartOrderTests(AgentTestCase):
+    """
+    The session starts first, so that its enrollment (or its connect) is under way while the
+    other services start (issue 27: start to connected); the stop still closes it first.
+    """
+
+    async def test_the_session_starts_first_and_stops_first(self) -> None:
+        backend = await self.start_backend()
+        said: list[str] = []
+        names = ("lateness", "outbox", "pipeline", "heartbeat", "inventory", "gpu_monitor", "session")
+
+        def prepare(agent: Any) -> None:
+            def recorded(what: str, call: Any) -> Any:
+                def record(*args: Any, **kwargs: Any) -> Any:
+                    said.append(what)
+                    return call(*args, **kwargs)
+
+                return record
+
+            for name in names:
+                svc = getattr(agent, name)
+                self.patch(svc, "startService", recorded("start " + name, svc.startService))
+                self.patch(svc, "stopService", recorded("stop " + name, svc.stopService))
+
+        agent = self.start_agent(backend, prepare=prepare)
+        await self.wait_connected(backend, agent)
+        await agent.stopService()
+        self.assertEqual(
+            [w for w in said if w.startswith("start ")],
+            ["start session"] + ["start " + n for n in names if n != "session"],
+        )
+        self.assertEqual([w for w in said if w.startswith("stop ")], ["stop " + n for n in reversed(names)])
 
 
 class FaultTests(AgentTestCase):

@@ -1,6 +1,6 @@
 """
-How the agent stops: stop signals and the drain (L{Drain}), then the stop in reverse start
-order (L{Teardown}).
+How the agent stops: stop signals and the drain (L{Drain}), then the stop in reverse dependency
+order (L{Teardown}: the session first, the pools last).
 
 A stop (SIGTERM) drains first: systemd hears C{STOPPING=1}, no new command is taken, heartbeats
 go on with status C{draining}, running commands get up to C{SHUTDOWN_GRACE_SEC} to reach their
@@ -159,13 +159,15 @@ class Drain:
 @define(eq=False, repr=False)  # a component: identity, not value
 class Teardown:
     """
-    The stop after the drain: every running service in reverse start order (each bounded), the
+    The stop after the drain: every running service in reverse order (each bounded), the
     log observer removed, connections closed, the state flushed, the instance lock released,
     the pools last; systemd's notifier stops at the very end.
 
     @ivar reactor: the clock that bounds each service's stop.
     @ivar drain: the drain, run first.
-    @ivar services: the started services (the agent: its children in start order).
+    @ivar services: the agent's services in their order (the pools, then the rest; the session
+        last): they stop in the reverse of it, the session first. Not their start order: the
+        session starts first (L{llmport_agent.agent.startup.Startup}).
     @ivar pools: the thread pools, stopped last.
     @ivar cancel_timers: cancels the agent's own pending calls.
     @ivar adoption: the adoption of the original agent's workloads, or C{None}.

@@ -2,12 +2,12 @@
 The composition root: one MultiService holding everything the agent runs, and only the wiring
 of it. Each behaviour lives in a module named after it (docs: architecture):
 
-- L{llmport_agent.agent.startup.Startup}: the start order (dependencies first): thread pools,
-  durable state (state file, command journal, event outbox), the Docker executor and health
-  watcher, the command pipeline, heartbeat and inventory, the ops endpoint, and last the backend
-  session; then systemd hears C{READY=1}.
+- L{llmport_agent.agent.startup.Startup}: the start: thread pools, durable state (state file,
+  command journal, event outbox), then the backend session first (its enrollment or connect is
+  on its way while the rest starts), then the Docker executor and health watcher, the command
+  pipeline, heartbeat and inventory, the ops endpoint; then systemd hears C{READY=1}.
 - L{llmport_agent.agent.drain.Drain}: stop signals and the drain; L{llmport_agent.agent.drain.Teardown}:
-  the stop in reverse order.
+  the stop in reverse dependency order (the session first, the pools last).
 - L{llmport_agent.host.envfile.EnvFileCheck}: the env file of the unit, tightened at start.
 - L{llmport_agent.ops.status.NodeStatus}: the heartbeat's status fields and systemd's C{STATUS=} line.
 - L{llmport_agent.ops.diagnostics.Diagnostics}: the C{collect_diagnostics} result.
@@ -291,8 +291,12 @@ class AgentService(MultiService):
         self.recent_errors: list[dict[str, Any]] = []
         self._diagnostics: Diagnostics | None = None  # built at the first collect_diagnostics
         pools = self._ordered[:3]
+        # The session starts first: its enrollment request (or its connect) leaves before the
+        # other services start, and they start while the backend answers (issue 27: start to
+        # connected). They stop in the reverse of _ordered all the same: the session first.
+        rest = [svc for svc in self._ordered[3:] if svc is not self.session]
         self.startup = Startup(
-            self, pools, self._ordered[3:], config, note or "", self.io_pool, self.instance_lock, self.state,
+            self, pools, [self.session, *rest], config, note or "", self.io_pool, self.instance_lock, self.state,
             self.journal, self.outbox, EnvFileCheck(self.io_pool.run, self.log),
             log_observer=lambda: self.log_observer, adoption=self.adoption, notify=self.notify,
             fatal=self._fatal, log=self.log,
@@ -302,7 +306,7 @@ class AgentService(MultiService):
             self.outbox, self.log,
         )
         self.teardown = Teardown(
-            reactor, self.drain, self, pools, self.refresh.cancel, self.adoption, self.notify,
+            reactor, self.drain, self._ordered, pools, self.refresh.cancel, self.adoption, self.notify,
             log_observer=lambda: self.log_observer, loki_pool=lambda: self.loki_pool, state=self.state,
             collector=self.collector, http_pool=self.http_pool, instance_lock=self.instance_lock,
             io_pool=self.io_pool, log=self.log,

@@ -1,7 +1,8 @@
 """
 How the agent starts (the start half of its lifecycle), as L{Startup}: the pools first, the
-env file check, the instance lock, durable state loaded, then every other service in order;
-systemd hears C{READY=1} last.
+env file check, the instance lock, durable state loaded, then the backend session (its
+enrollment or connect goes out first), then every other service in order; systemd hears
+C{READY=1} last.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ class Startup:
 
     @ivar parent: the service collection every started service joins (the agent).
     @ivar pools: the thread pools, started first (the state loads on them).
-    @ivar services: every other service, in start order (the stop goes in reverse).
+    @ivar services: every other service, in start order: the session first, so that its
+        enrollment or connect is on its way while the others start (the stop has its own order:
+        L{llmport_agent.agent.drain.Teardown}, the session first).
     @ivar config: the agent's settings (what the start line and the config notes say).
     @ivar state_note: what resolving the state path had to say ("" when nothing).
     @ivar io_pool: the pool the lock and the state files are handled on.
