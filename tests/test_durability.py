@@ -179,6 +179,28 @@ class JournalAppendTests(SynchronousTestCase):
         self.assertEqual(len(self.flushLoggedErrors(OSError)), 1)
 
 
+class JournalFirstStartTests(SynchronousTestCase):
+    """No journal yet: the load writes nothing (issue 27); the first record makes the file and
+    its name durable."""
+
+    def test_nothing_written_until_the_first_record(self) -> None:
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        path = os.path.join(d, "commands.jsonl")
+        synced: list[str] = []
+        real = storage.fsync_dir
+        self.patch(storage, "fsync_dir", lambda directory: (synced.append(directory), real(directory)))
+        j = CommandJournal(SynchronousRunner(), path, lambda: 1000.0)
+        self.successResultOf(j.load())
+        self.assertEqual((os.listdir(d), j.compactions, synced), ([], 0, []))
+        self.successResultOf(j.add(JournalRecord(id="cmd-1", command_type="noop", received_at=1000.0)))
+        self.assertEqual((os.listdir(d), synced), (["commands.jsonl"], [d]))
+        again = CommandJournal(SynchronousRunner(), path, lambda: 1000.0)
+        self.successResultOf(again.load())
+        self.assertIsNotNone(again.get("cmd-1"))
+        self.assertEqual(again.compactions, 1)  # a file with something in it is compacted
+
+
 class PipelinePruningTests(SynchronousTestCase):
     """Journal pruning run by the real pipeline with small caps (the defaults never prune in tests)."""
 

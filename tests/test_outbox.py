@@ -57,6 +57,25 @@ class OutboxTests(SynchronousTestCase):
         box3 = self.make(directory=self.dir)
         self.assertEqual(box3.depth, 0)
 
+    def test_a_first_start_writes_nothing_until_an_event(self) -> None:
+        """No file and nothing to keep: the load writes nothing (issue 27); the first event
+        makes the file, and a restart finds it."""
+        box = self.make(connected=False)
+        path = os.path.join(self.dir, "events.jsonl")
+        self.assertFalse(os.path.exists(path))
+        box.emit("a", {"n": 1})
+        self.assertTrue(os.path.exists(path))
+        self.assertEqual(self.make(directory=self.dir).depth, 1)
+
+    def test_a_file_with_something_in_it_is_still_compacted_at_load(self) -> None:
+        """The load rewrites a file that holds something (a new file replaces it)."""
+        box = self.make(connected=False)
+        box.emit("a", {"n": 1})
+        path = os.path.join(self.dir, "events.jsonl")
+        inode = os.stat(path).st_ino
+        self.assertEqual(self.make(directory=self.dir).depth, 1)
+        self.assertNotEqual(os.stat(path).st_ino, inode)
+
     def test_lost_batch_resent(self) -> None:
         """A batch whose delivery was not confirmed is sent again after reconnect."""
         box = self.make()

@@ -7,6 +7,7 @@ import os
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmport_agent.core import storage
 from llmport_agent.core.storage import append_lines, read_json_lines
 
 
@@ -46,3 +47,18 @@ class AppendLinesTests(SynchronousTestCase):
         with self.assertRaises(OSError):
             append_lines(self.path, [b'{"id":"b"}\n'], write=lambda fd, data: 0)
         self.assertEqual(read_json_lines(self.path), ([{"id": "a"}], 0))
+
+
+class NewFileTests(SynchronousTestCase):
+    """An append to an empty (perhaps new) file makes its name durable too."""
+
+    def test_the_directory_is_synced_when_the_file_was_empty(self) -> None:
+        synced: list[str] = []
+        real = storage.fsync_dir
+        self.patch(storage, "fsync_dir", lambda d: (synced.append(d), real(d)))
+        path = os.path.abspath(self.mktemp())
+        append_lines(path, [b'{"id":"a"}\n'])
+        self.assertEqual(synced, [os.path.dirname(path)])
+        append_lines(path, [b'{"id":"b"}\n'])
+        self.assertEqual(synced, [os.path.dirname(path)])  # not again: the name is there
+        self.assertEqual(read_json_lines(path), ([{"id": "a"}, {"id": "b"}], 0))

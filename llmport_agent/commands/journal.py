@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attrs import field
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 from llmport_agent.core.storage import GroupCommitLog, ensure_private_dir, read_json_lines
@@ -199,6 +199,10 @@ class CommandJournal:
             for rec in delivered:
                 self._index_delivered(rec)
             self._log = GroupCommitLog(self.runner, self.path)
+            if not lines and not damaged and not self.records:
+                # Nothing read (no file, or an empty one): nothing to compact (a first start:
+                # issue 27). The first append creates the file.
+                return succeed(None)
             self._prune()
             return self._compact()
 

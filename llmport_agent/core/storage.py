@@ -76,7 +76,7 @@ def append_lines(
 ) -> None:
     """
     Append lines to C{path} (mode 0600; a symbolic link there is refused, never followed) and
-    fsync, all or nothing. Blocking.
+    fsync, all or nothing; to an empty file (perhaps created here), its directory too. Blocking.
 
     A full disk makes C{write} return short before it raises C{ENOSPC}: the part that fit is
     cut off again (C{ftruncate} to the size before), so no torn line is left to swallow the
@@ -85,9 +85,14 @@ def append_lines(
     # Never through a link (a journal is root's words: they must not land in another file).
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        append_all_or_nothing(fd, b"".join(lines), os.fstat(fd).st_size, path, write)
+        start = os.fstat(fd).st_size
+        append_all_or_nothing(fd, b"".join(lines), start, path, write)
     finally:
         os.close(fd)
+    if start == 0:
+        # The file may be new (a log not written at its load: nothing to compact): its name
+        # must be as durable as its first lines.
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def append_all_or_nothing(

@@ -121,6 +121,10 @@ class EventOutbox(Service):
             self._acked_upto = acked
             self._trim()
             self._log = GroupCommitLog(self._runner, self.path)
+            if not result[0] and not result[1] and not self._queue and not self.dropped:
+                # Nothing read (no file, or an empty one) and nothing to keep: a rewrite would
+                # write the defaults that an absent file means (a first start: issue 27).
+                return succeed(None)
             return self._compact()
 
         return self._runner.run(read).addCallback(replay)
