@@ -201,6 +201,39 @@ class JournalFirstStartTests(SynchronousTestCase):
         self.assertEqual(again.compactions, 1)  # a file with something in it is compacted
 
 
+    def test_a_link_there_is_replaced_at_load(self) -> None:
+        """A link at the journal's path (dangling, or to an empty file) is replaced by the
+        load's rewrite, as before: commands are recorded after it."""
+        for target in ("nowhere", "empty"):
+            d = os.path.abspath(self.mktemp())
+            os.makedirs(d)
+            if target == "empty":
+                open(os.path.join(d, "empty"), "wb").close()
+            path = os.path.join(d, "commands.jsonl")
+            os.symlink(os.path.join(d, target), path)
+            j = CommandJournal(SynchronousRunner(), path, lambda: 1000.0)
+            self.successResultOf(j.load())
+            self.assertFalse(os.path.islink(path), target)
+            self.successResultOf(j.add(JournalRecord(id="cmd-1", command_type="noop", received_at=1000.0)))
+
+    def test_a_directory_that_cannot_be_synced_is_no_error(self) -> None:
+        """A file system that cannot fsync a directory (EINVAL) does not fail the first record."""
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "Invalid argument")
+            real_fsync(fd)
+
+        self.patch(os, "fsync", fsync)
+        j = CommandJournal(SynchronousRunner(), os.path.join(d, "commands.jsonl"), lambda: 1000.0)
+        self.successResultOf(j.load())
+        self.successResultOf(j.add(JournalRecord(id="cmd-1", command_type="noop", received_at=1000.0)))
+        self.assertIsNotNone(j.get("cmd-1"))
+
+
 class PipelinePruningTests(SynchronousTestCase):
     """Journal pruning run by the real pipeline with small caps (the defaults never prune in tests)."""
 

@@ -76,6 +76,31 @@ class OutboxTests(SynchronousTestCase):
         self.assertEqual(self.make(directory=self.dir).depth, 1)
         self.assertNotEqual(os.stat(path).st_ino, inode)
 
+    def test_a_link_there_is_replaced_at_load(self) -> None:
+        """A link at the outbox's path (dangling, or to an empty file) is not read as "nothing
+        there": the load replaces it with the file, and the events are kept."""
+        for target in ("nowhere", "empty"):
+            d = os.path.abspath(self.mktemp())
+            os.makedirs(d)
+            if target == "empty":
+                open(os.path.join(d, "empty"), "wb").close()
+            os.symlink(os.path.join(d, target), os.path.join(d, "events.jsonl"))
+            box = self.make(directory=d, connected=False)
+            self.assertFalse(os.path.islink(os.path.join(d, "events.jsonl")))
+            box.emit("a", {"n": 1})
+            self.assertEqual(self.make(directory=d).depth, 1, target)
+
+    def test_numbers_go_on_past_a_file_compacted_to_its_ack(self) -> None:
+        """An outbox whose events were all acknowledged is compacted down to its ack line; new
+        events after the next start are numbered past it, so a restart keeps them."""
+        d = os.path.abspath(self.mktemp())
+        os.makedirs(d)
+        with open(os.path.join(d, "events.jsonl"), "w") as f:
+            f.write('{"ack":2,"dropped":0}\n')
+        box = self.make(directory=d, connected=False)
+        box.emit("c", {"n": 3})
+        self.assertEqual(self.make(directory=d).depth, 1)
+
     def test_lost_batch_resent(self) -> None:
         """A batch whose delivery was not confirmed is sent again after reconnect."""
         box = self.make()

@@ -179,6 +179,19 @@ class EqHashTests(SynchronousTestCase):
         self.assertLess(ours(1), ours(2))
         self.assertEqual(sorted([ours(3), ours(1)]), [ours(1), ours(3)])
 
+    def test_exceptions_and_the_other_options_are_attrs_own(self) -> None:
+        @values.define
+        class Failed(Exception):
+            why: str
+
+        a, b = Failed("x"), Failed("x")
+        self.assertNotEqual(a, b)  # attrs' auto_exc: identity
+        self.assertEqual(hash(a), object.__hash__(a))
+        _, shown = _twins("define", {"a": None}, str=True)
+        self.assertEqual(str(shown(1)), "Shape(a=1)")
+        _, plain = _twins("frozen", {"a": None, "__repr__": lambda self: "mine"}, auto_detect=False)
+        self.assertEqual(repr(plain(1)), "Shape(a=1)")  # auto_detect off: attrs' repr wins
+
     def test_values_stay_attrs_classes(self) -> None:
         _, ours = _twins("frozen", {"a": None, "b": 2})
         x = ours(1)
@@ -200,16 +213,21 @@ class TheAgentUsesThemTests(SynchronousTestCase):
                 path = os.path.join(dirpath, name)
                 with open(path, encoding="utf-8") as f:
                     tree = ast.parse(f.read(), path)
+                makers = ("define", "frozen", "mutable", "s", "attrs", "dataclass")
+                names = {"attrs", "attr"}  # and what `import attrs as x` binds
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Import):
+                        names.update(a.asname for a in node.names if a.name in ("attrs", "attr") and a.asname)
                 for node in ast.walk(tree):
                     if isinstance(node, ast.ImportFrom) and node.module in ("attrs", "attr"):
-                        bad = [a.name for a in node.names if a.name in ("define", "frozen", "mutable", "s", "attrs")]
+                        bad = [a.name for a in node.names if a.name in makers]
                         if bad:
                             offenders.append(f"{os.path.relpath(path, root)}:{node.lineno} imports {bad}")
                     elif (
                         isinstance(node, ast.Attribute)
                         and isinstance(node.value, ast.Name)
-                        and node.value.id in ("attrs", "attr")
-                        and node.attr in ("define", "frozen", "mutable", "s", "attrs")
+                        and node.value.id in names
+                        and node.attr in makers
                     ):
                         offenders.append(f"{os.path.relpath(path, root)}:{node.lineno} uses {node.value.id}.{node.attr}")
         self.assertEqual(offenders, [])

@@ -33,7 +33,12 @@ from attrs import field
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
-from llmport_agent.core.storage import GroupCommitLog, ensure_private_dir, read_json_lines
+from llmport_agent.core.storage import (
+    GroupCommitLog,
+    ensure_private_dir,
+    nothing_there,
+    read_json_lines,
+)
 from llmport_agent.core.threads import BlockingRunner
 from llmport_agent.core.values import define
 
@@ -160,12 +165,12 @@ class CommandJournal:
     def load(self) -> Deferred[None]:
         """Replay the file (off the reactor)."""
 
-        def read() -> tuple[list[dict[str, Any]], int]:
+        def read() -> tuple[list[dict[str, Any]], int, bool]:
             ensure_private_dir(os.path.dirname(os.path.abspath(self.path)))
-            return read_json_lines(self.path)
+            return (*read_json_lines(self.path), nothing_there(self.path))
 
-        def replay(result: tuple[list[dict[str, Any]], int]) -> Deferred[None]:
-            lines, damaged = result
+        def replay(result: tuple[list[dict[str, Any]], int, bool]) -> Deferred[None]:
+            lines, damaged, empty = result
             self.damaged_lines = damaged
             if damaged:
                 log.warn(
@@ -199,9 +204,10 @@ class CommandJournal:
             for rec in delivered:
                 self._index_delivered(rec)
             self._log = GroupCommitLog(self.runner, self.path)
-            if not lines and not damaged and not self.records:
-                # Nothing read (no file, or an empty one): nothing to compact (a first start:
-                # issue 27). The first append creates the file.
+            if empty and not self.records:
+                # No file (or an empty regular one): nothing to compact (a first start: issue
+                # 27). The first append makes the file. Anything else there (a link, say) is
+                # replaced by the rewrite, as always.
                 return succeed(None)
             self._prune()
             return self._compact()

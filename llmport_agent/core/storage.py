@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -19,7 +20,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmport_agent.core.safefs import atomic_write_at, open_dir
+from llmport_agent.core.safefs import atomic_write_at, fsync_fd, open_dir
 from llmport_agent.core.threads import BlockingRunner
 
 log = Logger()
@@ -34,11 +35,22 @@ def ensure_private_dir(directory: str) -> None:
 
 
 def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    """fsync a directory (a name made in it is durable); a file system that cannot sync a
+    directory is not an error (L{fsync_fd})."""
+    fd = open_dir(directory)
     try:
-        os.fsync(fd)
+        fsync_fd(fd)
     finally:
         os.close(fd)
+
+
+def nothing_there(path: str) -> bool:
+    """Whether C{path} names nothing, or an empty regular file (not through a link). Blocking."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    return stat.S_ISREG(st.st_mode) and st.st_size == 0
 
 
 def atomic_write(path: str, data: bytes, mode: int = 0o600, *, private_dir: bool = True) -> None:

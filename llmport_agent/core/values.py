@@ -19,8 +19,10 @@ with attrs' on the same classes):
    or C{eq} where C{hash} is not given); mutable and compared: C{None} (unhashable); not
    compared: inherited;
  - a method the class body writes itself is kept (attrs' C{auto_detect}).
-Anything else (ordering, C{hash=}, C{unsafe_hash=}, C{cache_hash=}, C{repr_ns=}) goes to attrs
-unchanged. Type checkers see attrs' decorators themselves.
+Anything else goes to attrs unchanged, the class then attrs' own entirely: ordering, C{hash=},
+C{unsafe_hash=}, C{cache_hash=}, C{repr_ns=}, C{str=}, C{auto_detect=}, C{auto_exc=}, and
+exception classes (attrs' C{auto_exc}: compared and hashed by identity). Type checkers see
+attrs' decorators themselves.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import attrs
 __all__ = ["define", "frozen"]
 
 #: Options this module leaves to attrs (the class is then attrs' own entirely).
-_ATTRS_ONLY = ("order", "hash", "unsafe_hash", "cache_hash", "repr_ns")
+_ATTRS_ONLY = ("order", "hash", "unsafe_hash", "cache_hash", "repr_ns", "str", "auto_detect", "auto_exc")
 
 #: The ids of the instances being printed on this thread (a cycle prints C{...}).
 _printing = threading.local()
@@ -109,6 +111,9 @@ def _wrap(build: Callable[..., Any], name: str, is_frozen: bool) -> Callable[...
             return build(maybe_cls, **kw)
 
         def apply(cls: type) -> type:
+            if issubclass(cls, BaseException):
+                # attrs' auto_exc: an exception compares and hashes by identity.
+                return build(cls, **kw)  # type: ignore[no-any-return]
             body = cls.__dict__
             # attrs' auto_detect: a method the body writes is the class's own.
             want_repr = kw.get("repr")

@@ -22,7 +22,12 @@ from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
-from llmport_agent.core.storage import GroupCommitLog, ensure_private_dir, read_json_lines
+from llmport_agent.core.storage import (
+    GroupCommitLog,
+    ensure_private_dir,
+    nothing_there,
+    read_json_lines,
+)
 from llmport_agent.core.threads import BlockingRunner
 
 BATCH_MAX = 100
@@ -99,11 +104,11 @@ class EventOutbox(Service):
     # -- lifecycle -------------------------------------------------------------------------
 
     def load(self) -> Deferred[None]:
-        def read() -> tuple[list[dict[str, Any]], int]:
+        def read() -> tuple[list[dict[str, Any]], int, bool]:
             ensure_private_dir(os.path.dirname(os.path.abspath(self.path)))
-            return read_json_lines(self.path)
+            return (*read_json_lines(self.path), nothing_there(self.path))
 
-        def replay(result: tuple[list[dict[str, Any]], int]) -> Deferred[None]:
+        def replay(result: tuple[list[dict[str, Any]], int, bool]) -> Deferred[None]:
             acked = 0
             events: list[tuple[int, dict[str, Any]]] = []
             for line in result[0]:
@@ -118,12 +123,16 @@ class EventOutbox(Service):
                 if n > acked:
                     self._queue.append((n, event))
                 self._next = max(self._next, n + 1)
+            # Past the acknowledged ones too: a file compacted down to its ack line holds no
+            # event, and a number at or below the ack would be taken as delivered at the next load.
+            self._next = max(self._next, acked + 1)
             self._acked_upto = acked
             self._trim()
             self._log = GroupCommitLog(self._runner, self.path)
-            if not result[0] and not result[1] and not self._queue and not self.dropped:
-                # Nothing read (no file, or an empty one) and nothing to keep: a rewrite would
-                # write the defaults that an absent file means (a first start: issue 27).
+            if result[2] and not self._queue and not self.dropped:
+                # No file (or an empty regular one) and nothing to keep: a rewrite would write
+                # the defaults that an absent file means (a first start: issue 27). Anything
+                # else there (a link, say) is replaced by the rewrite, as always.
                 return succeed(None)
             return self._compact()
 
