@@ -24,7 +24,6 @@ Bounded cost:
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -33,12 +32,7 @@ from attrs import field
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
-from llmport_agent.core.storage import (
-    GroupCommitLog,
-    ensure_private_dir,
-    nothing_there,
-    read_json_lines,
-)
+from llmport_agent.core.storage import GroupCommitLog, read_log
 from llmport_agent.core.threads import BlockingRunner
 from llmport_agent.core.values import define
 
@@ -165,10 +159,6 @@ class CommandJournal:
     def load(self) -> Deferred[None]:
         """Replay the file (off the reactor)."""
 
-        def read() -> tuple[list[dict[str, Any]], int, bool]:
-            ensure_private_dir(os.path.dirname(os.path.abspath(self.path)))
-            return (*read_json_lines(self.path), nothing_there(self.path))
-
         def replay(result: tuple[list[dict[str, Any]], int, bool]) -> Deferred[None]:
             lines, damaged, empty = result
             self.damaged_lines = damaged
@@ -212,7 +202,7 @@ class CommandJournal:
             self._prune()
             return self._compact()
 
-        return self.runner.run(read).addCallback(replay)
+        return self.runner.run(read_log, self.path).addCallback(replay)
 
     def get(self, command_id: str) -> JournalRecord | None:
         return self.records.get(command_id)

@@ -53,6 +53,16 @@ def nothing_there(path: str) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_size == 0
 
 
+def read_log(path: str) -> tuple[list[dict[str, Any]], int, bool]:
+    """
+    A JSON-lines log's load (the command journal's, the event outbox's): its directory made
+    private, its records and damaged lines (L{read_json_lines}), and whether nothing is there
+    (L{nothing_there}: no rewrite is then needed). Blocking.
+    """
+    ensure_private_dir(os.path.dirname(os.path.abspath(path)))
+    return (*read_json_lines(path), nothing_there(path))
+
+
 def atomic_write(path: str, data: bytes, mode: int = 0o600, *, private_dir: bool = True) -> None:
     """
     Replace C{path} with C{data} atomically and durably: a new temporary file beside it

@@ -12,7 +12,6 @@ oldest events are dropped and every drop is counted (visible in diagnostics).
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -22,12 +21,7 @@ from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
-from llmport_agent.core.storage import (
-    GroupCommitLog,
-    ensure_private_dir,
-    nothing_there,
-    read_json_lines,
-)
+from llmport_agent.core.storage import GroupCommitLog, read_log
 from llmport_agent.core.threads import BlockingRunner
 
 BATCH_MAX = 100
@@ -104,10 +98,6 @@ class EventOutbox(Service):
     # -- lifecycle -------------------------------------------------------------------------
 
     def load(self) -> Deferred[None]:
-        def read() -> tuple[list[dict[str, Any]], int, bool]:
-            ensure_private_dir(os.path.dirname(os.path.abspath(self.path)))
-            return (*read_json_lines(self.path), nothing_there(self.path))
-
         def replay(result: tuple[list[dict[str, Any]], int, bool]) -> Deferred[None]:
             acked = 0
             events: list[tuple[int, dict[str, Any]]] = []
@@ -136,7 +126,7 @@ class EventOutbox(Service):
                 return succeed(None)
             return self._compact()
 
-        return self._runner.run(read).addCallback(replay)
+        return self._runner.run(read_log, self.path).addCallback(replay)
 
     def startService(self) -> None:
         super().startService()
