@@ -16,6 +16,7 @@ from twisted.internet import reactor
 from twisted.internet.task import deferLater
 
 from llmport_agent.devbackend import make_test_tls
+from llmport_agent.devbackend._state import GENERATION_APRIL, GENERATION_CURRENT
 from llmport_agent.session.shared import EXIT_NEEDS_OPERATOR
 from tests.agentharness import AgentTestCase
 
@@ -71,8 +72,14 @@ class StartOrderTests(AgentTestCase):
     other services start (issue 27: start to connected); the stop still closes it first.
     """
 
-    async def test_the_session_starts_first_and_stops_first(self) -> None:
-        backend = await self.start_backend()
+    async def test_the_session_starts_first_and_stops_first_current(self) -> None:
+        await self._starts_first_and_stops_first(GENERATION_CURRENT)
+
+    async def test_the_session_starts_first_and_stops_first_april(self) -> None:
+        await self._starts_first_and_stops_first(GENERATION_APRIL)
+
+    async def _starts_first_and_stops_first(self, generation: str) -> None:
+        backend = await self.start_backend(generation=generation)
         said: list[str] = []
         names = ("lateness", "outbox", "pipeline", "heartbeat", "inventory", "gpu_monitor", "session")
 
