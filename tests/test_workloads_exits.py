@@ -16,7 +16,9 @@ from llmport_agent.workloads.readiness import ContainerExit, describe_exit
 CID = "c0ffee" * 10 + "abcd"
 
 
-def inspect_doc(*, running: bool, restarting: bool = False, exit_code: int = 0, restarts: int = 0) -> dict[str, Any]:
+def inspect_doc(
+    *, running: bool, restarting: bool = False, exit_code: int = 0, restarts: int = 0, started: str = ""
+) -> dict[str, Any]:
     return {
         "Id": CID,
         "Name": "/llm-port-x",
@@ -29,6 +31,7 @@ def inspect_doc(*, running: bool, restarting: bool = False, exit_code: int = 0, 
             "ExitCode": exit_code,
             "Error": "",
             "OOMKilled": False,
+            "StartedAt": started,
         },
         "Config": {"Labels": {}, "Env": []},
         "HostConfig": {},
@@ -83,6 +86,17 @@ class ExitInfoTests(SynchronousTestCase):
         # "died" for Podman, whose compat API filters by its own event name (tests.test_workloads_podman).
         self.assertEqual(call["filters"], {"type": "container", "container": CID, "event": ["die", "died"]})
         self.assertLessEqual(call["since"], 1_767_323_045)
+
+    def test_the_next_run_s_lines_are_not_the_exit_s(self) -> None:
+        """Restarted within the clock's slack (Podman): the lines end where the next run began."""
+        api = FakeAPI(inspect_doc(running=True, restarts=1, started="2026-01-02T03:04:05.020000000Z"), [(7, T0)])
+        info = exit_info(FakeClient(api), CID)  # type: ignore[arg-type]
+        assert info is not None
+        self.assertAlmostEqual(api.logs_calls[0]["until"], 1_767_323_045.02, places=4)
+        # A start long after the exit (a restart delay) leaves the slack as it is.
+        api = FakeAPI(inspect_doc(running=True, restarts=1, started="2026-01-02T03:04:09Z"), [(7, T0)])
+        exit_info(FakeClient(api), CID)  # type: ignore[arg-type]
+        self.assertAlmostEqual(api.logs_calls[0]["until"], T0 / 1e9 + 0.05, places=4)
 
     def test_newest_die_wins(self) -> None:
         """Several exits: the newest one counts."""

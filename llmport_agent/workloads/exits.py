@@ -111,8 +111,14 @@ def exit_info(client: docker.DockerClient, ident: str, tail: int = 20) -> dict[s
     until: float | None = None
     if die is not None:
         exit_code = die["exit_code"]
-        # Lines written before the exit, not the next run's (a little slack for the clock).
-        until = die["time"] + 0.05 if not down else None
+        if not down:
+            # Lines written before the exit, not the next run's: a little slack for the clock,
+            # but never past the next run's start (a quick restart policy, Podman's, starts it
+            # within that slack, and it may write its first lines there).
+            until = die["time"] + 0.05
+            started = _unix(str((info.get("State") or {}).get("StartedAt") or ""))
+            if started is not None and die["time"] < started < until:
+                until = started
     text = b""
     try:
         kwargs: dict[str, Any] = {"stdout": True, "stderr": True, "timestamps": False, "tail": tail}
